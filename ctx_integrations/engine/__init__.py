@@ -1,0 +1,1 @@
+"""Everything that touches torch: model loading, prompt layout, KV caches and the decoding modes."""

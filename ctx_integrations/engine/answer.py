@@ -1,0 +1,53 @@
+"""The one result type every mode returns, so adapters and users never special-case a mode."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctx_integrations.documents import Document
+from ctx_integrations.engine.streams import TraceStep
+
+
+@dataclass
+class Answer:
+    """Text plus everything needed to cite and time it.
+
+    ``trace`` has one entry per generated token: the index (into ``documents``) of the document
+    that won that token and its fused score (``None`` for modes without per-token attribution).
+    ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``.
+    """
+
+    text: str
+    token_ids: list[int]
+    trace: list[TraceStep]
+    timings: dict[str, float]
+    documents: list[Document]
+    mode: str
+    cache_hits: int = 0
+    cache_misses: int = 0
+    finish_reason: str = "length"
+    options: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def citation_counts(self) -> Counter[int]:
+        """How many generated tokens each document won."""
+        return Counter(step.document for step in self.trace if step.document is not None)
+
+    def cited_documents(self) -> list[Document]:
+        """Documents that won at least one token, most tokens first."""
+        return [self.documents[i] for i, _ in self.citation_counts().most_common()]
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = self.citation_counts()
+        return {
+            "text": self.text, "mode": self.mode, "token_ids": list(self.token_ids),
+            "trace": [{"token_id": s.token_id, "document": s.document, "score": s.score} for s in self.trace],
+            "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses},
+            "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
+            "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
+        }

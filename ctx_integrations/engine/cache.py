@@ -1,0 +1,261 @@
+"""Per-document KV caches: compute once, persist as safetensors, load, and batch them into streams.
+
+Layout (METHODS.md "Shared ground"): the shared prefix is encoded once at positions 0..L_p-1 and
+stored once; every document is encoded after that prefix at positions L_p..L_p+len-1, and only its
+own keys/values (post-RoPE) are stored. Every document therefore starts at the same position, so
+PCED, Soft-NBCE, APE and IPPD can all reuse the same entries without re-rotating keys.
+
+Keys are content addresses: sha256(model identity incl. weights, dtype, layout fingerprint, token
+ids). A changed model, template or text is a miss, never a wrong hit. Files are written atomically
+(temp file + ``os.replace``) and carry a checksum, their key and their token ids; an entry that
+fails any check is reported with :class:`CorruptCacheWarning`, deleted and recomputed.
+
+transformers has no on-disk cache format, hence this module; in memory we use its ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ctx_integrations.engine.layout import PromptLayout
+from ctx_integrations.engine.model import LoadedModel
+from ctx_integrations.errors import CorruptCacheWarning, InvalidOptionError
+
+FORMAT_VERSION = "ctx-kv-1"
+
+
+@dataclass(frozen=True)
+class CachedKV:
+    """Keys and values of one piece of prompt, shaped ``[layers, 2, kv_heads, tokens, head_dim]``."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.kv.shape[-2]
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt}
+
+
+def cache_from_kv(kv: torch.Tensor) -> DynamicCache:
+    """Wrap a ``[layers, 2, batch, heads, tokens, dim]`` tensor as a transformers ``DynamicCache``."""
+    return DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+
+
+def kv_from_cache(cache: DynamicCache, start: int = 0) -> torch.Tensor:
+    """Stack a batch-1 ``DynamicCache`` into ``[layers, 2, heads, tokens, dim]`` from column ``start`` on."""
+    return torch.stack([torch.stack([layer.keys[0, :, start:], layer.values[0, :, start:]])
+                        for layer in cache.layers])
+
+
+@dataclass
+class KVCacheStore:
+    """Content-addressed store of document KV caches: in-memory LRU in front of a safetensors folder.
+
+    ``directory=None`` keeps everything in memory only. ``half_on_disk`` stores fp32 caches as fp16
+    (half the disk, values rounded, so logits are no longer bit-identical to a fresh prefill).
+    """
+
+    loaded: LoadedModel
+    directory: Path | None = None
+    half_on_disk: bool = False
+    memory_entries: int = 256
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        if self.memory_entries < 0:
+            raise InvalidOptionError("memory_entries must be >= 0")
+        if self.directory is not None:
+            self.directory = Path(self.directory)
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._memory: OrderedDict[str, CachedKV] = OrderedDict()
+
+    # -- keys ------------------------------------------------------------------------------------
+    def entry_key(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...], kind: str = "doc") -> str:
+        digest = hashlib.sha256()
+        for part in (FORMAT_VERSION, kind, self.loaded.identity, str(self.loaded.dtype), layout.fingerprint):
+            digest.update(part.encode() + b"\x1f")
+        digest.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+        return digest.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        assert self.directory is not None
+        return self.directory / key[:2] / f"{key}.safetensors"
+
+    # -- public API ------------------------------------------------------------------------------
+    def prefix(self, layout: PromptLayout) -> CachedKV:
+        """The shared prefix's cache (system prompt + template text before the documents)."""
+        ids = tuple(layout.prefix_ids)
+        return self._get(self.entry_key(layout, ids, "prefix"), ids, None, count=False)
+
+    def document(self, layout: PromptLayout, text: str) -> CachedKV:
+        """One document's cache, encoded after the shared prefix; computed and stored on a miss."""
+        return self.document_tokens(layout, layout.context_ids(text))
+
+    def document_tokens(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...]) -> CachedKV:
+        """Like :meth:`document` for text that is already tokenised with ``layout.context_ids``."""
+        ids = tuple(token_ids)
+        return self._get(self.entry_key(layout, ids), ids, self.prefix(layout), count=True)
+
+    def documents(self, layout: PromptLayout, texts: list[str]) -> list[CachedKV]:
+        return [self.document(layout, text) for text in texts]
+
+    def contains(self, layout: PromptLayout, text: str) -> bool:
+        key = self.entry_key(layout, layout.context_ids(text))
+        return key in self._memory or (self.directory is not None and self._path(key).is_file())
+
+    def forget(self, layout: PromptLayout, text: str) -> None:
+        """Drop a document's entry (used when a stored document is changed or deleted)."""
+        key = self.entry_key(layout, layout.context_ids(text))
+        self._memory.pop(key, None)
+        if self.directory is not None:
+            self._path(key).unlink(missing_ok=True)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _get(self, key: str, token_ids: tuple[int, ...], prefix: CachedKV | None, count: bool) -> CachedKV:
+        entry = self._memory.get(key)
+        if entry is None and self.directory is not None:
+            entry = self._load(key, token_ids)
+        if entry is None:
+            if count:
+                self.stats.misses += 1
+            entry = CachedKV(key, token_ids, self._compute(token_ids, prefix))
+            if self.directory is not None:
+                self._save(entry)
+        elif count:
+            self.stats.hits += 1
+        self._remember(entry)
+        return entry
+
+    def _remember(self, entry: CachedKV) -> None:
+        if self.memory_entries == 0:
+            return
+        self._memory[entry.key] = entry
+        self._memory.move_to_end(entry.key)
+        while len(self._memory) > self.memory_entries:
+            self._memory.popitem(last=False)
+
+    @torch.inference_mode()
+    def _compute(self, token_ids: tuple[int, ...], prefix: CachedKV | None) -> torch.Tensor:
+        model, device = self.loaded.model, self.loaded.device
+        start = prefix.length if prefix is not None else 0
+        cache = cache_from_kv(prefix.kv.unsqueeze(2)) if prefix is not None else DynamicCache()
+        ids = torch.tensor([token_ids], device=device)
+        positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return kv_from_cache(cache, start).contiguous()
+
+    def _save(self, entry: CachedKV) -> None:
+        from safetensors.torch import save_file
+
+        kv = entry.kv.to("cpu")
+        if self.half_on_disk and kv.dtype == torch.float32:
+            kv = kv.to(torch.float16)
+        tensors = {"kv": kv.contiguous(), "token_ids": torch.tensor(entry.token_ids, dtype=torch.int64)}
+        metadata = {"format": FORMAT_VERSION, "key": entry.key, "checksum": _checksum(tensors)}
+        path = self._path(entry.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _load(self, key: str, token_ids: tuple[int, ...]) -> CachedKV | None:
+        from safetensors import safe_open
+
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in ("kv", "token_ids")}
+            problem = self._check(metadata, tensors, key, token_ids)
+        except Exception as error:  # safetensors raises several types for truncated or garbled files
+            problem = f"unreadable ({type(error).__name__}: {error})"
+        if problem:
+            warnings.warn(f"KV cache entry {path} is corrupt: {problem}; it was discarded and will be recomputed",
+                          CorruptCacheWarning, stacklevel=3)
+            self.stats.corrupt += 1
+            path.unlink(missing_ok=True)
+            return None
+        kv = tensors["kv"].to(device=self.loaded.device, dtype=self.loaded.dtype)
+        return CachedKV(key, token_ids, kv)
+
+    def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
+        config = self.loaded.model.config
+        if metadata.get("format") != FORMAT_VERSION or metadata.get("key") != key:
+            return "wrong format or key"
+        if metadata.get("checksum") != _checksum(tensors):
+            return "checksum mismatch"
+        if tuple(tensors["token_ids"].tolist()) != token_ids:
+            return "token ids differ from the document's"
+        kv = tensors["kv"]
+        if kv.dim() != 5 or kv.shape[0] != config.num_hidden_layers or kv.shape[1] != 2 or kv.shape[3] != len(token_ids):
+            return f"unexpected shape {tuple(kv.shape)}"
+        return None
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class StreamBatch:
+    """B cached streams laid side by side in one batched cache, right-padded.
+
+    Keys are stored after RoPE, so a key's column in the buffer does not matter: padding sits at the
+    end of the shorter streams, is masked out, and every new token of stream b gets position
+    ``positions[b]`` through ``position_ids``.
+    """
+
+    cache: DynamicCache
+    attention_mask: torch.Tensor  # [B, columns] 1 = real token, 0 = padding
+    positions: torch.Tensor  # [B] position of the next token of each stream
+
+
+def batch_streams(prefix: CachedKV, contexts: list[CachedKV | None]) -> StreamBatch:
+    """Build one batched cache of ``prefix + context_b`` for each b (``None`` = prefix only, the amateur).
+
+    One allocation and one copy per stream; this runs once per query, never inside a decode step.
+    """
+    lengths = [c.length if c is not None else 0 for c in contexts]
+    width = prefix.length + max(lengths)
+    layers, _, heads, _, dim = prefix.kv.shape
+    buffer = prefix.kv.new_zeros(layers, 2, len(contexts), heads, width, dim)
+    buffer[:, :, :, :, : prefix.length] = prefix.kv.unsqueeze(2)
+    mask = torch.zeros(len(contexts), width, dtype=torch.long, device=prefix.kv.device)
+    for b, context in enumerate(contexts):
+        end = prefix.length + lengths[b]
+        if context is not None:
+            buffer[:, :, b, :, prefix.length:end] = context.kv
+        mask[b, :end] = 1
+    positions = torch.tensor([prefix.length + n for n in lengths], device=prefix.kv.device)
+    return StreamBatch(cache_from_kv(buffer), mask, positions)

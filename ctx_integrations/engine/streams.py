@@ -1,0 +1,201 @@
+"""N cached streams advancing in lockstep: one forward pass per step for all of them.
+
+Small composable pieces (in the spirit of gpt-fast): ``forward_streams`` runs one step,
+``TokenSampler`` picks a token from scores, ``StopCriteria`` says when to stop, ``IncrementalText`` turns
+token ids into streamed text, and ``decode_fused`` ties them into the loop that PCED, Soft-NBCE
+and every other fusion rule share: the rule turns the streams' logits into one score vector, one
+token is chosen and appended to every stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ctx_integrations.engine.cache import StreamBatch
+from ctx_integrations.errors import InvalidOptionError
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """A fusion rule's output for one step: fused scores over the vocabulary, and per-stream evidence.
+
+    ``evidence[k, v]`` is how strongly expert k supports token v; the winner of the chosen token is
+    the argmax over k, which gives the per-token citation trace for free.
+    """
+
+    scores: torch.Tensor  # [V]
+    evidence: torch.Tensor | None = None  # [K, V]
+
+
+FusionRule = Callable[[torch.Tensor], FusedStep]
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """Which document produced a token, and its fused score there (``document=None``: no attribution)."""
+
+    token_id: int
+    document: int | None
+    score: float
+
+
+@torch.inference_mode()
+def forward_streams(model: torch.nn.Module, streams: StreamBatch, input_ids: torch.Tensor) -> torch.Tensor:
+    """Append ``input_ids`` ([B, S]) to every stream and return the last position's logits ([B, V], fp32)."""
+    batch, length = input_ids.shape
+    positions = streams.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
+    mask = torch.cat([streams.attention_mask, streams.attention_mask.new_ones(batch, length)], dim=1)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=streams.cache, use_cache=True, logits_to_keep=1)
+    streams.attention_mask = mask
+    streams.positions = streams.positions + length
+    return out.logits[:, -1].float()
+
+
+class TokenSampler:
+    """Greedy (temperature 0) or temperature + nucleus sampling with its own seeded generator."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+        if temperature < 0:
+            raise InvalidOptionError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise InvalidOptionError(f"top_p must be in (0, 1], got {top_p}")
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, scores: torch.Tensor) -> int:
+        if self.temperature == 0:
+            return int(torch.argmax(scores))
+        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class IncrementalText:
+    """Incremental detokenisation: the text so far, holding back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer: object):
+        self.tokenizer, self.ids, self.safe_text = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.safe_text = text
+        return self.safe_text
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+@dataclass
+class StopCriteria:
+    """Stop on an EOS id, after ``max_new_tokens``, or when a stop string appears (it is cut off)."""
+
+    eos_token_ids: frozenset[int]
+    max_new_tokens: int = 128
+    stop_strings: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidOptionError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = (self.stop_strings,)
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """Return the text up to the first stop string and whether one was found."""
+        hits = [text.index(s) for s in self.stop_strings if s and s in text]
+        return (text[: min(hits)], True) if hits else (text, False)
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    text: str
+    trace: list[TraceStep]
+    ttft_s: float
+    finish_reason: str  # "eos" | "length" | "stop"
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
+                 rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
+                 on_token: Callable[[str], None] | None = None, started: float | None = None) -> DecodeResult:
+    """Decode one answer from B streams: fuse, choose one token, append it to every stream, repeat.
+
+    ``first_logits`` are the streams' logits after the question suffix; the loop makes exactly one
+    forward pass (all streams batched) per generated token after the first.
+    """
+    started = time.perf_counter() if started is None else started
+    pieces, trace, ttft, logits = IncrementalText(tokenizer), [], 0.0, first_logits
+    batch, device, reason = first_logits.shape[0], first_logits.device, "length"
+    emitted_len = 0
+    for step in range(stop.max_new_tokens):
+        fused = rule(logits)
+        token = sampler(fused.scores)
+        if step == 0:
+            ttft = time.perf_counter() - started
+        if token in stop.eos_token_ids:
+            reason = "eos"
+            break
+        winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
+        score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
+        trace.append(TraceStep(token, winner, score))
+        text, stopped = stop.cut(pieces.push(token))
+        if on_token is not None and len(text) > emitted_len:
+            on_token(text[emitted_len:])
+            emitted_len = len(text)
+        if stopped:
+            reason = "stop"
+            break
+        if step + 1 < stop.max_new_tokens:
+            logits = forward_streams(model, streams, torch.full((batch, 1), token, device=device))
+    text, _ = stop.cut(pieces.text)
+    if on_token is not None and len(text) > emitted_len:
+        on_token(text[emitted_len:])
+    return DecodeResult([t.token_id for t in trace], text, trace, ttft, reason, steps=len(trace))
+
+
+def decode_independent(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
+                       sampler: TokenSampler, stop: StopCriteria) -> list[DecodeResult]:
+    """Decode B independent answers in one batch (each stream picks its own token), e.g. MapReduce's map step."""
+    started = time.perf_counter()
+    batch, device = first_logits.shape[0], first_logits.device
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    logits, ttft = first_logits, 0.0
+    for step in range(stop.max_new_tokens):
+        chosen = [sampler(logits[b]) for b in range(batch)]
+        if step == 0:
+            ttft = time.perf_counter() - started
+        for b, token in enumerate(chosen):
+            if done[b]:
+                continue
+            if token in stop.eos_token_ids:
+                done[b] = True
+            else:
+                tokens[b].append(token)
+                done[b] = stop.cut(tokenizer.decode(tokens[b], skip_special_tokens=True))[1]
+        if all(done) or step + 1 == stop.max_new_tokens:
+            break
+        logits = forward_streams(model, streams, torch.tensor(chosen, device=device).unsqueeze(1))
+    results = []
+    for b in range(batch):
+        text, stopped = stop.cut(tokenizer.decode(tokens[b], skip_special_tokens=True))
+        reason = "stop" if stopped else ("eos" if done[b] else "length")
+        results.append(DecodeResult(tokens[b], text, [TraceStep(t, None, 0.0) for t in tokens[b]], ttft, reason,
+                                    steps=len(tokens[b])))
+    return results

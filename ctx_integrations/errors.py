@@ -1,0 +1,54 @@
+"""Typed errors: every message says what went wrong and what to do about it.
+
+All errors derive from :class:`CtxIntegrationsError`, and each also derives from the
+built-in exception a Python user would expect (``ValueError`` for bad arguments,
+``ImportError`` for a missing package), so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class CtxIntegrationsError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class UnknownModeError(CtxIntegrationsError, ValueError):
+    """A decoding mode name that is not registered."""
+
+
+class InvalidOptionError(CtxIntegrationsError, ValueError):
+    """An option a mode does not accept, or a value outside its range."""
+
+
+class EmptyDocumentsError(CtxIntegrationsError, ValueError):
+    """No documents, or a document whose text is empty."""
+
+
+class InvalidScoresError(CtxIntegrationsError, ValueError):
+    """Relevance scores of the wrong length or outside [0, 1]."""
+
+
+class DocumentTooLongError(CtxIntegrationsError, ValueError):
+    """A prompt that does not fit the model's context window."""
+
+
+class ChatTemplateError(CtxIntegrationsError, ValueError):
+    """A tokenizer without a usable chat template, or one the layout cannot split."""
+
+
+class ModelLoadError(CtxIntegrationsError, OSError):
+    """A model that cannot be found or loaded."""
+
+
+class MissingDependencyError(CtxIntegrationsError, ImportError):
+    """An optional package that a feature needs is not installed."""
+
+
+class CorruptCacheWarning(UserWarning):
+    """A KV cache file failed its checks; it was discarded and recomputed."""
+
+
+def missing_dependency(package: str, extra: str | None = None, pip_name: str | None = None) -> MissingDependencyError:
+    """Build the error for a missing optional package, naming the exact install command."""
+    how = f"pip install 'ctx-integrations[{extra}]'" if extra else f"pip install {pip_name or package}"
+    return MissingDependencyError(f"{package!r} is not installed. Install it with: {how}")

