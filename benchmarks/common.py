@@ -1,0 +1,100 @@
+"""Shared benchmark utilities: answer metrics, the evaluation data, timing, table and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import string
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MUSIQUE = Path(os.environ.get("CTX_MUSIQUE", REPO.parent / "shared" / "data" / "musique_dev.jsonl"))
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower-case, drop punctuation and articles, squeeze whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, answers: Sequence[str]) -> float:
+    return max(token_f1(prediction, a) for a in answers)
+
+
+def substring_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when a normalised gold answer occurs in the normalised prediction."""
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(a) and normalize_answer(a) in pred for a in answers))
+
+
+def load_musique(limit: int | None = None) -> list[dict[str, Any]]:
+    """Rows of ``{"id", "question", "answers", "documents"}`` from the shared dev set."""
+    if not MUSIQUE.is_file():
+        raise FileNotFoundError(f"{MUSIQUE} not found; set CTX_MUSIQUE to the musique_dev.jsonl path")
+    rows = [json.loads(line) for line in MUSIQUE.read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def timed(function: Callable[[], Any], repeats: int = 1) -> tuple[Any, list[float]]:
+    """Run ``function`` ``repeats`` times; return the last result and the wall times."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = function()
+        times.append(time.perf_counter() - start)
+    return result, times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def environment() -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "threads": torch.get_num_threads()}
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Print (and return) a Markdown table of ``rows`` restricted to ``columns``."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
+        return "-" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def write_results(name: str, rows: list[dict[str, Any]], settings: dict[str, Any], output: Path | None = None) -> Path:
+    """Write ``{"benchmark", "settings", "environment", "rows"}`` JSON and return its path."""
+    path = output or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "settings": settings, "environment": environment(), "rows": rows}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,1 @@
+"""Retrieval that keeps every score: embedders, rerankers, normalisation and the document store."""
