@@ -31,7 +31,8 @@ class SecretCodeExample:
 
 
 def _single_token_words(layout: PromptLayout) -> list[str]:
-    words = [w for w in dict.fromkeys(_FILLER) if len(layout.tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1]
+    encode = layout.tokenizer
+    words = [w for w in dict.fromkeys(_FILLER) if len(encode(" " + w, add_special_tokens=False)["input_ids"]) == 1]
     if len(words) < 10:
         raise RuntimeError("tokenizer has too few single-token filler words for the synthetic set")
     return words

@@ -16,8 +16,15 @@ from ctx_integrations.documents import Document
 from ctx_integrations.engine.cache import StreamBatch, batch_streams
 from ctx_integrations.engine.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.streams import (DecodeResult, FusedStep, StopCriteria, TraceStep, decode_fused,
-                                             decode_independent, forward_streams)
+from ctx_integrations.engine.streams import (
+    DecodeResult,
+    FusedStep,
+    StopCriteria,
+    TraceStep,
+    decode_fused,
+    decode_independent,
+    forward_streams,
+)
 
 
 def single_stream(logits: torch.Tensor) -> FusedStep:

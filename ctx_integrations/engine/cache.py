@@ -214,7 +214,8 @@ class KVCacheStore:
         if tuple(tensors["token_ids"].tolist()) != token_ids:
             return "token ids differ from the document's"
         kv = tensors["kv"]
-        if kv.dim() != 5 or kv.shape[0] != config.num_hidden_layers or kv.shape[1] != 2 or kv.shape[3] != len(token_ids):
+        expected = (config.num_hidden_layers, 2, len(token_ids))
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3]) != expected:
             return f"unexpected shape {tuple(kv.shape)}"
         return None
 

@@ -41,7 +41,8 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         config = self.model.config
-        return int(getattr(config, "max_position_embeddings", None) or getattr(self.tokenizer, "model_max_length", 2048))
+        window = getattr(config, "max_position_embeddings", None)
+        return int(window or getattr(self.tokenizer, "model_max_length", 2048))
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -62,7 +63,7 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA (halves memory and bandwidth), fp32 on CPU (bf16 matmuls are slow there and parity tests need fp32)."""
+    """bf16 on CUDA (half the memory traffic), fp32 on CPU (bf16 is slow there; parity tests need fp32)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
