@@ -1,0 +1,152 @@
+"""KV-cache store: bit-exact round trips, content-addressed misses, corruption handling, batching."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ctx_integrations.engine.cache import KVCacheStore, StreamBatch, batch_streams
+from ctx_integrations.engine.layout import PromptLayout
+from ctx_integrations.engine.streams import forward_streams
+from ctx_integrations.errors import CorruptCacheWarning
+from tests.helpers import tiny_loaded
+
+DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 1621."
+QUESTION = "How many bridges does Marrowgate have?"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_loaded("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def layout(loaded):
+    return PromptLayout(loaded.tokenizer)
+
+
+def cached_logits(loaded, layout, store, documents):
+    prefix = store.prefix(layout)
+    streams = batch_streams(prefix, [store.document(layout, d) for d in documents])
+    suffix = torch.tensor([layout.suffix_ids(QUESTION)]).expand(len(documents), -1)
+    return forward_streams(loaded.model, streams, suffix)
+
+
+def fresh_logits(loaded, layout, document):
+    ids = layout.prefix_ids + layout.context_ids(document) + layout.suffix_ids(QUESTION)
+    streams = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    return forward_streams(loaded.model, streams, torch.tensor([ids]))
+
+
+def entry_files(directory):
+    return sorted(p for p in directory.rglob("*.safetensors") if not p.name.startswith(".tmp"))
+
+
+def test_disk_round_trip_is_bit_identical(loaded, layout, tmp_path):
+    first = KVCacheStore(loaded, tmp_path)
+    computed = first.document(layout, DOC)
+    logits_computed = cached_logits(loaded, layout, first, [DOC])
+    second = KVCacheStore(loaded, tmp_path)  # new process-like store: must read the file
+    loaded_entry = second.document(layout, DOC)
+    assert second.stats.hits == 1 and second.stats.misses == 0
+    assert torch.equal(loaded_entry.kv, computed.kv)
+    assert torch.equal(cached_logits(loaded, layout, second, [DOC]), logits_computed)
+
+
+def test_cached_prefill_matches_one_pass_prefill(loaded, layout):
+    store = KVCacheStore(loaded)
+    torch.testing.assert_close(cached_logits(loaded, layout, store, [DOC]), fresh_logits(loaded, layout, DOC),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_writes_are_atomic_and_shared_prefix_is_stored_once(loaded, layout, tmp_path):
+    store = KVCacheStore(loaded, tmp_path)
+    store.documents(layout, [DOC, DOC + " Another sentence.", "A third document."])
+    assert len(entry_files(tmp_path)) == 4  # one prefix + three documents
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+@pytest.mark.parametrize("change", ["model", "template", "text", "dtype"])
+def test_any_change_of_identity_is_a_miss(loaded, layout, tmp_path, change):
+    KVCacheStore(loaded, tmp_path).document(layout, DOC)
+    other_loaded, other_layout, text = loaded, layout, DOC
+    if change == "model":
+        other_loaded = tiny_loaded("llama", seed=1)
+    elif change == "template":
+        other_layout = PromptLayout(loaded.tokenizer, system_prompt="Answer from the documents.")
+    elif change == "text":
+        text = DOC.replace("1621", "1622")
+    else:
+        other_loaded = tiny_loaded("llama", seed=0, dtype=torch.float64)
+    store = KVCacheStore(other_loaded, tmp_path)
+    store.document(other_layout, text)
+    assert (store.stats.hits, store.stats.misses) == (0, 1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_entry_is_detected_and_recomputed(loaded, layout, tmp_path, damage):
+    original = KVCacheStore(loaded, tmp_path).document(layout, DOC)
+    path = next(p for p in entry_files(tmp_path) if original.key in p.name)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+    else:
+        data = bytearray(b"not a safetensors file")
+    path.write_bytes(bytes(data))
+    store = KVCacheStore(loaded, tmp_path)
+    with pytest.warns(CorruptCacheWarning, match="corrupt"):
+        entry = store.document(layout, DOC)
+    assert store.stats.corrupt == 1 and store.stats.misses == 1
+    assert torch.equal(entry.kv, original.kv)
+    with warnings.catch_warnings():  # the rewritten entry is sound again
+        warnings.simplefilter("error")
+        assert torch.equal(KVCacheStore(loaded, tmp_path).document(layout, DOC).kv, original.kv)
+
+
+def test_memory_lru_evicts_oldest(loaded, layout):
+    store = KVCacheStore(loaded, memory_entries=2)
+    docs = ["first document", "second document", "third document"]
+    store.documents(layout, docs)
+    assert not store.contains(layout, docs[0]) and store.contains(layout, docs[2])
+    store.document(layout, docs[0])
+    assert store.stats.misses == 4
+
+
+def test_half_precision_on_disk(loaded, layout, tmp_path):
+    exact = KVCacheStore(loaded, tmp_path / "full").document(layout, DOC)
+    KVCacheStore(loaded, tmp_path / "half", half_on_disk=True).document(layout, DOC)
+    reloaded = KVCacheStore(loaded, tmp_path / "half", half_on_disk=True).document(layout, DOC)
+    assert reloaded.kv.dtype == torch.float32
+    torch.testing.assert_close(reloaded.kv, exact.kv, rtol=1e-3, atol=1e-3)
+    assert entry_files(tmp_path / "half")[0].stat().st_size < entry_files(tmp_path / "full")[0].stat().st_size
+
+
+def test_forget_invalidates_an_entry(loaded, layout, tmp_path):
+    store = KVCacheStore(loaded, tmp_path)
+    store.document(layout, DOC)
+    store.forget(layout, DOC)
+    assert not store.contains(layout, DOC)
+
+
+def test_batched_streams_of_different_lengths_match_single_streams(loaded, layout):
+    store = KVCacheStore(loaded)
+    documents = ["short.", DOC, DOC + " " + DOC]
+    batched = cached_logits(loaded, layout, store, documents)
+    for i, document in enumerate(documents):
+        torch.testing.assert_close(batched[i], fresh_logits(loaded, layout, document)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_streams_positions_and_mask(loaded, layout):
+    store = KVCacheStore(loaded)
+    prefix = store.prefix(layout)
+    docs = [store.document(layout, "a b c"), store.document(layout, DOC)]
+    streams = batch_streams(prefix, [None] + docs)
+    expected = [prefix.length, prefix.length + docs[0].length, prefix.length + docs[1].length]
+    assert streams.positions.tolist() == expected
+    assert streams.attention_mask.sum(1).tolist() == expected
+    assert streams.cache.get_seq_length() == prefix.length + docs[1].length
