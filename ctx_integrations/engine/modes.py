@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 ModeFunction = Callable[..., DecodeResult]
 _MODES: dict[str, ModeFunction] = {}
 # Modules whose import registers the built-in modes; a new mode adds its module here.
-_BUILTIN_MODULES = ("ctx_integrations.engine.pced", "ctx_integrations.engine.baselines")
+_BUILTIN_MODULES = ("ctx_integrations.engine.pced", "ctx_integrations.engine.baselines",
+                    "ctx_integrations.engine.soft_nbce",
+                    "ctx_integrations.engine.rapid")
 
 
 def register_mode(name: str) -> Callable[[ModeFunction], ModeFunction]:
