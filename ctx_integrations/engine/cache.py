@@ -79,6 +79,7 @@ class KVCacheStore:
     directory: Path | None = None
     half_on_disk: bool = False
     memory_entries: int = 256
+    batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -117,7 +118,27 @@ class KVCacheStore:
         return self._get(self.entry_key(layout, ids), ids, self.prefix(layout), count=True)
 
     def documents(self, layout: PromptLayout, texts: list[str]) -> list[CachedKV]:
-        return [self.document(layout, text) for text in texts]
+        return self.documents_tokens(layout, [layout.context_ids(text) for text in texts])
+
+    def documents_tokens(self, layout: PromptLayout, token_lists: list[list[int]]) -> list[CachedKV]:
+        """Caches of many documents; all misses are computed together in right-padded batched forwards.
+
+        One forward per ``batch_tokens`` budget instead of one per document: a cold query costs about
+        what prefilling the same tokens as one prompt costs.
+        """
+        prefix = self.prefix(layout)
+        wanted = [(self.entry_key(layout, ids), tuple(ids)) for ids in token_lists]
+        found: dict[str, CachedKV] = {}
+        for key, ids in wanted:
+            if key not in found and (entry := self._lookup(key, ids)) is not None:
+                found[key] = entry
+        self.stats.hits += sum(key in found for key, _ in wanted)
+        self.stats.misses += sum(key not in found for key, _ in wanted)
+        missing = list({key: ids for key, ids in wanted if key not in found}.items())
+        for group in _token_budget_groups(missing, self.batch_tokens):
+            for (key, ids), kv in zip(group, self._compute_batch([ids for _, ids in group], prefix)):
+                found[key] = self._add(CachedKV(key, ids, kv))
+        return [found[key] for key, _ in wanted]
 
     def contains(self, layout: PromptLayout, text: str) -> bool:
         key = self.entry_key(layout, layout.context_ids(text))
@@ -132,17 +153,25 @@ class KVCacheStore:
 
     # -- internals -------------------------------------------------------------------------------
     def _get(self, key: str, token_ids: tuple[int, ...], prefix: CachedKV | None, count: bool) -> CachedKV:
+        entry = self._lookup(key, token_ids)
+        if entry is not None:
+            self.stats.hits += count
+            return entry
+        self.stats.misses += count
+        return self._add(CachedKV(key, token_ids, self._compute(token_ids, prefix)))
+
+    def _lookup(self, key: str, token_ids: tuple[int, ...]) -> CachedKV | None:
         entry = self._memory.get(key)
         if entry is None and self.directory is not None:
             entry = self._load(key, token_ids)
-        if entry is None:
-            if count:
-                self.stats.misses += 1
-            entry = CachedKV(key, token_ids, self._compute(token_ids, prefix))
-            if self.directory is not None:
-                self._save(entry)
-        elif count:
-            self.stats.hits += 1
+        if entry is not None:
+            self._remember(entry)
+        return entry
+
+    def _add(self, entry: CachedKV) -> CachedKV:
+        """Persist and remember a freshly computed entry."""
+        if self.directory is not None:
+            self._save(entry)
         self._remember(entry)
         return entry
 
@@ -163,6 +192,28 @@ class KVCacheStore:
         positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
         model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return kv_from_cache(cache, start).contiguous()
+
+    @torch.inference_mode()
+    def _compute_batch(self, token_lists: list[tuple[int, ...]], prefix: CachedKV) -> list[torch.Tensor]:
+        """Encode several documents after the prefix in one forward pass.
+
+        Documents are right-padded: attention is causal, so a real token never sees the padding
+        after it, and the padding's keys are cut off before storing.
+        """
+        if len(token_lists) == 1:
+            return [self._compute(token_lists[0], prefix)]
+        device, start = self.loaded.device, prefix.length
+        width = max(len(ids) for ids in token_lists)
+        pad = token_lists[0][0]
+        ids = torch.tensor([list(t) + [pad] * (width - len(t)) for t in token_lists], device=device)
+        cache = cache_from_kv(prefix.kv.unsqueeze(2).expand(-1, -1, len(token_lists), -1, -1, -1))
+        positions = torch.arange(start, start + width, device=device).expand(len(token_lists), -1)
+        self.loaded.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                          logits_to_keep=1, attention_mask=torch.ones(len(token_lists), start + width,
+                                                                      dtype=torch.long, device=device))
+        spans = [slice(start, start + len(t)) for t in token_lists]
+        return [torch.stack([torch.stack([layer.keys[b, :, span], layer.values[b, :, span]]) for layer in cache.layers])
+                .contiguous() for b, span in enumerate(spans)]
 
     def _save(self, entry: CachedKV) -> None:
         from safetensors.torch import save_file
@@ -218,6 +269,18 @@ class KVCacheStore:
         if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3]) != expected:
             return f"unexpected shape {tuple(kv.shape)}"
         return None
+
+
+def _token_budget_groups(items: list, budget: int) -> list[list]:
+    """Split (key, token_ids) items into groups whose padded size (count x longest) stays within ``budget``."""
+    groups: list[list] = []
+    for item in sorted(items, key=lambda kv: len(kv[1])):
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * len(item[1]) <= budget:
+            group.append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

@@ -27,7 +27,7 @@ def run_expert_streams(ctx: DecodeContext, rule: FusionRule, contexts: list[str]
     for i, ids in enumerate(token_ids):
         ctx.check_window(prefix_len + len(ids) + len(suffix), f"document {i}")
     prefix = engine.store.prefix(layout)
-    caches = [engine.store.document_tokens(layout, ids) for ids in token_ids]
+    caches = engine.store.documents_tokens(layout, token_ids)
     streams = batch_streams(prefix, ([None] if with_context_free else []) + caches)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     suffix_ids = torch.tensor([suffix], device=engine.loaded.device).expand(len(caches) + with_context_free, -1)

@@ -58,8 +58,7 @@ class Engine:
         docs = prepare_documents(documents)
         with self._lock:
             before = self.store.stats.as_dict()
-            for doc in docs:
-                self.store.document(self.layout, doc.text)
+            self.store.documents(self.layout, [doc.text for doc in docs])
             after = self.store.stats.as_dict()
         return {k: after[k] - before[k] for k in after}
 
