@@ -150,3 +150,26 @@ def test_batch_streams_positions_and_mask(loaded, layout):
     assert streams.positions.tolist() == expected
     assert streams.attention_mask.sum(1).tolist() == expected
     assert streams.cache.get_seq_length() == prefix.length + docs[1].length
+
+
+def test_batched_miss_computation_matches_one_by_one(loaded, layout, tmp_path):
+    documents = ["short.", DOC, DOC + " " + DOC, DOC]  # different lengths and a duplicate
+    batched_store = KVCacheStore(loaded, tmp_path)
+    batched = batched_store.documents(layout, documents)
+    assert (batched_store.stats.misses, batched_store.stats.hits) == (3, 1)
+    single_store = KVCacheStore(loaded)
+    for entry, document in zip(batched, documents):
+        single = single_store.document(layout, document)
+        assert entry.token_ids == single.token_ids
+        torch.testing.assert_close(entry.kv, single.kv, rtol=1e-5, atol=1e-5)
+    reloaded = KVCacheStore(loaded, tmp_path).documents(layout, documents)
+    assert all(torch.equal(a.kv, b.kv) for a, b in zip(reloaded, batched))
+
+
+def test_batched_misses_respect_the_token_budget(loaded, layout):
+    store = KVCacheStore(loaded, batch_tokens=40)
+    documents = [f"document number {i} " * 4 for i in range(5)]
+    entries = store.documents(layout, documents)
+    reference = KVCacheStore(loaded)
+    for entry, document in zip(entries, documents):
+        torch.testing.assert_close(entry.kv, reference.document(layout, document).kv, rtol=1e-5, atol=1e-5)

@@ -132,9 +132,9 @@ class KVCacheStore:
         for key, ids in wanted:
             if key not in found and (entry := self._lookup(key, ids)) is not None:
                 found[key] = entry
-        self.stats.hits += sum(key in found for key, _ in wanted)
-        self.stats.misses += sum(key not in found for key, _ in wanted)
         missing = list({key: ids for key, ids in wanted if key not in found}.items())
+        self.stats.misses += len(missing)  # a duplicate within one request is computed once: one miss
+        self.stats.hits += len(wanted) - len(missing)
         for group in _token_budget_groups(missing, self.batch_tokens):
             for (key, ids), kv in zip(group, self._compute_batch([ids for _, ids in group], prefix)):
                 found[key] = self._add(CachedKV(key, ids, kv))
