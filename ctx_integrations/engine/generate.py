@@ -45,9 +45,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-                        dtype: torch.dtype | None = None, **engine_options: Any) -> Engine:
-        """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file."""
-        return cls(load_model(name_or_path, device=device, dtype=dtype), **engine_options)
+                        dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
+                        **engine_options: Any) -> Engine:
+        """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file.
+
+        ``adapter``: a LoRA folder from ``ctx-experts distill``, merged into the weights.
+        """
+        return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter), **engine_options)
 
     @property
     def modes(self) -> list[str]:

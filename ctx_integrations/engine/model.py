@@ -150,8 +150,12 @@ def converted_gguf_dir(gguf_file: Path) -> Path:
 
 
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``."""
+               dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None) -> LoadedModel:
+    """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``.
+
+    ``adapter``: a LoRA folder (e.g. from ``ctx-experts distill``), merged into the weights; its
+    digest joins the model's name, so caches computed with and without it never mix.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -173,6 +177,11 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
         raise ModelLoadError(
             f"could not load model {name!r}: {error}. Give a local directory, a .gguf file, or a hub id "
             "that is already in the Hugging Face cache (this machine may have no network)") from error
+    if adapter is not None:
+        from ctx_integrations.engine.distill import merge_adapter
+
+        model, digest = merge_adapter(model, adapter)
+        name = f"{name} + adapter {digest[:16]}"
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
                        device=device, dtype=dtype)
