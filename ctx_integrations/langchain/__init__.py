@@ -1,0 +1,29 @@
+"""LangChain adapters: the decoder as an LCEL Runnable, a chat model, and retrievers that keep every score.
+
+Install with ``pip install 'ctx-integrations[langchain]'``. Nothing in ``ctx_integrations.engine``
+imports LangChain; this package is a thin layer that maps LangChain documents, messages, configs and
+callbacks onto :class:`ctx_integrations.Engine` and back.
+"""
+
+from ctx_integrations.errors import missing_dependency
+
+try:
+    import langchain_core  # noqa: F401
+except ImportError as error:  # the optional extra is not installed
+    raise missing_dependency("langchain-core", extra="langchain") from error
+
+from ctx_integrations.langchain.chat_model import ChatContextOfExperts
+from ctx_integrations.langchain.convert import from_langchain_document, to_langchain_document
+from ctx_integrations.langchain.embeddings import EmbedderEmbeddings
+from ctx_integrations.langchain.retriever import ScoredRetriever, VectorStoreScoredRetriever
+from ctx_integrations.langchain.runnable import ContextOfExpertsRunnable
+
+__all__ = [
+    "ChatContextOfExperts",
+    "ContextOfExpertsRunnable",
+    "EmbedderEmbeddings",
+    "ScoredRetriever",
+    "VectorStoreScoredRetriever",
+    "from_langchain_document",
+    "to_langchain_document",
+]

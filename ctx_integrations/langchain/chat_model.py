@@ -1,0 +1,189 @@
+"""The local decoder as a LangChain chat model, for plain chat and for chat over documents.
+
+Without documents it is an ordinary local chat model: the conversation goes through the model's own
+chat template. With documents (``invoke(messages, documents=[...])``, ``.bind(documents=...)`` or the
+``documents`` field) the last user message is answered from them with ``mode`` (PCED by default),
+reusing each document's KV cache, and the answer's trace, citations and timings land in
+``response_metadata``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables.config import run_in_executor
+from pydantic import ConfigDict, Field
+
+from ctx_integrations.engine.answer import Answer
+from ctx_integrations.engine.generate import Engine
+from ctx_integrations.engine.model import EMBEDDED_MODEL_NAME
+from ctx_integrations.engine.modes import check_options, resolve_mode
+from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.langchain.bridge import aiter_tokens, check_engine, iter_tokens, prompt_tokens, resolve_engine
+from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
+from ctx_integrations.langchain.plain_chat import chat_answer, conversation_ids
+
+DEFAULT_MAX_TOKENS = 128
+_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+_CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "temperature", "top_p", "seed",
+                           "stream"})
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages -> ``[{"role", "content"}]`` for the chat template (tool/other roles speak as user)."""
+    return [{"role": _ROLES.get(m.type, "user"), "content": str(m.text)} for m in messages]
+
+
+@dataclass
+class _Request:
+    """One resolved call: the engine, what to decode and how; ``run(on_token)`` does it."""
+
+    engine: Engine
+    messages: list[dict[str, str]]
+    documents: list[Any] | None
+    mode: str
+    options: dict[str, Any]
+    settings: dict[str, Any]
+
+    @property
+    def question(self) -> str:
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        if not users:
+            raise InvalidOptionError("answering from documents needs a user message with the question")
+        return users[-1]
+
+    def run(self, on_token: Any = None) -> Answer:
+        if self.documents is None:
+            return chat_answer(self.engine, self.messages, on_token=on_token, **self.settings)
+        return self.engine.generate(self.question, self.documents, mode=self.mode, on_token=on_token,
+                                    **self.settings, **self.options)
+
+    def input_tokens(self, answer: Answer) -> int:
+        if self.documents is None:
+            return len(conversation_ids(self.engine, self.messages))
+        return prompt_tokens(self.engine, self.question, [d.text for d in answer.documents])
+
+
+class ChatContextOfExperts(BaseChatModel):
+    """A LangChain chat model over a local :class:`~ctx_integrations.Engine` (``engine=None``: the embedded default).
+
+    Per call: ``documents`` (answer from them with ``mode``), ``mode``, ``mode_options``,
+    ``max_tokens``, ``temperature``, ``top_p``, ``seed``. Tool calling and structured output are not
+    supported: the embedded 135M model cannot follow tool schemas reliably.
+    """
+
+    engine: Any = Field(default=None, exclude=True)
+    model_name: str | None = Field(default=None, alias="model")
+    mode: str = "pced"
+    mode_options: dict[str, Any] = Field(default_factory=dict)
+    documents: list[Any] | None = Field(default=None, exclude=True)
+    temperature: float = 0.0
+    max_tokens: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    def __init__(self, **data: Any):
+        super().__init__(**data)
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse an unknown mode, option or engine type at construction."""
+        resolve_mode(self.mode)
+        check_options(self.mode, self.mode_options)
+        check_engine(self.engine)
+
+    @property
+    def _llm_type(self) -> str:
+        return "ctx-integrations"
+
+    @property
+    def resolved_model_name(self) -> str:
+        """The model's name without loading it: the given one, the engine's, or the embedded default's."""
+        if self.model_name:
+            return self.model_name
+        return self.engine.loaded.name if self.engine is not None else EMBEDDED_MODEL_NAME
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.resolved_model_name, "mode": self.mode, "mode_options": dict(self.mode_options),
+                "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
+                "seed": self.seed}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="ctx_integrations", ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") or self.resolved_model_name,
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS)
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop)
+        return params
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+        unknown = sorted(set(kwargs) - _CALL_OPTIONS)
+        if unknown:
+            raise InvalidOptionError(f"ChatContextOfExperts does not accept {', '.join(unknown)}; per-call options "
+                                     f"are: {', '.join(sorted(_CALL_OPTIONS - {'stream'}))}")
+        model = kwargs.get("model")
+        if model is not None and model != self.resolved_model_name:
+            raise InvalidOptionError(f"this chat model serves {self.resolved_model_name!r}, not {model!r}: build "
+                                     "another ChatContextOfExperts with engine=Engine.from_pretrained(...) for it")
+        documents = kwargs.get("documents", self.documents)
+        mode = kwargs.get("mode", self.mode)
+        options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
+        settings = {"max_new_tokens": kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS,
+                    "temperature": kwargs.get("temperature", self.temperature),
+                    "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
+                    "stop": tuple(stop if stop is not None else self.stop or ())}
+        docs = None if documents is None else from_langchain_documents(documents)
+        return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, settings)
+
+    def _metadata(self, request: _Request, answer: Answer) -> dict[str, Any]:
+        return {"response_metadata": response_metadata(answer, request.engine.loaded.name),
+                "usage_metadata": usage_metadata(request.input_tokens(answer), answer)}
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        request = self._request(messages, stop, kwargs)
+        answer = request.run()
+        message = AIMessage(content=answer.text, **self._metadata(request, answer))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _last_chunk(self, request: _Request, answer: Answer) -> ChatGenerationChunk:
+        """An empty chunk carrying the metadata once (chunks merge by concatenating their metadata)."""
+        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last",
+                                                          **self._metadata(request, answer)))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        pieces = iter_tokens(request.run)
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as finished:
+                yield self._last_chunk(request, finished.value)
+                return
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return await run_in_executor(None, self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        request = await run_in_executor(None, self._request, messages, stop, kwargs)
+        sink: dict[str, Answer] = {}
+        async for piece in aiter_tokens(request.run, sink):
+            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        yield self._last_chunk(request, sink["answer"])

@@ -1,0 +1,75 @@
+"""Translate between LangChain's documents/messages and the engine's Document/Answer, keeping every score.
+
+LangChain documents carry scores only in ``metadata``; the convention here is ``metadata["score"]``
+for the fused relevance r in [0, 1] and ``metadata["scores"]`` for every raw and normalised part,
+so a document can go retriever -> runnable -> answer sources and back without losing any of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langchain_core.documents import Document as LCDocument
+from langchain_core.messages.ai import UsageMetadata
+
+from ctx_integrations.documents import Document, as_document
+from ctx_integrations.engine.answer import Answer
+from ctx_integrations.errors import EmptyDocumentsError
+
+SCORE_KEY = "score"
+SCORES_KEY = "scores"
+
+
+def content_id(text: str) -> str:
+    """A stable id for a document that came without one, so citations can still name it."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def from_langchain_document(item: Any) -> Document:
+    """A LangChain ``Document`` (scores in metadata), a project Document, a str or a mapping -> Document."""
+    if isinstance(item, LCDocument):
+        metadata = dict(item.metadata)
+        score = metadata.pop(SCORE_KEY, None)
+        scores = metadata.pop(SCORES_KEY, None) or {}
+        if not isinstance(scores, Mapping):
+            raise EmptyDocumentsError(f"metadata['scores'] of document {item.id!r} must be a mapping of name -> score, "
+                                      f"got {type(scores).__name__}")
+        return Document(item.page_content, item.id or metadata.get("id"), score, dict(scores), metadata)
+    if isinstance(item, Mapping) and "page_content" in item and "text" not in item:
+        return from_langchain_document(LCDocument(page_content=str(item["page_content"]), id=item.get("id"),
+                                                  metadata=dict(item.get("metadata") or {})))
+    return as_document(item)
+
+
+def from_langchain_documents(items: Any) -> list[Document]:
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise EmptyDocumentsError(f"'documents' must be a list of documents, got {type(items).__name__}: wrap a "
+                                  "single text in a list, or route a retriever's output into 'documents'")
+    return [from_langchain_document(item) for item in items]
+
+
+def to_langchain_document(document: Document) -> LCDocument:
+    """A project Document -> LangChain ``Document`` with ``id`` set and every score in ``metadata``."""
+    metadata = {**document.metadata, SCORE_KEY: document.score, SCORES_KEY: dict(document.scores)}
+    return LCDocument(page_content=document.text, id=document.id or content_id(document.text), metadata=metadata)
+
+
+def response_metadata(answer: Answer, model_name: str) -> dict[str, Any]:
+    """Everything a user needs to cite and time an answer, as ``AIMessage.response_metadata``.
+
+    ``documents`` lists every input document with its scores and how many tokens it won;
+    ``cited_documents`` gives the indices of those that won at least one token, most first.
+    """
+    meta = answer.to_dict()
+    del meta["text"]
+    meta["model_name"] = model_name
+    meta["cited_documents"] = [i for i, _ in answer.citation_counts().most_common()]
+    return meta
+
+
+def usage_metadata(input_tokens: int, answer: Answer) -> UsageMetadata:
+    output_tokens = len(answer.token_ids)
+    return UsageMetadata(input_tokens=input_tokens, output_tokens=output_tokens,
+                         total_tokens=input_tokens + output_tokens)

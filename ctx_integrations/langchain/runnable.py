@@ -1,0 +1,295 @@
+"""The decoder as an LCEL Runnable: ``{"question", "documents"} -> AIMessage`` with trace, citations and timings.
+
+Drop it at the end of ``{"question": RunnablePassthrough(), "documents": retriever} | ...`` and every
+retrieval score in ``Document.metadata`` reaches the decoder as its relevance prior, while document
+KV caches are reused across calls. ``mode`` (and ``mode_options``, ``max_new_tokens``,
+``temperature``) can be switched per call through ``config["configurable"]``, so one chain compares
+PCED against the baselines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
+from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
+from langchain_core.runnables.config import get_config_list, run_in_executor
+from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
+from pydantic import ConfigDict, Field
+
+from ctx_integrations.documents import Document
+from ctx_integrations.engine.answer import Answer
+from ctx_integrations.engine.generate import Engine
+from ctx_integrations.engine.modes import check_options, resolve_mode
+from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
+from ctx_integrations.langchain.bridge import aiter_tokens, check_engine, iter_tokens, prompt_tokens, resolve_engine
+from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
+
+Output = AIMessage | str
+_PER_CALL = ("mode", "mode_options", "max_new_tokens", "temperature")
+
+
+@dataclass
+class _Call:
+    """One resolved request: what to answer, from what, and how."""
+
+    question: str
+    documents: list[Document]
+    mode: str
+    options: dict[str, Any]
+    settings: dict[str, Any]
+
+    def run(self, engine: Engine, on_token: Callable[[str], None] | None = None) -> Answer:
+        return engine.generate(self.question, self.documents, mode=self.mode, on_token=on_token, **self.settings,
+                               **self.options)
+
+
+def merge_streamed_input(chunks: Iterator[Any]) -> Any:
+    """Reassemble an input that arrives in pieces (RunnableParallel streams one dict key at a time)."""
+    merged: Any = None
+    for chunk in chunks:
+        if merged is None:
+            merged = chunk
+        elif isinstance(merged, Mapping) and isinstance(chunk, Mapping):
+            merged = {**merged, **chunk}
+        else:
+            try:
+                merged = merged + chunk
+            except TypeError:
+                merged = chunk
+    return merged
+
+
+class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
+    """Answer a question from documents with the local decoder (PCED by default), keeping every score.
+
+    Input: ``{"question": str, "documents": list[Document]}`` (LangChain or project documents, or
+    strings; the relevance r is read from ``metadata["score"]``, every part from ``metadata["scores"]``),
+    or a plain question string when ``retriever`` is set. Output: an ``AIMessage`` whose
+    ``response_metadata`` holds the per-token trace, the cited documents and the timings, with token
+    counts in ``usage_metadata`` (``output="text"``: just the answer string).
+
+    ``engine=None`` uses the embedded default model. ``mode_options`` maps a mode name to its options,
+    e.g. ``{"pced": {"gamma": 2.0}}``, so switching ``mode`` per call never sends one mode's options to
+    another. ``batch``/``abatch`` over questions that share the same documents answer them all in one
+    stacked decode with ``batch_mode`` (IPPD); ``batch_mode=None`` answers each with ``mode``.
+    """
+
+    engine: Any = Field(default=None, exclude=True)
+    retriever: Any = Field(default=None, exclude=True)
+    mode: str = "pced"
+    mode_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    output: Literal["message", "text"] = "message"
+    batch_mode: str | None = "ippd"
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    def __init__(self, **data: Any):
+        super().__init__(**data)
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse a typo in a mode name or option at construction, not at the first question."""
+        resolve_mode(self.mode)
+        for name, options in self.mode_options.items():
+            check_options(name, options)
+        check_engine(self.engine)
+        if self.retriever is not None and not isinstance(self.retriever, Runnable):
+            raise InvalidOptionError("retriever must be a LangChain Runnable (e.g. a BaseRetriever) that maps a "
+                                     f"question to documents, got {type(self.retriever).__name__}")
+
+    @property
+    def config_specs(self) -> list[ConfigurableFieldSpec]:
+        own = [
+            ConfigurableFieldSpec(id="mode", annotation=str, name="Decoding mode", default=self.mode,
+                                  description="pced, ape, rapid, ippd, soft_nbce or a baseline (concat, single, ...)"),
+            ConfigurableFieldSpec(id="mode_options", annotation=dict, name="Mode options", default={},
+                                  description="options of this call's mode, e.g. {'gamma': 2.0} for pced"),
+            ConfigurableFieldSpec(id="max_new_tokens", annotation=int, name="Max new tokens",
+                                  default=self.max_new_tokens),
+            ConfigurableFieldSpec(id="temperature", annotation=float, name="Temperature", default=self.temperature),
+        ]
+        return get_unique_config_specs(own + (self.retriever.config_specs if self.retriever is not None else []))
+
+    # ----------------------------------------------------------------- resolving one call
+
+    def _settings(self, config: RunnableConfig | None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        configurable = (config or {}).get("configurable") or {}
+        mode = configurable.get("mode", self.mode)
+        options = {**self.mode_options.get(mode, {}), **(configurable.get("mode_options") or {})}
+        settings = {"max_new_tokens": configurable.get("max_new_tokens", self.max_new_tokens),
+                    "temperature": configurable.get("temperature", self.temperature),
+                    "top_p": self.top_p, "seed": self.seed, "stop": tuple(self.stop)}
+        return mode, options, settings
+
+    def _question(self, input: Any) -> tuple[str, Any]:
+        """The question and the given documents (``None``: retrieve them)."""
+        if isinstance(input, str):
+            return input, None
+        if isinstance(input, Mapping):
+            if "question" not in input:
+                raise InvalidOptionError(f"the input has keys {sorted(input)} but no 'question': pass "
+                                         "{'question': str, 'documents': [...]}")
+            return input["question"], input.get("documents")
+        raise InvalidOptionError(f"cannot answer a {type(input).__name__}: pass {{'question': str, 'documents': "
+                                 "[...]}} or, with a retriever, a question string")
+
+    def _no_documents(self) -> EmptyDocumentsError:
+        return EmptyDocumentsError("no 'documents' in the input and no retriever: pass {'question': ..., "
+                                   "'documents': [...]} or build the runnable with retriever=...")
+
+    def _call(self, question: str, documents: Any, config: RunnableConfig | None) -> _Call:
+        mode, options, settings = self._settings(config)
+        return _Call(question, from_langchain_documents(documents), mode, options, settings)
+
+    def _resolve(self, input: Any, config: RunnableConfig | None) -> _Call:
+        question, documents = self._question(input)
+        if documents is None:
+            if self.retriever is None:
+                raise self._no_documents()
+            documents = self.retriever.invoke(question, config)
+        return self._call(question, documents, config)
+
+    async def _aresolve(self, input: Any, config: RunnableConfig | None) -> _Call:
+        question, documents = self._question(input)
+        if documents is None:
+            if self.retriever is None:
+                raise self._no_documents()
+            documents = await self.retriever.ainvoke(question, config)
+        return self._call(question, documents, config)
+
+    # ----------------------------------------------------------------- outputs
+
+    def _output(self, engine: Engine, call: _Call, answer: Answer) -> Output:
+        if self.output == "text":
+            return answer.text
+        return AIMessage(content=answer.text, **self._metadata(engine, call, answer))
+
+    def _metadata(self, engine: Engine, call: _Call, answer: Answer) -> dict[str, Any]:
+        used = prompt_tokens(engine, call.question, [d.text for d in answer.documents])
+        return {"response_metadata": response_metadata(answer, engine.loaded.name),
+                "usage_metadata": usage_metadata(used, answer)}
+
+    def _chunks(self, pieces: Generator[str, None, Answer], engine: Engine, call: _Call,
+                run_id: str) -> Iterator[Output]:
+        """Text pieces as message chunks; the last chunk carries the metadata (merging keeps it once)."""
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as finished:
+                answer = finished.value
+                break
+            yield piece if self.output == "text" else AIMessageChunk(content=piece, id=run_id)
+        if self.output == "message":
+            yield AIMessageChunk(content="", id=run_id, chunk_position="last", **self._metadata(engine, call, answer))
+
+    # ----------------------------------------------------------------- invoke
+
+    def _invoke(self, input: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig) -> Output:
+        engine = resolve_engine(self.engine)
+        call = self._resolve(input, config)
+        return self._output(engine, call, call.run(engine))
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Output:
+        return self._call_with_config(self._invoke, input, config)
+
+    async def _ainvoke(self, input: Any, run_manager: AsyncCallbackManagerForChainRun,
+                       config: RunnableConfig) -> Output:
+        engine = await run_in_executor(None, resolve_engine, self.engine)
+        call = await self._aresolve(input, config)
+        answer = await run_in_executor(None, call.run, engine)
+        return self._output(engine, call, answer)
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Output:
+        return await self._acall_with_config(self._ainvoke, input, config)
+
+    # ----------------------------------------------------------------- streaming
+
+    def _transform(self, inputs: Iterator[Any], run_manager: CallbackManagerForChainRun,
+                   config: RunnableConfig) -> Iterator[Output]:
+        engine = resolve_engine(self.engine)
+        call = self._resolve(merge_streamed_input(inputs), config)
+        yield from self._chunks(iter_tokens(partial(call.run, engine)), engine, call, f"lc_run--{run_manager.run_id}")
+
+    def transform(self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Output]:
+        yield from self._transform_stream_with_config(input, self._transform, config)
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Output]:
+        yield from self.transform(iter([input]), config, **kwargs)
+
+    async def _atransform(self, inputs: AsyncIterator[Any], run_manager: AsyncCallbackManagerForChainRun,
+                          config: RunnableConfig) -> AsyncIterator[Output]:
+        engine = await run_in_executor(None, resolve_engine, self.engine)
+        call = await self._aresolve(merge_streamed_input([chunk async for chunk in inputs]), config)
+        run_id, sink = f"lc_run--{run_manager.run_id}", {}
+        async for piece in aiter_tokens(partial(call.run, engine), sink):
+            yield piece if self.output == "text" else AIMessageChunk(content=piece, id=run_id)
+        if self.output == "message":
+            yield AIMessageChunk(content="", id=run_id, chunk_position="last",
+                                 **self._metadata(engine, call, sink["answer"]))
+
+    async def atransform(self, input: AsyncIterator[Any], config: RunnableConfig | None = None,
+                         **kwargs: Any) -> AsyncIterator[Output]:
+        async for chunk in self._atransform_stream_with_config(input, self._atransform, config):
+            yield chunk
+
+    async def astream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Output]:
+        async def single() -> AsyncIterator[Any]:
+            yield input
+
+        async for chunk in self.atransform(single(), config, **kwargs):
+            yield chunk
+
+    # ----------------------------------------------------------------- batching
+
+    def _shared_batch(self, inputs: Sequence[Any], config: RunnableConfig | list[RunnableConfig] | None) -> bool:
+        """True when every input brings the same documents and every call the same settings: one IPPD decode."""
+        if self.batch_mode is None or len(inputs) < 2:
+            return False
+        if not all(isinstance(i, Mapping) and "question" in i and i.get("documents") is not None for i in inputs):
+            return False
+        configs = get_config_list(config, len(inputs))
+        if any(self._settings(c) != self._settings(configs[0]) for c in configs):
+            return False
+        first = [(d.text, d.score, d.id) for d in from_langchain_documents(inputs[0]["documents"])]
+        return all([(d.text, d.score, d.id) for d in from_langchain_documents(i["documents"])] == first
+                   for i in inputs[1:])
+
+    def _answer_shared(self, inputs: list[Any], config: list[RunnableConfig]) -> list[Output]:
+        engine = resolve_engine(self.engine)
+        calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
+        options = self.mode_options.get(self.batch_mode, {})
+        answers = engine.generate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,
+                                       **calls[0].settings, **options)
+        return [self._output(engine, c, a) for c, a in zip(calls, answers)]
+
+    def _batch_shared(self, inputs: list[Any], run_manager: list[CallbackManagerForChainRun],
+                      config: list[RunnableConfig]) -> list[Output]:
+        return self._answer_shared(inputs, config)
+
+    async def _abatch_shared(self, inputs: list[Any], run_manager: list[AsyncCallbackManagerForChainRun],
+                             config: list[RunnableConfig]) -> list[Output]:
+        return await run_in_executor(None, self._answer_shared, inputs, config)
+
+    def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
+              return_exceptions: bool = False, **kwargs: Any) -> list[Output]:
+        if not self._shared_batch(inputs, config):
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        return self._batch_with_config(self._batch_shared, inputs, config, return_exceptions=return_exceptions,
+                                       **kwargs)
+
+    async def abatch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
+                     return_exceptions: bool = False, **kwargs: Any) -> list[Output]:
+        if not self._shared_batch(inputs, config):
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        return await self._abatch_with_config(self._abatch_shared, inputs, config,
+                                              return_exceptions=return_exceptions, **kwargs)
