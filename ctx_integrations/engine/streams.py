@@ -46,14 +46,24 @@ class TraceStep:
 @torch.inference_mode()
 def forward_streams(model: torch.nn.Module, streams: StreamBatch, input_ids: torch.Tensor) -> torch.Tensor:
     """Append ``input_ids`` ([B, S]) to every stream and return the last position's logits ([B, V], fp32)."""
+    return forward_streams_keep(model, streams, input_ids, 1)[:, -1]
+
+
+@torch.inference_mode()
+def forward_streams_keep(model: torch.nn.Module, streams: StreamBatch, input_ids: torch.Tensor,
+                         keep: int) -> torch.Tensor:
+    """Like :func:`forward_streams`, returning the logits of the last ``keep`` positions ([B, keep, V], fp32).
+
+    Speculative verification (RAPID) scores every drafted token in one pass and needs them all.
+    """
     batch, length = input_ids.shape
     positions = streams.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
     mask = torch.cat([streams.attention_mask, streams.attention_mask.new_ones(batch, length)], dim=1)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=streams.cache, use_cache=True, logits_to_keep=1)
+                past_key_values=streams.cache, use_cache=True, logits_to_keep=keep)
     streams.attention_mask = mask
     streams.positions = streams.positions + length
-    return out.logits[:, -1].float()
+    return out.logits[:, -keep:].float()
 
 
 class TokenSampler:

@@ -1,0 +1,327 @@
+"""RAPID mode: retrieval-augmented speculative decoding (METHODS.md "RAPID").
+
+The target is the model over the long context (prefix + every document + question, sequential
+positions); its long-context KV comes from the store, so a second question on the same documents
+reuses it. The drafter is the same engine (default) or another engine with the same tokenizer, over
+a short context: the long context is cut into token chunks, ranked against the question (BM25, or
+the documents' own retrieval scores), and the best chunks within ``draft_context_tokens`` are kept
+in their original order. Each round the drafter proposes ``gamma`` tokens from its own cache, the
+target scores them all in one forward pass, :func:`~ctx_integrations.engine.speculative.verify`
+accepts a prefix, and both caches are rewound to the accepted sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ctx_integrations.engine.baselines import single_stream
+from ctx_integrations.engine.cache import CachedKV, StreamBatch, batch_streams
+from ctx_integrations.engine.generate import Engine
+from ctx_integrations.engine.modes import DecodeContext, register_mode
+from ctx_integrations.engine.speculative import scaled_logits, verify
+from ctx_integrations.engine.streams import (
+    DecodeResult,
+    IncrementalText,
+    StopCriteria,
+    TokenSampler,
+    TraceStep,
+    decode_fused,
+    forward_streams,
+    forward_streams_keep,
+)
+from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.retrieval.scores import normalize_sparse
+
+RANKINGS = ("auto", "bm25", "scores")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A slice of the long context: where it starts (in tokens), its document, tokens and relevance r."""
+
+    start: int
+    document: int
+    token_ids: tuple[int, ...]
+    score: float = 0.0
+
+
+def split_chunks(context_ids: list[list[int]], chunk_tokens: int) -> list[Chunk]:
+    """Cut each document's tokens into chunks of at most ``chunk_tokens`` (chunks never cross documents)."""
+    chunks, offset = [], 0
+    for doc, ids in enumerate(context_ids):
+        for begin in range(0, len(ids), chunk_tokens):
+            chunks.append(Chunk(offset + begin, doc, tuple(ids[begin:begin + chunk_tokens])))
+        offset += len(ids)
+    return chunks
+
+
+def bm25_scores(texts: list[str], query: str) -> list[float]:
+    """BM25 of each text against the query, normalised to [0, 1) like every lexical score (arctan)."""
+    import bm25s
+
+    query_tokens = bm25s.tokenize(query, stopwords="en", show_progress=False, return_ids=False)[0]
+    if not query_tokens:
+        return [0.0] * len(texts)
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+    known = [t for t in query_tokens if t in retriever.vocab_dict]
+    if not known:
+        return [0.0] * len(texts)
+    return [normalize_sparse(float(s)) for s in retriever.get_scores(known)]
+
+
+def select_chunks(chunks: list[Chunk], budget: int, min_similarity: float) -> list[Chunk]:
+    """Best chunks first while they fit ``budget`` tokens and score >= ``min_similarity``, then in original order.
+
+    The best chunk is always kept (the drafter needs some context) even below the threshold.
+    """
+    kept, used = [], 0
+    for chunk in sorted(chunks, key=lambda c: (-c.score, c.start)):
+        if kept and chunk.score < min_similarity:
+            break
+        if used + len(chunk.token_ids) <= budget:
+            kept.append(chunk)
+            used += len(chunk.token_ids)
+    return sorted(kept, key=lambda c: c.start)
+
+
+def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str) -> tuple[list[Chunk], str]:
+    """Score chunks by BM25 against the question, or by their documents' retrieval scores.
+
+    ``auto`` uses the documents' scores when they carry information (not all equal, i.e. the input
+    was already retrieved and scored), and BM25 otherwise.
+    """
+    if ranking == "auto":
+        ranking = "scores" if len({d.score for d in ctx.documents}) > 1 else "bm25"
+    if ranking == "scores":
+        scores = [ctx.documents[c.document].score for c in chunks]
+    else:
+        tokenizer = ctx.engine.loaded.tokenizer
+        scores = bm25_scores([tokenizer.decode(list(c.token_ids)) for c in chunks], ctx.query)
+    return [Chunk(c.start, c.document, c.token_ids, float(s)) for c, s in zip(chunks, scores)], ranking
+
+
+def check_drafter(engine: Engine, drafter: object) -> Engine:
+    """The drafter engine: the target itself by default; another one must share the target's tokenizer."""
+    if drafter is None or drafter is engine:
+        return engine
+    if not isinstance(drafter, Engine):
+        raise InvalidOptionError(
+            f"drafter must be an Engine (or None to draft with the target model), got {type(drafter).__name__}")
+    mine, theirs = engine.loaded.tokenizer, drafter.loaded.tokenizer
+    if theirs is not mine and theirs.get_vocab() != mine.get_vocab():
+        raise InvalidOptionError(
+            f"the drafter {drafter.loaded.name!r} uses a different tokenizer than the target {engine.loaded.name!r}: "
+            "speculative decoding compares the two models token by token, so they must share one vocabulary. "
+            "Pick a drafter of the same model family (or drafter=None to draft with the target model itself).")
+    return drafter
+
+
+class _Side:
+    """One model in the speculative loop: its cache, and which tokens of its sequence are already in it."""
+
+    def __init__(self, model: torch.nn.Module, streams: StreamBatch, width: int):
+        self.model, self.streams, self.width, self.fed = model, streams, width, []
+
+    def forward(self, sequence: list[int], keep: int) -> torch.Tensor:
+        """Make the cache hold ``sequence``; return the logits of its last ``keep`` positions ([keep, V])."""
+        self.rewind(sequence)
+        if len(self.fed) > len(sequence) - keep:  # the last ``keep`` tokens must go through this pass
+            self.rewind(sequence[: len(sequence) - keep])
+        new = sequence[len(self.fed):]
+        ids = torch.tensor([new], device=self.streams.positions.device)
+        logits = forward_streams_keep(self.model, self.streams, ids, keep)[0, :, : self.width]
+        self.fed = list(sequence)
+        return logits
+
+    def rewind(self, sequence: list[int]) -> None:
+        """Drop cached tokens after the longest common prefix of what was fed and ``sequence``."""
+        common = 0
+        for fed, wanted in zip(self.fed, sequence):
+            if fed != wanted:
+                break
+            common += 1
+        drop = len(self.fed) - common
+        if drop:
+            self.streams.cache.crop(-drop)
+            self.streams.attention_mask = self.streams.attention_mask[:, :-drop]
+            self.streams.positions = self.streams.positions - drop
+            self.fed = self.fed[:common]
+
+
+@dataclass
+class _Stats:
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+
+
+class _Emitter:
+    """Collects emitted tokens with their trace, streams text, and applies the stop criteria."""
+
+    def __init__(self, ctx: DecodeContext):
+        self.ctx, self.pieces, self.trace, self.drafted = ctx, IncrementalText(ctx.engine.loaded.tokenizer), [], []
+        self.emitted_len, self.reason, self.ttft, self.done = 0, "length", 0.0, False
+
+    def push(self, token: int, score: float, drafted: bool) -> None:
+        if not self.trace and not self.done:
+            self.ttft = time.perf_counter() - self.ctx.started
+        if token in self.ctx.stop.eos_token_ids:
+            self.reason, self.done = "eos", True
+            return
+        self.trace.append(TraceStep(token, None, score))
+        self.drafted.append(drafted)
+        text, stopped = self.ctx.stop.cut(self.pieces.push(token))
+        self._stream(text)
+        if stopped:
+            self.reason, self.done = "stop", True
+        elif len(self.trace) >= self.ctx.stop.max_new_tokens:
+            self.done = True
+
+    def _stream(self, text: str) -> None:
+        if self.ctx.on_token is not None and len(text) > self.emitted_len:
+            self.ctx.on_token(text[self.emitted_len:])
+            self.emitted_len = len(text)
+
+    def result(self) -> DecodeResult:
+        text, _ = self.ctx.stop.cut(self.pieces.text)
+        self._stream(text)
+        return DecodeResult([s.token_id for s in self.trace], text, self.trace, self.ttft, self.reason,
+                            steps=len(self.trace), extra={"drafted_tokens": self.drafted})
+
+
+def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSampler,
+           eos: frozenset[int], stats: _Stats) -> tuple[list[int], torch.Tensor | None]:
+    """Propose up to ``gamma`` tokens (stopping after an EOS); return them and the distributions they came from."""
+    drafts, dists = [], []
+    for _ in range(gamma):
+        q = torch.softmax(scaled_logits(drafter.forward(sequence + drafts, 1)[0], sampler.temperature, sampler.top_p),
+                          dim=-1)
+        stats.draft_passes += 1
+        token = int(q.argmax()) if sampler.temperature == 0 else int(
+            torch.multinomial(q.cpu(), 1, generator=sampler.generator))
+        drafts.append(token)
+        dists.append(q)
+        if token in eos:
+            break
+    return drafts, torch.stack(dists) if dists else None
+
+
+def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: list[int], draft_prompt: list[int],
+              gamma: int, eta: float) -> DecodeResult:
+    """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text."""
+    sampler, emitter, stats, generated = ctx.sampler, _Emitter(ctx), _Stats(), []
+    while not emitter.done:
+        g = min(gamma, ctx.stop.max_new_tokens - len(emitter.trace) - 1)
+        drafts, dists = _draft(drafter, draft_prompt + generated, g, sampler, ctx.stop.eos_token_ids, stats)
+        logits = target.forward(target_prompt + generated + drafts, len(drafts) + 1)
+        stats.target_passes += 1
+        if dists is None:
+            verdict_accepted, token = 0, sampler(logits[0])
+        else:
+            verdict = verify(logits, dists, drafts, eta=eta, temperature=sampler.temperature, top_p=sampler.top_p,
+                             generator=sampler.generator)
+            verdict_accepted, token = verdict.accepted, verdict.token
+            stats.drafted += len(drafts)
+            stats.accepted += verdict.accepted
+        emitted = drafts[:verdict_accepted] + [token]
+        log_p = torch.log_softmax(scaled_logits(logits[: len(emitted)], sampler.temperature), dim=-1)
+        for i, t in enumerate(emitted):
+            if not emitter.done:
+                emitter.push(t, float(log_p[i, t]), i < verdict_accepted)
+                generated.append(t)
+    result = emitter.result()
+    result.extra.update(drafted=stats.drafted, accepted=stats.accepted, target_passes=stats.target_passes,
+                        draft_passes=stats.draft_passes,
+                        acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0)
+    return result
+
+
+def _target_alone_rate(ctx: DecodeContext, prefix: CachedKV, long_kv: CachedKV, suffix: list[int],
+                       max_new_tokens: int) -> float:
+    """Tokens per second of the target alone, timed over the same window as RAPID's ``rapid_decode_s``.
+
+    Both windows start from the cache of prefix + long context + all but the last suffix token.
+    """
+    loaded = ctx.engine.loaded
+    streams = batch_streams(prefix, [long_kv])
+    forward_streams(loaded.model, streams, torch.tensor([suffix[:-1]], device=loaded.device))
+    start = time.perf_counter()
+    first = forward_streams(loaded.model, streams, torch.tensor([suffix[-1:]], device=loaded.device))
+    sampler = TokenSampler(ctx.sampler.temperature, ctx.sampler.top_p)
+    stop = StopCriteria(frozenset(), max_new_tokens)  # same token count as RAPID, EOS or not
+    result = decode_fused(loaded.model, loaded.tokenizer, streams, first, single_stream, sampler, stop)
+    return len(result.token_ids) / (time.perf_counter() - start)
+
+
+@register_mode("rapid")
+def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: Engine | None = None,
+              draft_context_tokens: int = 1024, chunk_tokens: int = 512, min_similarity: float = 0.3,
+              ranking: str = "auto", compare_target: bool = False) -> DecodeResult:
+    """Retrieval-augmented speculative decoding.
+
+    gamma: tokens drafted per round (10, the paper's). eta: how strongly the drafter's distribution
+    shifts the target's (0 = plain speculative decoding, output distributed as the long-context target;
+    5-20 self-speculation, 40-50 with a larger drafter). drafter: an Engine with the same tokenizer
+    (default: the target model). draft_context_tokens / chunk_tokens / min_similarity / ranking: the
+    drafter's short context (chunks of the long context ranked by "bm25", the documents' "scores", or
+    "auto"; normalised relevance >= min_similarity, the best chunk always kept; original order).
+    compare_target: also decode with the target alone and report the measured speedup (adds that run's
+    time to ``total_s``). temperature / top_p / seed are the engine's; temperature 0 is the greedy variant.
+    """
+    _check_options(gamma, eta, draft_context_tokens, chunk_tokens, min_similarity, ranking)
+    engine, layout = ctx.engine, ctx.engine.layout
+    draft_engine = check_drafter(engine, drafter)
+    context_ids = [layout.context_ids(d.text) for d in ctx.documents]
+    long_ids = [t for ids in context_ids for t in ids]
+    suffix = layout.suffix_ids(ctx.query)
+    ctx.check_window(len(layout.prefix_ids) + len(long_ids) + len(suffix), "the long context (all documents)")
+    chunks, used_ranking = rank_chunks(ctx, split_chunks(context_ids, chunk_tokens), ranking)
+    kept = select_chunks(chunks, draft_context_tokens, min_similarity)
+    short_ids = [t for c in kept for t in c.token_ids]
+
+    prefix, long_kv = engine.store.prefix(layout), engine.store.document_tokens(layout, long_ids)
+    ctx.timings["long_context_s"] = time.perf_counter() - ctx.started
+    width = min(engine.loaded.model.get_output_embeddings().weight.shape[0],
+                draft_engine.loaded.model.get_output_embeddings().weight.shape[0])
+    target = _Side(engine.loaded.model, batch_streams(prefix, [long_kv]), width)
+    drafter_side = _Side(draft_engine.loaded.model, batch_streams(draft_engine.store.prefix(layout), [None]), width)
+    target.forward(suffix[:-1], 1)
+    ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
+    decode_start = time.perf_counter()
+    drafter_side.forward(short_ids + suffix[:-1], 1)
+    ctx.timings["draft_prefill_s"] = time.perf_counter() - decode_start
+    result = speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta)
+    rapid_s = time.perf_counter() - decode_start
+    n = len(result.token_ids)
+    ctx.timings.update(rapid_decode_s=rapid_s, rapid_tokens_per_s=n / rapid_s,
+                       acceptance_rate=result.extra["acceptance_rate"], drafted=float(result.extra["drafted"]),
+                       accepted=float(result.extra["accepted"]), target_passes=float(result.extra["target_passes"]),
+                       tokens_per_target_pass=n / max(result.extra["target_passes"], 1))
+    if compare_target and n:
+        target_rate = _target_alone_rate(ctx, prefix, long_kv, suffix, n)
+        ctx.timings.update(target_tokens_per_s=target_rate, speedup=(n / rapid_s) / target_rate)
+    result.extra.update(ranking=used_ranking, draft_context_tokens=len(short_ids), long_context_tokens=len(long_ids),
+                        drafter=draft_engine.loaded.name,
+                        chunks=[{"start": c.start, "document": c.document, "tokens": len(c.token_ids),
+                                 "score": round(c.score, 6)} for c in kept])
+    return result
+
+
+def _check_options(gamma: int, eta: float, draft_context_tokens: int, chunk_tokens: int, min_similarity: float,
+                   ranking: str) -> None:
+    if not isinstance(gamma, int) or gamma < 1:
+        raise InvalidOptionError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
+    if eta < 0:
+        raise InvalidOptionError(f"eta must be >= 0 (0 = plain speculative decoding), got {eta}")
+    if chunk_tokens < 1 or draft_context_tokens < chunk_tokens:
+        raise InvalidOptionError(f"need 1 <= chunk_tokens <= draft_context_tokens, got chunk_tokens={chunk_tokens}, "
+                                 f"draft_context_tokens={draft_context_tokens}")
+    if not 0 <= min_similarity <= 1:
+        raise InvalidOptionError(f"min_similarity is a normalised relevance in [0, 1], got {min_similarity}")
+    if ranking not in RANKINGS:
+        raise InvalidOptionError(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")

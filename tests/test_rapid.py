@@ -1,0 +1,330 @@
+"""RAPID: the speculative math against its closed forms, and the decode loop against the target alone.
+
+Invariants (METHODS.md "RAPID"): with eta = 0 greedy RAPID is token for token plain greedy decoding
+of the target over the long context, and sampled RAPID is distributed as the target; the residual
+is always a distribution (p = q included); a drafter with another tokenizer is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chi2, chisquare
+
+from ctx_integrations import Engine
+from ctx_integrations.engine import speculative
+from ctx_integrations.engine.model import model_identity
+from ctx_integrations.engine.rapid import Chunk, rank_chunks, select_chunks, split_chunks
+from ctx_integrations.engine.speculative import Verdict, nucleus, residual, tail_adjusted, verify
+from ctx_integrations.errors import InvalidOptionError
+from tests.helpers import embedded_tokenizer, greedy_reference, tiny_loaded
+
+DOCS = [
+    "Marrowgate is the capital of Veloria and lies on the river Ast. Its old town has narrow lanes and a harbour.",
+    "The mayor of Marrowgate is Ilsa Brenn, elected in 2019 after a long campaign about the harbour.",
+    "Veloria's national dish is smoked eel with plums, served at the Lantern Fair every autumn.",
+]
+QUESTION = "Who is the mayor of Marrowgate?"
+ALPHA = 1e-3  # significance level of the chi-square tests (seeds are fixed, so the outcome is deterministic)
+SMALL_CONTEXT = dict(chunk_tokens=8, draft_context_tokens=16)  # the drafter sees a small part of the context
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run ~100x faster on one thread on a shared, busy CPU (no spin-waiting between threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prompt_ids(engine: Engine, documents: list[str], question: str) -> list[int]:
+    layout = engine.layout
+    return layout.prefix_ids + [t for d in documents for t in layout.context_ids(d)] + layout.suffix_ids(question)
+
+
+def random_distributions(generator: torch.Generator, rows: int, vocab: int, sharpness: float = 3.0) -> torch.Tensor:
+    return torch.softmax(sharpness * torch.randn(rows, vocab, generator=generator), dim=-1)
+
+
+# -- the pure math -------------------------------------------------------------------------------------
+
+
+def test_residual_is_a_distribution_including_p_equal_q():
+    generator = torch.Generator().manual_seed(0)
+    p, q = random_distributions(generator, 64, 50), random_distributions(generator, 64, 50)
+    logits = torch.log(p)
+    for eta in (0.0, 5.0, 50.0):
+        p_hat = tail_adjusted(logits, p, q, eta)
+        r = residual(p, q, p_hat)
+        assert (r >= 0).all()
+        torch.testing.assert_close(r.sum(-1), torch.ones(64))
+    # p = q (and so p^ = p): nothing to correct; the fallback is p itself, not NaN or zeros
+    r = residual(p, p, p)
+    assert torch.isfinite(r).all() and (r >= 0).all()
+    torch.testing.assert_close(r, p)
+    # eta = 0: the standard speculative residual norm(max(p - q, 0)), computed by hand
+    p1, q1 = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    torch.testing.assert_close(residual(p1, q1, p1), torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_residual_takes_mass_where_the_augmented_target_is_below_p():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    p_hat = torch.tensor([0.3, 0.5, 0.2])  # augmented target moved mass from token 0 to token 1
+    # max(p - q, p - p^, 0) = max([0.3, -0.2, -0.1], [0.2, -0.2, 0.0], 0) = [0.3, 0, 0]
+    torch.testing.assert_close(residual(p, q, p_hat), torch.tensor([1.0, 0.0, 0.0]))
+    p_hat = torch.tensor([0.5, 0.1, 0.4])
+    # max([0.3, -0.2, -0.1], [0.0, 0.2, -0.2], 0) = [0.3, 0.2, 0]
+    torch.testing.assert_close(residual(p, q, p_hat), torch.tensor([0.6, 0.4, 0.0]))
+
+
+def test_tail_rule_matches_its_closed_form():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = torch.softmax(logits, -1)
+    q = torch.tensor([0.6, 0.35, 0.049, 0.001])  # tokens 2 and 3 are below 0.1 * max(q) = 0.06
+    eta = 4.0
+    expected = torch.softmax(torch.tensor([2.0 + eta * (0.6 - p[0]), 1.0 + eta * (0.35 - p[1]), 0.0, -1.0]), -1)
+    torch.testing.assert_close(tail_adjusted(logits, p, q, eta), expected)
+    torch.testing.assert_close(tail_adjusted(logits, p, q, 0.0), p)
+
+
+def test_nucleus_keeps_the_smallest_head_with_top_p_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(nucleus(logits, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    assert torch.isfinite(nucleus(logits, 0.1)).tolist() == [True, False, False, False]
+    assert torch.equal(nucleus(logits, 1.0), logits)
+
+
+def test_greedy_verify_accepts_the_agreeing_prefix_then_corrects():
+    # target argmax per row: 1, 2, 0, (bonus row) 3
+    target = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0], [5.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    q = torch.full((3, 4), 0.25)
+    common = dict(eta=0.0, temperature=0.0, top_p=1.0, generator=None)
+    assert verify(target, q, [1, 2, 3], **common) == Verdict(2, 0, False)
+    assert verify(target, q, [1, 2, 0], **common) == Verdict(3, 3, True)
+    assert verify(target, q, [0, 2, 0], **common) == Verdict(0, 1, False)
+
+
+def emitted_distribution(p_logits: torch.Tensor, q: torch.Tensor, eta: float) -> torch.Tensor:
+    """Closed form of the first emitted token: accepted drafts plus rejections redrawn from the residual."""
+    p = torch.softmax(p_logits, -1)
+    p_hat = tail_adjusted(p_logits, p, q, eta)
+    accept = torch.clamp(p_hat / q, max=1.0)
+    return q * accept + (1 - (q * accept).sum()) * residual(p, q, p_hat)
+
+
+def sample_first_tokens(p_logits: torch.Tensor, q: torch.Tensor, eta: float, n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    bonus_row = torch.zeros_like(p_logits)
+    counts = torch.zeros(len(q))
+    for _ in range(n):
+        draft = int(torch.multinomial(q, 1, generator=generator))
+        verdict = verify(torch.stack([p_logits, bonus_row]), q.unsqueeze(0), [draft], eta=eta, temperature=1.0,
+                         top_p=1.0, generator=generator)
+        counts[draft if verdict.accepted else verdict.token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("eta", [0.0, 3.0])
+def test_sampled_verify_follows_its_closed_form(eta):
+    p_logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    q = torch.tensor([0.1, 0.45, 0.05, 0.2, 0.1, 0.1])
+    expected = emitted_distribution(p_logits, q, eta)
+    if eta == 0:  # plain speculative sampling is exact: the emitted token is distributed as p
+        torch.testing.assert_close(expected, torch.softmax(p_logits, -1))
+    n = 3000
+    counts = sample_first_tokens(p_logits, q, eta, n)
+    assert chisquare(counts.numpy(), (n * expected).numpy()).pvalue > 1e-3
+    # the same test rejects the drafter's own distribution: it has the power to fail
+    assert chisquare(counts.numpy(), (n * q).numpy()).pvalue < 1e-6
+
+
+# -- the decode loop -----------------------------------------------------------------------------------
+
+
+def sharp_tiny(seed: int = 0, logit_scale: float = 1.0, noise: float = 0.0):
+    """A tiny model whose next-token distributions are peaked enough for a chi-square test to have power.
+
+    Same-tokenizer drafters of a different shape: ``logit_scale`` multiplies the final norm (all
+    logits), ``noise`` perturbs the last layer's weights (a drafter that agrees with the target often).
+    """
+    loaded = tiny_loaded("llama", seed, initializer_range=0.5)
+    if logit_scale == 1.0 and noise == 0.0:
+        return loaded
+    model = copy.deepcopy(loaded.model)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(logit_scale)
+        for weight in model.model.layers[-1].parameters():
+            weight.add_(noise * torch.randn(weight.shape, generator=generator))
+    name = f"{loaded.name}-x{logit_scale}-n{noise}"
+    return dataclasses.replace(loaded, model=model, name=name, identity=model_identity(model, name))
+
+
+# the drafter sees the whole context (no ranking needed)
+WHOLE_CONTEXT = dict(draft_context_tokens=4096, chunk_tokens=512, min_similarity=0.0, ranking="scores")
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 10])
+@pytest.mark.parametrize("drafter_kind", ["self", "other"])
+def test_greedy_with_eta_zero_is_plain_greedy_of_the_target(gamma, drafter_kind):
+    engine = Engine(sharp_tiny(0))
+    drafter = None if drafter_kind == "self" else Engine(sharp_tiny(0, logit_scale=0.7))
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", eta=0.0, gamma=gamma, drafter=drafter,
+                             max_new_tokens=24, **SMALL_CONTEXT)
+    expected = greedy_reference(engine.loaded, prompt_ids(engine, DOCS, QUESTION), 24)
+    assert answer.token_ids == expected and len(expected) == 24
+    assert answer.extra["drafted"] > 0
+    assert 0 <= answer.extra["accepted"] <= answer.extra["drafted"]
+    assert answer.timings["acceptance_rate"] == answer.extra["accepted"] / answer.extra["drafted"]
+    assert answer.timings["target_passes"] < 24 or answer.extra["accepted"] == 0
+
+
+def test_greedy_parity_covers_both_accepted_and_rejected_drafts():
+    """A drafter that agrees with the target part of the time: both verification branches run."""
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05))
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", eta=0.0, gamma=4, drafter=drafter, max_new_tokens=32,
+                             **WHOLE_CONTEXT)
+    assert answer.token_ids == greedy_reference(engine.loaded, prompt_ids(engine, DOCS, QUESTION), 32)
+    drafted = answer.extra["drafted_tokens"]
+    assert 0 < answer.extra["accepted"] < answer.extra["drafted"], answer.extra
+    assert any(drafted) and not all(drafted)
+
+
+def target_first_token_distribution(engine: Engine, documents: list[str]) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids(engine, documents, QUESTION)])
+    with torch.no_grad():
+        return torch.softmax(engine.loaded.model(ids).logits[0, -1].float(), -1)
+
+
+def chi_square_pvalue(samples: list[int], p: torch.Tensor) -> float:
+    """Chi-square of samples against p over the tokens expected >= 5 times, the rest lumped together."""
+    n = len(samples)
+    heads = [int(t) for t in torch.nonzero(p * n >= 5).flatten()]
+    observed = [sum(s == t for s in samples) for t in heads]
+    expected = [float(p[t]) * n for t in heads]
+    rest = n - sum(expected)
+    observed.append(n - sum(observed))
+    expected.append(rest)
+    if rest < 5:  # merge a too-small remainder into the last bin
+        observed[-2:], expected[-2:] = [sum(observed[-2:])], [sum(expected[-2:])]
+    assert len(expected) >= 2, "the target distribution is too flat for a meaningful test"
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return float(chi2.sf(statistic, len(expected) - 1))
+
+
+def test_sampling_with_eta_zero_reproduces_the_target_distribution(monkeypatch):
+    """Hundreds of seeds; the drafter (flatter logits, whole context) is often rejected, so the residual is used."""
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, logit_scale=0.5))
+    p = target_first_token_distribution(engine, DOCS)
+    options = dict(mode="rapid", drafter=drafter, gamma=1, max_new_tokens=2, temperature=1.0, **WHOLE_CONTEXT)
+    samples, accepted = [], 0
+    for seed in range(250):
+        answer = engine.generate(QUESTION, DOCS, eta=0.0, seed=seed, **options)
+        samples.append(answer.token_ids[0])
+        accepted += answer.extra["drafted_tokens"][0]
+    assert 25 < accepted < 225, accepted  # both branches exercised
+    assert chi_square_pvalue(samples, p) > ALPHA
+    # can fail: the classic bug of redrawing a rejected token from the drafter is caught by the same test
+    monkeypatch.setattr(speculative, "residual", lambda p, q, p_hat: q)
+    buggy = [engine.generate(QUESTION, DOCS, eta=0.0, seed=seed, **options).token_ids[0] for seed in range(150)]
+    assert chi_square_pvalue(buggy, p) < ALPHA
+
+
+def test_long_context_cache_is_reused_across_questions(tiny_engine):
+    first = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=4, **SMALL_CONTEXT)
+    second = tiny_engine.generate("What is the capital of Veloria?", DOCS, mode="rapid", max_new_tokens=4,
+                                  **SMALL_CONTEXT)
+    assert first.cache_misses == 1
+    assert second.cache_hits == 1 and second.cache_misses == 0
+    assert second.extra["long_context_tokens"] == first.extra["long_context_tokens"]
+
+
+def test_drafter_with_another_tokenizer_is_refused():
+    tokenizer = copy.deepcopy(embedded_tokenizer())
+    tokenizer.add_tokens(["<not-in-the-target-vocabulary>"])
+    other = dataclasses.replace(tiny_loaded("llama", 1), tokenizer=tokenizer)
+    target = Engine(tiny_loaded("llama", 0))
+    with pytest.raises(InvalidOptionError, match="different tokenizer"):
+        target.generate(QUESTION, DOCS, mode="rapid", drafter=Engine(other), max_new_tokens=2)
+    with pytest.raises(InvalidOptionError, match="must be an Engine"):
+        target.generate(QUESTION, DOCS, mode="rapid", drafter="SmolLM2", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("options", [dict(gamma=0), dict(eta=-1.0), dict(ranking="dense"), dict(min_similarity=2.0),
+                                     dict(chunk_tokens=1024, draft_context_tokens=512)])
+def test_invalid_options_are_refused(tiny_engine, options):
+    with pytest.raises(InvalidOptionError):
+        tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, **options)
+
+
+def test_stop_string_and_streaming(tiny_engine):
+    pieces: list[str] = []
+    full = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=12, on_token=pieces.append,
+                                **SMALL_CONTEXT)
+    assert len(full.text) > 3 and "".join(pieces) == full.text and full.finish_reason == "length"
+    stop = full.text[len(full.text) // 2:][:2]
+    cut = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=12, stop=[stop], **SMALL_CONTEXT)
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+    assert len(cut.token_ids) < len(full.token_ids)
+
+
+def test_compare_target_reports_a_measured_speedup(tiny_engine):
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=6, compare_target=True,
+                                  **SMALL_CONTEXT)
+    for key in ("speedup", "target_tokens_per_s", "rapid_tokens_per_s", "drafted", "accepted", "acceptance_rate"):
+        assert key in answer.timings
+    assert answer.timings["speedup"] > 0
+
+
+# -- the drafter's short context -----------------------------------------------------------------------
+
+
+def test_chunks_cover_the_context_and_never_cross_documents():
+    chunks = split_chunks([list(range(10)), list(range(10, 13))], 4)
+    assert [c.token_ids for c in chunks] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9), (10, 11, 12)]
+    assert [c.start for c in chunks] == [0, 4, 8, 10] and [c.document for c in chunks] == [0, 0, 0, 1]
+
+
+def test_selection_keeps_the_best_chunks_in_original_order():
+    chunks = [Chunk(0, 0, (1,) * 4, 0.2), Chunk(4, 0, (2,) * 4, 0.9), Chunk(8, 1, (3,) * 4, 0.5),
+              Chunk(12, 1, (4,) * 4, 0.7)]
+    assert [c.start for c in select_chunks(chunks, 8, 0.3)] == [4, 12]  # budget: the two best
+    assert [c.start for c in select_chunks(chunks, 100, 0.3)] == [4, 8, 12]  # threshold drops 0.2
+    assert [c.start for c in select_chunks(chunks, 100, 0.95)] == [4]  # the best one is always kept
+
+
+def test_ranking_by_bm25_and_by_document_scores(tiny_engine):
+    from ctx_integrations.documents import prepare_documents
+    from ctx_integrations.engine.modes import DecodeContext
+    from ctx_integrations.engine.streams import StopCriteria, TokenSampler
+
+    def context(scores):
+        return DecodeContext(tiny_engine, QUESTION, prepare_documents(DOCS, scores), TokenSampler(),
+                             StopCriteria(frozenset({2}), 4))
+
+    ids = [tiny_engine.layout.context_ids(d) for d in DOCS]
+    ranked, used = rank_chunks(context(None), split_chunks(ids, 512), "auto")
+    assert used == "bm25" and max(ranked, key=lambda c: c.score).document == 1  # the mayor's document
+    ranked, used = rank_chunks(context([0.9, 0.1, 0.4]), split_chunks(ids, 512), "auto")
+    assert used == "scores" and [c.score for c in ranked] == [0.9, 0.1, 0.4]
+
+
+@pytest.mark.slow
+def test_embedded_greedy_with_eta_zero_equals_concat(embedded_engine):
+    """The real model: RAPID (self-drafting over one retrieved chunk) emits the long-context target's greedy answer."""
+    from benchmarks.synthetic import secret_code_example
+
+    example = secret_code_example(embedded_engine.layout, 4, 200, seed=3)
+    options = dict(max_new_tokens=12)
+    rapid = embedded_engine.generate(example.question, example.documents, mode="rapid", eta=0.0, gamma=4,
+                                     chunk_tokens=128, draft_context_tokens=256, **options)
+    concat = embedded_engine.generate(example.question, example.documents, mode="concat", **options)
+    assert rapid.token_ids == concat.token_ids and rapid.token_ids
+    assert rapid.extra["drafted"] > 0 and rapid.extra["draft_context_tokens"] <= 256
