@@ -58,7 +58,8 @@ def test_relevance_scores_are_kept_with_ids(embeddings):
     assert [d.id for d in docs] == [d.id for d, _ in expected] and docs[0].id == "doc0"
     for doc, (_, relevance) in zip(docs, expected):
         assert doc.metadata["score"] == pytest.approx(relevance)
-        assert doc.metadata["scores"] == {"relevance_raw": pytest.approx(relevance), "relevance": doc.metadata["score"]}
+        scores = {"relevance": pytest.approx(relevance), "relevance_norm": doc.metadata["score"]}
+        assert doc.metadata["scores"] == scores
         assert doc.metadata["source"] == doc.id  # the store's own metadata is kept
     assert docs[0].metadata["score"] > docs[-1].metadata["score"]
 
@@ -72,7 +73,7 @@ def test_similarity_search_normalises_cosine_like_the_paper(embeddings):
     raw = dict((d.id, s) for d, s in store.similarity_search_with_score("vault code", k=2))
     assert docs[0].id == "doc4"
     for doc in docs:
-        assert doc.metadata["scores"]["similarity_raw"] == pytest.approx(raw[doc.id])
+        assert doc.metadata["scores"]["similarity"] == pytest.approx(raw[doc.id])
         assert doc.metadata["score"] == pytest.approx(normalize_dense(raw[doc.id]))
 
 

@@ -31,7 +31,7 @@ from tests.helpers import tiny_loaded
 
 DOCS = [
     LCDocument(page_content="The secret code of the vault is 4721.", id="vault",
-               metadata={"score": 0.9, "scores": {"dense": 0.8, "dense_raw": 0.6}, "source": "a.txt"}),
+               metadata={"score": 0.9, "scores": {"dense": 0.6, "dense_norm": 0.8}, "source": "a.txt"}),
     LCDocument(page_content="Paris is the capital of France.", id="paris", metadata={"score": 0.4}),
 ]
 QUESTION = "What is the secret code?"
@@ -86,7 +86,7 @@ def test_invoke_matches_engine_and_carries_trace_citations_timings(runnable, eng
     assert [step["token_id"] for step in meta["trace"]] == answer.token_ids
     assert {"ttft_s", "total_s", "tokens_per_s"} <= set(meta["timings"])
     assert [d["id"] for d in meta["documents"]] == ["vault", "paris"]
-    assert meta["documents"][0]["scores"] == {"dense": 0.8, "dense_raw": 0.6}  # every part travels through
+    assert meta["documents"][0]["scores"] == {"dense": 0.6, "dense_norm": 0.8}  # every part travels through
     assert meta["documents"][0]["metadata"] == {"source": "a.txt"}
     won = [d["tokens_won"] for d in meta["documents"]]
     assert sum(won) == len(answer.token_ids)
@@ -205,6 +205,19 @@ def test_batch_over_different_documents_answers_each(runnable, engine):
     assert [m.content for m in again] == [m.content for m in outputs]
 
 
+def test_batch_over_shared_documents(runnable, engine):
+    """Questions over the same documents: the many-questions path when the engine has one, else one by one."""
+    questions = [QUESTION, "Which city is the capital?"]
+    outputs = runnable.batch([{"question": q, "documents": DOCS} for q in questions])
+    docs = [Document(d.page_content, d.id, d.metadata["score"]) for d in DOCS]
+    if callable(getattr(engine, "generate_many", None)):
+        answers = engine.generate_many(questions, docs, mode="ippd", max_new_tokens=TOKENS)
+    else:
+        answers = [expected(engine), engine.generate(questions[1], docs, max_new_tokens=TOKENS)]
+    assert [o.content for o in outputs] == [a.text for a in answers]
+    assert [o.response_metadata["mode"] for o in outputs] == [a.mode for a in answers]
+
+
 def test_bad_inputs_raise_clear_errors(runnable, engine):
     with pytest.raises(InvalidOptionError, match="no 'question'"):
         runnable.invoke({"query": QUESTION, "documents": DOCS})
@@ -266,6 +279,6 @@ def test_lcel_chain_on_the_embedded_default(embedded_engine):
     assert "4721" in message.content
     meta = message.response_metadata
     assert meta["documents"][0]["id"] == "vault" and meta["cited_documents"][0] == 0
-    assert 0.5 < meta["documents"][0]["score"] < 1 and "similarity_raw" in meta["documents"][0]["scores"]
+    assert 0.5 < meta["documents"][0]["score"] < 1 and "similarity" in meta["documents"][0]["scores"]
     chunks = list(chain.stream("What is the secret code of the vault?"))
     assert len(chunks) > 2 and "".join(c.content for c in chunks) == message.content

@@ -74,8 +74,9 @@ class VectorStoreScoredRetriever(BaseRetriever):
     maps into [0, 1]; clipped to [0, 1 - eps]); ``search="similarity"`` calls
     ``similarity_search_with_score`` for stores without a relevance function (e.g. ``InMemoryVectorStore``,
     whose score is a cosine in [-1, 1], normalised with ``normalize_dense`` as in the PCED paper).
-    ``metadata["scores"]`` gets ``<search>_raw`` (what the store returned) and ``<search>`` (normalised);
-    ``metadata["score"]`` is the normalised r. ``normalize`` replaces the default normalisation.
+    ``metadata["scores"]`` gets ``<search>`` (what the store returned) and ``<search>_norm`` (normalised),
+    the project's naming; ``metadata["score"]`` is the normalised r. ``normalize`` replaces the default
+    normalisation (e.g. for a store whose ``similarity_search_with_score`` returns a distance).
     """
 
     vectorstore: VectorStore = Field(exclude=True)
@@ -104,7 +105,7 @@ class VectorStoreScoredRetriever(BaseRetriever):
         out = []
         for document, raw in pairs:
             r = normalize(raw)
-            scores = {**(document.metadata.get(SCORES_KEY) or {}), f"{self.search}_raw": float(raw), self.search: r}
+            scores = {**(document.metadata.get(SCORES_KEY) or {}), self.search: float(raw), f"{self.search}_norm": r}
             out.append(LCDocument(page_content=document.page_content, metadata={**document.metadata, SCORE_KEY: r,
                                                                                  SCORES_KEY: scores},
                                   id=document.id or content_id(document.page_content)))
