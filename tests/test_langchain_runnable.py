@@ -113,6 +113,8 @@ def test_text_output_and_plain_documents(engine):
     texts = [d.page_content for d in DOCS]
     out = runnable.invoke({"question": QUESTION, "documents": texts})
     assert out == engine.generate(QUESTION, texts, max_new_tokens=TOKENS).text
+    pieces = list(runnable.stream({"question": QUESTION, "documents": texts}))
+    assert len(pieces) > 2 and all(isinstance(p, str) for p in pieces) and "".join(pieces) == out
 
 
 def test_stream_yields_token_chunks_that_join_to_the_answer(runnable, engine):
@@ -154,6 +156,14 @@ def test_astream_does_not_block_the_event_loop(engine):
     assert "".join(c.content for c in chunks) == expected(engine, max_new_tokens=24).text
     during = [t for t in ticks if arrivals[0] < t < arrivals[-1]]
     assert len(during) >= 3, f"the loop ticked {len(during)} times while tokens were decoded"
+
+
+def test_astream_events_report_each_token(runnable, engine):
+    async def events():
+        return [e async for e in runnable.astream_events({"question": QUESTION, "documents": DOCS}, version="v2")]
+
+    streamed = [e for e in asyncio.run(events()) if e["event"] == "on_chain_stream"]
+    assert len(streamed) > 2 and "".join(e["data"]["chunk"].content for e in streamed) == expected(engine).text
 
 
 def test_ainvoke_matches_invoke(runnable, engine):
