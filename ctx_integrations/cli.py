@@ -1,0 +1,293 @@
+"""``ctx-experts``: the command line, a user's first contact with the library.
+
+Built-in commands: ``demo`` (a small invented-city corpus answered with PCED and concatenation),
+``ingest`` (files into a store, KV caches computed at ingestion) and ``ask`` (answer from a store,
+with sources, scores and timings), ``distill`` (Consistency Distillation, a LoRA adapter for
+Soft-NBCE). A command is a function
+registered with :func:`register_command`; heavy or optional packages are imported inside it, so
+the parser stays cheap to build. Errors derived from ``CtxIntegrationsError`` raised by a command
+are printed as ``error: ...`` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
+
+Handler = Callable[[argparse.Namespace], int]
+Configure = Callable[[argparse.ArgumentParser], None]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Configure | None
+    run: Handler
+
+
+_COMMANDS: dict[str, Command] = {}
+
+
+def register_command(name: str, *, help: str, configure: Configure | None = None) -> Callable[[Handler], Handler]:
+    """Register ``ctx-experts <name>``; ``configure`` adds its arguments, the decorated function runs it."""
+
+    def decorate(run: Handler) -> Handler:
+        _COMMANDS[name] = Command(name, help, configure, run)
+        return run
+
+    return decorate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is much faster on a busy shared CPU)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _COMMANDS.values():
+        sub = commands.add_parser(command.name, help=command.help, description=command.help)
+        if command.configure is not None:
+            command.configure(sub)
+        sub.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ctx-experts`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    try:
+        return int(args._run(args) or 0)
+    except CtxIntegrationsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _quiet_libraries() -> None:
+    """transformers prints a progress bar per model load; in a CLI transcript that is noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+# -- shared arguments ----------------------------------------------------------------------------------
+def _default_store() -> Path:
+    from ctx_integrations.paths import cache_root
+
+    return cache_root() / "store"
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="LLM: HF id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="torch device for the LLM (default: cuda if available)")
+
+
+def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--top-k", type=int, default=4, help="documents retrieved per question (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
+
+
+def _add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--retriever", choices=("minilm", "bge-m3"), default=None,
+                        help="embedder: the embedded all-MiniLM-L6-v2 or BGE-M3 (default: what built the store)")
+    parser.add_argument("--bge-m3-model", default="BAAI/bge-m3", help="BGE-M3 hub id or local folder")
+    parser.add_argument("--retriever-device", default="cpu", help="device of the embedder and reranker (cpu)")
+
+
+def _open_store(args: argparse.Namespace, must_exist: bool) -> Any:
+    from ctx_integrations.retrieval.embedders import default_embedder
+    from ctx_integrations.retrieval.store import DocumentStore, is_url
+
+    location = args.store if is_url(str(args.store)) else Path(args.store)
+    if must_exist and isinstance(location, Path) and not (location / "chroma").is_dir():
+        raise InvalidOptionError(f"no store at {location}: build one with `ctx-experts ingest PATH --store {location}`")
+    embedder = None
+    if args.retriever == "minilm":
+        embedder = default_embedder(args.retriever_device)
+    elif args.retriever == "bge-m3":
+        from ctx_integrations.retrieval.flag import BGEM3Embedder
+
+        embedder = BGEM3Embedder(args.bge_m3_model, device=args.retriever_device)
+    return DocumentStore(location, embedder=embedder)
+
+
+# -- printing ------------------------------------------------------------------------------------------
+def _score_line(scores: dict[str, float]) -> str:
+    parts = [f"r={scores.get('fused', float('nan')):.3f}"]
+    for kind in ("dense", "sparse", "colbert", "reranker"):
+        if kind in scores:
+            parts.append(f"{kind}={scores[kind]:.3f}->{scores[kind + '_norm']:.3f}")
+    return " ".join(parts)
+
+
+def _print_sources(documents: list[Any], indent: str = "  ") -> None:
+    for rank, doc in enumerate(documents, 1):
+        source = doc.metadata.get("source") or doc.metadata.get("title") or ""
+        print(f"{indent}{rank}. {doc.id}  {_score_line(doc.scores)}  {source}".rstrip())
+
+
+def _print_answer(answer: Any, indent: str = "  ") -> None:
+    timings = answer.timings
+    print(f"{indent}[{answer.mode}] {answer.text.strip()}")
+    counts = answer.citation_counts()
+    if counts:
+        cited = ", ".join(f"{answer.documents[i].id} (r={answer.documents[i].score:.3f}, {n} tokens)"
+                          for i, n in counts.most_common())
+        print(f"{indent}    cited: {cited}")
+    else:
+        print(f"{indent}    cited: (mode {answer.mode} has no per-token attribution; sources listed above)")
+    print(f"{indent}    TTFT {timings['ttft_s']:.2f} s, total {timings['total_s']:.2f} s, "
+          f"{timings['tokens_per_s']:.1f} tok/s, KV cache {answer.cache_hits} hits / {answer.cache_misses} misses")
+
+
+# -- demo ----------------------------------------------------------------------------------------------
+def load_demo_corpus() -> tuple[list[Any], list[dict[str, str]]]:
+    """The shipped invented-city corpus (documents with ids/titles) and its questions with answers."""
+    from ctx_integrations.documents import Document
+
+    data = resources.files("ctx_integrations") / "data"
+    docs = []
+    for line in (data / "demo_city.jsonl").read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            docs.append(Document(row["text"], id=row["id"], metadata={"title": row["title"]}))
+    questions = json.loads((data / "demo_questions.json").read_text(encoding="utf-8"))
+    return docs, questions
+
+
+def _configure_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None, help="store folder (default: $CTX_CACHE_DIR/demo_store)")
+    parser.add_argument("--modes", default="pced,concat", help="comma-separated modes to compare (pced,concat)")
+    _add_model_arguments(parser)
+    parser.add_argument("--top-k", type=int, default=3, help="documents retrieved per question (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (default 24)")
+
+
+@register_command("demo", help="answer questions about a small invented city with PCED and concatenation",
+                  configure=_configure_demo)
+def run_demo(args: argparse.Namespace) -> int:
+    from ctx_integrations.paths import cache_root
+    from ctx_integrations.retrieval.retriever import ScoredRetriever
+    from ctx_integrations.retrieval.store import DocumentStore
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    store = DocumentStore(Path(args.store) if args.store else cache_root() / "demo_store")
+    started = time.perf_counter()
+    engine = store.open_engine(args.model, device=args.device)
+    unknown = [m for m in modes if m not in engine.modes]
+    if unknown:
+        raise InvalidOptionError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(engine.modes)}")
+    documents, questions = load_demo_corpus()
+    report = store.add(documents)
+    print(f"store {store.location}: {report.added} added, {report.updated} updated, {report.unchanged} unchanged; "
+          f"KV caches: {report.cache_misses} computed at ingestion "
+          f"({time.perf_counter() - started:.1f} s incl. model load)")
+    retriever = ScoredRetriever(store)
+    misses = 0
+    for item in questions:
+        print(f"\nQ: {item['question']}   (expected: {item['answer']})")
+        docs = retriever.retrieve(item["question"], top_k=args.top_k)
+        _print_sources(docs)
+        for mode in modes:
+            answer = engine.generate(item["question"], docs, mode=mode, max_new_tokens=args.max_new_tokens)
+            misses += answer.cache_misses
+            _print_answer(answer)
+            found = item["answer"].lower() in answer.text.lower()
+            print(f"      contains the expected answer: {'yes' if found else 'no'}")
+    print(f"\ndone in {time.perf_counter() - started:.1f} s; KV cache misses while answering: {misses}")
+    return 0
+
+
+# -- ask -----------------------------------------------------------------------------------------------
+def _configure_ask(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("question", help="the question to answer")
+    parser.add_argument("--store", default=str(_default_store()), help="store folder or Chroma URL")
+    parser.add_argument("--mode", default="pced", help="decoding mode (any registered: pced, concat, ...)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a mode option, e.g. --option gamma=2.5 (repeatable; values parsed as JSON)")
+    _add_generation_arguments(parser)
+    _add_retriever_arguments(parser)
+    parser.add_argument("--score", choices=("dense", "sparse", "colbert"), default="dense",
+                        help="retrieval score used as r_ret (the paper's three PCED variants)")
+    parser.add_argument("--reranker", default=None, help="FlagReranker model (hub id or folder); r fuses both")
+    parser.add_argument("--rerank-top-n", type=int, default=None, help="candidates the reranker sees")
+    _add_model_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+
+
+def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidOptionError(f"--option {pair!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+@register_command("ask", help="answer a question from a store, listing sources with scores and timings",
+                  configure=_configure_ask)
+def run_ask(args: argparse.Namespace) -> int:
+    from ctx_integrations.engine.modes import available_modes, check_options, resolve_mode
+    from ctx_integrations.retrieval.retriever import ScoredRetriever
+
+    options = _parse_options(args.option)
+    resolve_mode(args.mode)  # refuse a typo before loading anything
+    check_options(args.mode, options)
+    available_modes()
+    store = _open_store(args, must_exist=True)
+    reranker = None
+    if args.reranker:
+        from ctx_integrations.retrieval.flag import FlagRerankerModel
+
+        reranker = FlagRerankerModel(args.reranker, device=args.retriever_device)
+    retriever = ScoredRetriever(store, score=args.score, reranker=reranker)
+    started = time.perf_counter()
+    docs = retriever.retrieve(args.question, top_k=args.top_k, rerank_top_n=args.rerank_top_n)
+    retrieval_s = time.perf_counter() - started
+    engine = store.open_engine(args.model, device=args.device)
+    answer = engine.generate(args.question, docs, mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
+    if args.json:
+        print(json.dumps({**answer.to_dict(), "retrieval_s": retrieval_s}, indent=1))
+        return 0
+    print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
+    _print_sources(docs)
+    _print_answer(answer, indent="")
+    return 0
+
+
+# -- distill -------------------------------------------------------------------------------------------
+def _configure_distill(parser: argparse.ArgumentParser) -> None:
+    from ctx_integrations.engine.distill import add_arguments
+
+    add_arguments(parser)
+
+
+@register_command("distill", help="train a LoRA adapter by Consistency Distillation (Soft-NBCE) on plain text",
+                  configure=_configure_distill)
+def run_distill(args: argparse.Namespace) -> int:
+    from ctx_integrations.engine.distill import run_command
+
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
