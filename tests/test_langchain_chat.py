@@ -15,9 +15,9 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.chat import conversation_ids
 from ctx_integrations.errors import InvalidOptionError, UnknownModeError
 from ctx_integrations.langchain import ChatContextOfExperts
-from ctx_integrations.langchain.plain_chat import conversation_ids
 from tests.helpers import greedy_reference, tiny_loaded
 
 # langchain-tests' async standard tests carry no asyncio mark; the project runs pytest-asyncio in strict mode.

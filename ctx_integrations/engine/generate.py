@@ -7,10 +7,9 @@ The engine owns a loaded model, the prompt layout and the KV-cache store; every 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from ctx_integrations.engine.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_P
 from ctx_integrations.engine.model import LoadedModel, load_model
 from ctx_integrations.engine.modes import DecodeContext, available_modes, check_options, resolve_mode
 from ctx_integrations.engine.streams import StopCriteria, TokenSampler
+from ctx_integrations.engine.token_stream import iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 
 
@@ -99,28 +99,13 @@ class Engine:
                       cache_misses=after["misses"] - before["misses"], finish_reason=result.finish_reason,
                       options=dict(options), extra=result.extra)
 
-    def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Iterator[str]:
-        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value."""
-        pieces: queue.Queue = queue.Queue()
-        outcome: dict[str, Any] = {}
+    def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
+        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
 
-        def work() -> None:
-            try:
-                outcome["answer"] = self.generate(query, documents, on_token=pieces.put, **kwargs)
-            except BaseException as error:  # re-raised in the consumer's thread
-                outcome["error"] = error
-            finally:
-                pieces.put(None)
-
+        Closing the generator early stops decoding at the next token.
+        """
         if "on_token" in kwargs:
             raise InvalidOptionError("stream() delivers tokens itself; use generate(on_token=...) for a callback")
         if not documents:
             raise EmptyDocumentsError("no documents were given: pass at least one document")
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        while (piece := pieces.get()) is not None:
-            yield piece
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["answer"]
+        return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))

@@ -20,14 +20,15 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field
 
+from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.engine.answer import Answer
+from ctx_integrations.engine.chat import chat_answer, conversation_ids
 from ctx_integrations.engine.generate import Engine
 from ctx_integrations.engine.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.modes import check_options, resolve_mode
+from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import InvalidOptionError
-from ctx_integrations.langchain.bridge import aiter_tokens, check_engine, iter_tokens, prompt_tokens, resolve_engine
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
-from ctx_integrations.langchain.plain_chat import chat_answer, conversation_ids
 
 DEFAULT_MAX_TOKENS = 128
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}

@@ -21,12 +21,13 @@ from langchain_core.runnables.config import get_config_list, run_in_executor
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import ConfigDict, Field
 
+from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.answer import Answer
 from ctx_integrations.engine.generate import Engine
 from ctx_integrations.engine.modes import check_options, resolve_mode
+from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
-from ctx_integrations.langchain.bridge import aiter_tokens, check_engine, iter_tokens, prompt_tokens, resolve_engine
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
 
 Output = AIMessage | str

@@ -1,7 +1,8 @@
 """Plain chat with no documents: the conversation rendered with the model's own chat template, one stream.
 
 The engine's ``generate`` always answers from documents (its prompt layout is prefix + documents +
-question); a chat model must also answer ``"hello"``. This renders the whole conversation and runs
+question); a chat model (LangChain's ``ChatContextOfExperts``, LlamaIndex's ``ExpertDecoderLLM``) must
+also answer ``"hello"``. This renders the whole conversation and runs
 the core's own single-stream path (``forward_streams`` + ``decode_fused`` with the identity rule),
 so no decode loop is copied here.
 """
