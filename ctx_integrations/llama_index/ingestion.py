@@ -1,0 +1,63 @@
+"""KV caches at ingestion: an ``IngestionPipeline`` step that computes each node's cache, so the first query is warm.
+
+The cache of a node is keyed by the model, the prompt layout and the tokens of the text the decoder will
+read (``convert.node_text``: the node text plus its LLM-visible metadata). Editing a node changes those
+tokens, so its next query misses and recomputes; a stale entry is never used. Put this step last in the
+pipeline (after splitters, extractors and the embedding), so it sees the nodes exactly as they are stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, TransformComponent
+
+from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.llama_index.convert import node_text
+
+
+class KVCacheWarmer(TransformComponent):
+    """Compute (or load) every node's KV cache; nodes pass through unchanged.
+
+    ``engine=None`` uses the shared embedded default, the same one ``ContextOfExpertsQueryEngine``
+    uses without an engine. ``stats`` totals the cache hits / misses of every run: a node that is
+    already cached (unchanged text, same model) is a hit and costs nothing.
+
+    ``IngestionPipeline`` skips a step whose input it has cached; ``engine_key`` (model identity, prompt
+    layout and cache folder) is part of that hash, so another model or layout always recomputes. With
+    an engine that keeps caches in memory only, a new process loses them: give the engine a
+    ``cache_dir`` to keep them across runs. Run the pipeline with ``num_workers=None`` (an engine is not
+    shared across processes).
+    """
+
+    engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
+    engine_key: str = Field(default="", description="identifies the model, layout and cache folder")
+    _stats: dict[str, int] = PrivateAttr(default_factory=lambda: {"hits": 0, "misses": 0, "corrupt": 0})
+
+    def __init__(self, engine: Any = None, **data: Any):
+        check_engine(engine)
+        resolved = resolve_engine(engine)
+        key = f"{resolved.loaded.identity}:{resolved.layout.fingerprint}:{resolved.store.directory}"
+        super().__init__(engine=engine, engine_key=key, **data)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCacheWarmer"
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Cache hits / misses / corrupt entries over every run of this step."""
+        return dict(self._stats)
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        texts = [text for text in (node_text(node) for node in nodes) if text.strip()]
+        if texts:  # nodes without text (e.g. images) have nothing to cache
+            for key, value in resolve_engine(self.engine).warm(texts).items():
+                self._stats[key] += value
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        return await asyncio.to_thread(self.__call__, nodes, **kwargs)
