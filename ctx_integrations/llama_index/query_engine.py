@@ -118,9 +118,11 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
 
     # ----------------------------------------------------------------- retrieval with every score
 
-    def _after(self, before: list[NodeWithScore], after: list[NodeWithScore]) -> list[NodeWithScore]:
-        """Keep the score of every node a postprocessor rescored (a reranker) and fuse it with r_ret."""
-        previous = {item.node.node_id: item.score for item in before}
+    def _rescored(self, previous: dict[str, float | None], after: list[NodeWithScore]) -> list[NodeWithScore]:
+        """Keep the score of every node a postprocessor rescored (a reranker) and fuse it with r_ret.
+
+        ``previous`` is taken before the postprocessor runs: rerankers overwrite ``node.score`` in place.
+        """
 
         def rescored(item: NodeWithScore) -> bool:
             node_id = item.node.node_id
@@ -130,14 +132,16 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
 
     def _postprocess(self, nodes: list[NodeWithScore], query_bundle: QueryBundle) -> list[NodeWithScore]:
         for postprocessor in self.node_postprocessors:
+            previous = {item.node.node_id: item.score for item in nodes}
             processed = postprocessor.postprocess_nodes(nodes, query_bundle=query_bundle)
-            nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._after(nodes, processed)
+            nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._rescored(previous, processed)
         return [finalize(item) for item in nodes]
 
     async def _apostprocess(self, nodes: list[NodeWithScore], query_bundle: QueryBundle) -> list[NodeWithScore]:
         for postprocessor in self.node_postprocessors:
+            previous = {item.node.node_id: item.score for item in nodes}
             processed = await postprocessor.apostprocess_nodes(nodes, query_bundle=query_bundle)
-            nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._after(nodes, processed)
+            nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._rescored(previous, processed)
         return [finalize(item) for item in nodes]
 
     def retrieve(self, query_bundle: QueryType) -> list[NodeWithScore]:
