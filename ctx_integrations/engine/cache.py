@@ -303,6 +303,7 @@ class StreamBatch:
     cache: DynamicCache
     attention_mask: torch.Tensor  # [B, columns] 1 = real token, 0 = padding
     positions: torch.Tensor  # [B] position of the next token of each stream
+    forward_kwargs: dict = field(default_factory=dict)  # extra model kwargs every step needs (e.g. APE's layout)
 
 
 def batch_streams(prefix: CachedKV, contexts: list[CachedKV | None]) -> StreamBatch:
@@ -323,3 +324,14 @@ def batch_streams(prefix: CachedKV, contexts: list[CachedKV | None]) -> StreamBa
         mask[b, :end] = 1
     positions = torch.tensor([prefix.length + n for n in lengths], device=prefix.kv.device)
     return StreamBatch(cache_from_kv(buffer), mask, positions)
+
+
+def concatenated_stream(prefix: CachedKV, contexts: list[CachedKV], next_position: int) -> StreamBatch:
+    """One stream holding ``prefix + context_1 + ... + context_N`` back to back, without padding.
+
+    Keys keep the positions they were encoded at (every context after the prefix, so they share a
+    position range: APE's parallel encoding); the next token gets ``next_position``.
+    """
+    kv = torch.cat([prefix.kv] + [c.kv for c in contexts], dim=3).unsqueeze(2)
+    mask = torch.ones(1, kv.shape[4], dtype=torch.long, device=kv.device)
+    return StreamBatch(cache_from_kv(kv), mask, torch.tensor([next_position], device=kv.device))

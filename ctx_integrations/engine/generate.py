@@ -15,15 +15,38 @@ from typing import Any
 
 import torch
 
-from ctx_integrations.documents import prepare_documents
+from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.answer import Answer
 from ctx_integrations.engine.cache import KVCacheStore
 from ctx_integrations.engine.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.model import LoadedModel, load_model
-from ctx_integrations.engine.modes import DecodeContext, available_modes, check_options, resolve_mode
-from ctx_integrations.engine.streams import StopCriteria, TokenSampler
+from ctx_integrations.engine.modes import DecodeContext, answers_many, available_modes, check_options, resolve_mode
+from ctx_integrations.engine.streams import DecodeResult, StopCriteria, TokenSampler
 from ctx_integrations.engine.token_stream import iter_tokens
-from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
+from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, InvalidScoresError
+
+
+def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] | None:
+    """``documents`` as one list per question when it is given that way, else ``None`` (shared)."""
+    if isinstance(documents, (str, bytes)) or not documents:
+        return None
+    if not all(isinstance(d, (list, tuple)) for d in documents):
+        return None
+    if len(documents) != count:
+        raise EmptyDocumentsError(f"got {len(documents)} document lists for {count} questions: give one list per "
+                                  "question, or one list shared by all")
+    return list(documents)
+
+
+def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[str, Any], total: float,
+            hits: int, misses: int) -> Answer:
+    decode_s = max(total - result.ttft_s, 1e-9)
+    timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
+               "tokens_per_s": (len(result.token_ids) - 1) / decode_s if len(result.token_ids) > 1 else 0.0,
+               "new_tokens": float(len(result.token_ids)), **ctx.timings}
+    return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
+                  documents=ctx.documents, mode=mode, cache_hits=hits, cache_misses=misses,
+                  finish_reason=result.finish_reason, options=dict(options), extra=result.extra)
 
 
 class Engine:
@@ -77,27 +100,66 @@ class Engine:
         ``on_token`` receives each new piece of text as it is decoded. ``options`` are the mode's
         knobs (see ``ctx_integrations.engine.modes.mode_options(mode)``).
         """
+        run = self._check_call(mode, options)
+        ctx = self._context(query, prepare_documents(documents, scores), TokenSampler(temperature, top_p, seed),
+                            StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), on_token)
+        return self._decode(run, mode, [ctx], options)[0]
+
+    def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
+                      mode: str = "ippd", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int | None = None, stop: Sequence[str] | str = (), **options: Any) -> list[Answer]:
+        """Answer every question in ``questions``; one :class:`Answer` per question, in order.
+
+        ``documents`` is either one list of documents shared by every question, or one list per
+        question (``len(documents) == len(questions)``, each element a list). ``mode="ippd"`` (the
+        default) decodes all questions in one stacked prompt, one forward pass per step for every
+        answer; any other mode answers the questions one by one (``mode="concat"``: the independent
+        baseline). With a ``seed``, question i samples with seed ``seed + i``.
+        """
+        run = self._check_call(mode, options)
+        if isinstance(questions, str) or not questions:
+            raise InvalidOptionError("questions must be a non-empty list of strings (got "
+                                     f"{'a single string' if isinstance(questions, str) else 'nothing'})")
+        per_question = _documents_per_question(documents, len(questions))
+        if per_question is None:
+            shared = prepare_documents(documents, scores)
+            per_question = [shared] * len(questions)
+        else:
+            if scores is not None:
+                raise InvalidScoresError("with one document list per question, give the scores inside the documents")
+            per_question = [prepare_documents(docs) for docs in per_question]
+        contexts = [self._context(q, list(docs),
+                                  TokenSampler(temperature, top_p, None if seed is None else seed + i),
+                                  StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), None)
+                    for i, (q, docs) in enumerate(zip(questions, per_question))]
+        if answers_many(mode):
+            return self._decode(run, mode, contexts, options)
+        return [self._decode(run, mode, [ctx], options)[0] for ctx in contexts]
+
+    def _check_call(self, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         run = resolve_mode(mode)
         check_options(mode, options)
+        return run
+
+    def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
+                 on_token: Callable[[str], None] | None) -> DecodeContext:
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
-        docs = prepare_documents(documents, scores)
-        ctx = DecodeContext(self, query, docs, TokenSampler(temperature, top_p, seed),
-                            StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), on_token)
+        return DecodeContext(self, query, documents, sampler, stop, on_token)
+
+    def _decode(self, run: Callable[..., Any], mode: str, contexts: list[DecodeContext],
+                options: dict[str, Any]) -> list[Answer]:
+        """Run ``mode`` over ``contexts`` (several only for a mode that answers many questions at once)."""
         with self._lock:
             before = self.store.stats.as_dict()
-            ctx.started = time.perf_counter()
-            result = run(ctx, **options)
-            total = time.perf_counter() - ctx.started
+            started = time.perf_counter()
+            for ctx in contexts:
+                ctx.started = started
+            results = run(contexts, **options) if answers_many(mode) else [run(contexts[0], **options)]
+            total = time.perf_counter() - started
             after = self.store.stats.as_dict()
-        decode_s = max(total - result.ttft_s, 1e-9)
-        timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
-                   "tokens_per_s": (len(result.token_ids) - 1) / decode_s if len(result.token_ids) > 1 else 0.0,
-                   "new_tokens": float(len(result.token_ids)), **ctx.timings}
-        return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
-                      documents=docs, mode=mode, cache_hits=after["hits"] - before["hits"],
-                      cache_misses=after["misses"] - before["misses"], finish_reason=result.finish_reason,
-                      options=dict(options), extra=result.extra)
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        return [_answer(ctx, result, mode, options, total, hits, misses) for ctx, result in zip(contexts, results)]
 
     def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
         """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.

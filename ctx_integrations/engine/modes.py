@@ -3,6 +3,11 @@
 A mode is a function ``run(ctx, **options) -> DecodeResult`` registered under a name. Its keyword
 options, with their defaults, are its documented knobs; unknown options are refused here, once,
 with the list of accepted ones, so a typo never silently falls back to a default.
+
+A mode registered with ``many=True`` answers several questions in one decode (IPPD): its function
+is ``run(contexts, **options) -> list[DecodeResult]``, one context per question. The engine calls
+it with one context for ``generate`` and with all of them for ``generate_many``; every other mode
+answers the questions of ``generate_many`` one by one.
 """
 
 from __future__ import annotations
@@ -23,18 +28,29 @@ if TYPE_CHECKING:
 
 ModeFunction = Callable[..., DecodeResult]
 _MODES: dict[str, ModeFunction] = {}
+_MANY_MODES: set[str] = set()
 # Modules whose import registers the built-in modes; a new mode adds its module here.
 _BUILTIN_MODULES = ("ctx_integrations.engine.pced", "ctx_integrations.engine.baselines",
-                    "ctx_integrations.engine.soft_nbce",
-                    "ctx_integrations.engine.rapid")
+                    "ctx_integrations.engine.soft_nbce", "ctx_integrations.engine.rapid",
+                    "ctx_integrations.engine.ape", "ctx_integrations.engine.ippd")
 
 
-def register_mode(name: str) -> Callable[[ModeFunction], ModeFunction]:
+def register_mode(name: str, *, many: bool = False) -> Callable[[ModeFunction], ModeFunction]:
+    """Register ``function`` as mode ``name``; ``many=True``: it takes a list of contexts (see the module doc)."""
+
     def decorate(function: ModeFunction) -> ModeFunction:
         _MODES[name] = function
+        if many:
+            _MANY_MODES.add(name)
         return function
 
     return decorate
+
+
+def answers_many(name: str) -> bool:
+    """Whether mode ``name`` decodes several questions together (its function takes a list of contexts)."""
+    resolve_mode(name)
+    return name in _MANY_MODES
 
 
 def available_modes() -> list[str]:

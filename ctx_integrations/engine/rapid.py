@@ -24,7 +24,7 @@ from ctx_integrations.engine.modes import DecodeContext, register_mode
 from ctx_integrations.engine.speculative import scaled_logits, verify
 from ctx_integrations.engine.streams import (
     DecodeResult,
-    IncrementalText,
+    Emitter,
     StopCriteria,
     TokenSampler,
     TraceStep,
@@ -160,40 +160,6 @@ class _Stats:
     draft_passes: int = 0
 
 
-class _Emitter:
-    """Collects emitted tokens with their trace, streams text, and applies the stop criteria."""
-
-    def __init__(self, ctx: DecodeContext):
-        self.ctx, self.pieces, self.trace, self.drafted = ctx, IncrementalText(ctx.engine.loaded.tokenizer), [], []
-        self.emitted_len, self.reason, self.ttft, self.done = 0, "length", 0.0, False
-
-    def push(self, token: int, score: float, drafted: bool) -> None:
-        if not self.trace and not self.done:
-            self.ttft = time.perf_counter() - self.ctx.started
-        if token in self.ctx.stop.eos_token_ids:
-            self.reason, self.done = "eos", True
-            return
-        self.trace.append(TraceStep(token, None, score))
-        self.drafted.append(drafted)
-        text, stopped = self.ctx.stop.cut(self.pieces.push(token))
-        self._stream(text)
-        if stopped:
-            self.reason, self.done = "stop", True
-        elif len(self.trace) >= self.ctx.stop.max_new_tokens:
-            self.done = True
-
-    def _stream(self, text: str) -> None:
-        if self.ctx.on_token is not None and len(text) > self.emitted_len:
-            self.ctx.on_token(text[self.emitted_len:])
-            self.emitted_len = len(text)
-
-    def result(self) -> DecodeResult:
-        text, _ = self.ctx.stop.cut(self.pieces.text)
-        self._stream(text)
-        return DecodeResult([s.token_id for s in self.trace], text, self.trace, self.ttft, self.reason,
-                            steps=len(self.trace), extra={"drafted_tokens": self.drafted})
-
-
 def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSampler,
            eos: frozenset[int], stats: _Stats) -> tuple[list[int], torch.Tensor | None]:
     """Propose up to ``gamma`` tokens (stopping after an EOS); return them and the distributions they came from."""
@@ -214,7 +180,8 @@ def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSample
 def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: list[int], draft_prompt: list[int],
               gamma: int, eta: float) -> DecodeResult:
     """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text."""
-    sampler, emitter, stats, generated = ctx.sampler, _Emitter(ctx), _Stats(), []
+    sampler, stats, generated, drafted_flags = ctx.sampler, _Stats(), [], []
+    emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
     while not emitter.done:
         g = min(gamma, ctx.stop.max_new_tokens - len(emitter.trace) - 1)
         drafts, dists = _draft(drafter, draft_prompt + generated, g, sampler, ctx.stop.eos_token_ids, stats)
@@ -232,10 +199,12 @@ def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: 
         log_p = torch.log_softmax(scaled_logits(logits[: len(emitted)], sampler.temperature), dim=-1)
         for i, t in enumerate(emitted):
             if not emitter.done:
-                emitter.push(t, float(log_p[i, t]), i < verdict_accepted)
+                emitter.push(TraceStep(t, None, float(log_p[i, t])))
                 generated.append(t)
+                drafted_flags.append(i < verdict_accepted)
     result = emitter.result()
-    result.extra.update(drafted=stats.drafted, accepted=stats.accepted, target_passes=stats.target_passes,
+    result.extra.update(drafted_tokens=drafted_flags[: len(result.token_ids)], drafted=stats.drafted,
+                        accepted=stats.accepted, target_passes=stats.target_passes,
                         draft_passes=stats.draft_passes,
                         acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0)
     return result

@@ -60,7 +60,7 @@ def forward_streams_keep(model: torch.nn.Module, streams: StreamBatch, input_ids
     positions = streams.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
     mask = torch.cat([streams.attention_mask, streams.attention_mask.new_ones(batch, length)], dim=1)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=streams.cache, use_cache=True, logits_to_keep=keep)
+                past_key_values=streams.cache, use_cache=True, logits_to_keep=keep, **streams.forward_kwargs)
     streams.attention_mask = mask
     streams.positions = streams.positions + length
     return out.logits[:, -keep:].float()
@@ -141,6 +141,51 @@ class DecodeResult:
     extra: dict = field(default_factory=dict)
 
 
+class Emitter:
+    """One answer as it is decoded: its trace, streamed text, stop criteria and time to first token.
+
+    Every decode loop (fused streams, independent streams, speculative rounds, stacked questions)
+    pushes the tokens it chooses here, so stopping and streaming behave the same in every mode.
+    """
+
+    def __init__(self, tokenizer: object, stop: StopCriteria, on_token: Callable[[str], None] | None = None,
+                 started: float | None = None):
+        self.stop, self.on_token = stop, on_token
+        self.started = time.perf_counter() if started is None else started
+        self.pieces, self.trace = IncrementalText(tokenizer), []
+        self.ttft: float | None = None
+        self.reason, self.done, self._emitted = "length", False, 0
+
+    def push(self, step: TraceStep) -> bool:
+        """Record the chosen token (an EOS ends the answer and is not kept); return whether the answer is done."""
+        if self.done:
+            return True
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.started
+        if step.token_id in self.stop.eos_token_ids:
+            self.reason, self.done = "eos", True
+            return True
+        self.trace.append(step)
+        text, stopped = self.stop.cut(self.pieces.push(step.token_id))
+        self._stream(text)
+        if stopped:
+            self.reason, self.done = "stop", True
+        elif len(self.trace) >= self.stop.max_new_tokens:
+            self.done = True
+        return self.done
+
+    def _stream(self, text: str) -> None:
+        if self.on_token is not None and len(text) > self._emitted:
+            self.on_token(text[self._emitted:])
+            self._emitted = len(text)
+
+    def result(self) -> DecodeResult:
+        text, _ = self.stop.cut(self.pieces.text)
+        self._stream(text)
+        return DecodeResult([s.token_id for s in self.trace], text, self.trace, self.ttft or 0.0, self.reason,
+                            steps=len(self.trace))
+
+
 def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
                  rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
                  on_token: Callable[[str], None] | None = None, started: float | None = None) -> DecodeResult:
@@ -149,63 +194,27 @@ def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch
     ``first_logits`` are the streams' logits after the question suffix; the loop makes exactly one
     forward pass (all streams batched) per generated token after the first.
     """
-    started = time.perf_counter() if started is None else started
-    pieces, trace, ttft, logits = IncrementalText(tokenizer), [], 0.0, first_logits
-    batch, device, reason = first_logits.shape[0], first_logits.device, "length"
-    emitted_len = 0
-    for step in range(stop.max_new_tokens):
+    emitter = Emitter(tokenizer, stop, on_token, started)
+    batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
+    while True:
         fused = rule(logits)
         token = sampler(fused.scores)
-        if step == 0:
-            ttft = time.perf_counter() - started
-        if token in stop.eos_token_ids:
-            reason = "eos"
-            break
         winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
         score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
-        trace.append(TraceStep(token, winner, score))
-        text, stopped = stop.cut(pieces.push(token))
-        if on_token is not None and len(text) > emitted_len:
-            on_token(text[emitted_len:])
-            emitted_len = len(text)
-        if stopped:
-            reason = "stop"
-            break
-        if step + 1 < stop.max_new_tokens:
-            logits = forward_streams(model, streams, torch.full((batch, 1), token, device=device))
-    text, _ = stop.cut(pieces.text)
-    if on_token is not None and len(text) > emitted_len:
-        on_token(text[emitted_len:])
-    return DecodeResult([t.token_id for t in trace], text, trace, ttft, reason, steps=len(trace))
+        if emitter.push(TraceStep(token, winner, score)):
+            return emitter.result()
+        logits = forward_streams(model, streams, torch.full((batch, 1), token, device=device))
 
 
 def decode_independent(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
                        sampler: TokenSampler, stop: StopCriteria) -> list[DecodeResult]:
     """Decode B independent answers in one batch (each stream picks its own token), e.g. MapReduce's map step."""
-    started = time.perf_counter()
-    batch, device = first_logits.shape[0], first_logits.device
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    done = [False] * batch
-    logits, ttft = first_logits, 0.0
-    for step in range(stop.max_new_tokens):
+    batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
+    emitters = [Emitter(tokenizer, stop) for _ in range(batch)]
+    while True:
         chosen = [sampler(logits[b]) for b in range(batch)]
-        if step == 0:
-            ttft = time.perf_counter() - started
-        for b, token in enumerate(chosen):
-            if done[b]:
-                continue
-            if token in stop.eos_token_ids:
-                done[b] = True
-            else:
-                tokens[b].append(token)
-                done[b] = stop.cut(tokenizer.decode(tokens[b], skip_special_tokens=True))[1]
-        if all(done) or step + 1 == stop.max_new_tokens:
-            break
+        for emitter, token in zip(emitters, chosen):
+            emitter.push(TraceStep(token, None, 0.0))
+        if all(e.done for e in emitters):
+            return [e.result() for e in emitters]
         logits = forward_streams(model, streams, torch.tensor(chosen, device=device).unsqueeze(1))
-    results = []
-    for b in range(batch):
-        text, stopped = stop.cut(tokenizer.decode(tokens[b], skip_special_tokens=True))
-        reason = "stop" if stopped else ("eos" if done[b] else "length")
-        results.append(DecodeResult(tokens[b], text, [TraceStep(t, None, 0.0) for t in tokens[b]], ttft, reason,
-                                    steps=len(tokens[b])))
-    return results

@@ -1,0 +1,150 @@
+"""IPPD parity (METHODS.md "IPPD"): every stacked answer equals independent greedy decoding of its own prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.cache import CachedKV
+from ctx_integrations.engine.ippd import PAD_ID, PAD_POSITION, _check_devices, visibility
+from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError
+from tests.helpers import greedy_reference, tiny_loaded
+
+DOCS = [
+    "Marrowgate is the capital of Veloria and lies on the river Ast.",
+    "The mayor of Marrowgate is Ilsa Brenn, elected in 2019.",
+]
+OTHER_DOCS = ["The Lantern Fair is held every October in Marrowgate; smoked eel with plums is served there."]
+QUESTIONS = [
+    "Who is the mayor?",
+    "On which river does the capital of Veloria lie, and what else do the documents above say about the city?",
+    "When was the mayor elected?",
+    "What is the capital?",
+]
+
+
+def independent(engine: Engine, documents: list[str], question: str, max_new_tokens: int) -> list[int]:
+    """The reference: transformers' greedy generate over (prefix, documents, question) alone."""
+    layout = engine.layout
+    ids = layout.prefix_ids + [t for d in documents for t in layout.context_ids(d)] + layout.suffix_ids(question)
+    return greedy_reference(engine.loaded, ids, max_new_tokens)
+
+
+def test_visibility_is_the_conjunction_rule():
+    # keys: prefix (0), context 1, context 2, question 1 of ctx 1, question 2 of ctx 2, padding
+    k_pos = torch.tensor([[0, 1, 1, 2, 2, PAD_POSITION]])
+    k_ctx = torch.tensor([[0, 1, 2, 1, 2, PAD_ID]])
+    k_qid = torch.tensor([[0, 0, 0, 1, 2, PAD_ID]])
+    q = (torch.tensor([[3, 3]]), torch.tensor([[1, 2]]), torch.tensor([[1, 2]]))  # next token of each answer
+    mask = visibility(*q, k_pos, k_ctx, k_qid)[0, 0]
+    assert mask.tolist() == [[True, True, False, True, False, False], [True, False, True, False, True, False]]
+    earlier = visibility(torch.tensor([[1]]), torch.tensor([[1]]), torch.tensor([[0]]), k_pos, k_ctx, k_qid)[0, 0]
+    assert earlier.tolist() == [[True, True, False, False, False, False]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_answers_equal_independent_greedy_decoding(family):
+    engine = Engine(tiny_loaded(family, seed=2))
+    answers = engine.generate_many(QUESTIONS, DOCS, max_new_tokens=16)
+    assert [a.extra["stacked_questions"] for a in answers] == [4] * 4
+    for question, answer in zip(QUESTIONS, answers):
+        expected = independent(engine, DOCS, question, 16)
+        assert len(set(expected)) > 3 and answer.token_ids == expected
+    assert len({tuple(a.token_ids) for a in answers}) > 1  # the questions really got their own answers
+
+
+def test_answers_finishing_at_different_steps():
+    loaded = tiny_loaded("llama", seed=2)
+    engine = Engine(loaded)
+    early = independent(engine, DOCS, QUESTIONS[0], 16)[3]  # make question 0's 4th token an end of turn
+    loaded.model.generation_config.eos_token_id = [loaded.tokenizer.eos_token_id, early]
+    answers = engine.generate_many(QUESTIONS, DOCS, max_new_tokens=16)
+    lengths = [len(a.token_ids) for a in answers]
+    assert lengths[0] == 3 and answers[0].finish_reason == "eos" and max(lengths) == 16
+    for question, answer in zip(QUESTIONS, answers):
+        assert answer.token_ids == independent(engine, DOCS, question, 16)
+
+
+def test_two_contexts_in_one_stack_and_a_batch_of_two_stacks():
+    engine = Engine(tiny_loaded("llama", seed=3))
+    documents = [DOCS, OTHER_DOCS, DOCS, OTHER_DOCS]
+    one_stack = engine.generate_many(QUESTIONS, documents, max_new_tokens=12)
+    assert {a.extra["stack"] for a in one_stack} == {0} and one_stack[0].timings["stacks"] == 1
+    two_stacks = engine.generate_many(QUESTIONS, documents, max_new_tokens=12, max_stack_tokens=220)
+    assert two_stacks[0].timings["stacks"] >= 2
+    for question, docs, a, b in zip(QUESTIONS, documents, one_stack, two_stacks):
+        expected = independent(engine, docs, question, 12)
+        assert a.token_ids == expected and b.token_ids == expected
+
+
+def test_concat_mode_is_the_independent_baseline_and_ippd_answers_one_question_too(tiny_engine):
+    baseline = tiny_engine.generate_many(QUESTIONS[:2], DOCS, mode="concat", max_new_tokens=10)
+    stacked = tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=10)
+    assert [a.token_ids for a in baseline] == [a.token_ids for a in stacked]
+    assert [a.mode for a in baseline] == ["concat"] * 2 and [a.mode for a in stacked] == ["ippd"] * 2
+    pieces: list[str] = []
+    single = tiny_engine.generate(QUESTIONS[0], DOCS, mode="ippd", max_new_tokens=10, on_token=pieces.append)
+    assert single.token_ids == baseline[0].token_ids and "".join(pieces) == single.text and len(pieces) > 1
+
+
+def test_the_context_cache_is_reused_across_calls(tiny_engine):
+    first = tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=4)
+    second = tiny_engine.generate_many(QUESTIONS[2:], DOCS, max_new_tokens=4)
+    assert (first[0].cache_misses, second[0].cache_misses, second[0].cache_hits) == (1, 0, 1)
+
+
+def test_one_document_context_is_the_ingested_document_cache(tiny_engine):
+    tiny_engine.warm(DOCS[:1])
+    answers = tiny_engine.generate_many(QUESTIONS[:2], DOCS[:1], max_new_tokens=4)
+    assert (answers[0].cache_hits, answers[0].cache_misses) == (1, 0)
+
+
+def test_sampling_is_reproducible_per_question(tiny_engine):
+    kwargs = dict(max_new_tokens=8, temperature=1.0, seed=7)
+    a = tiny_engine.generate_many(QUESTIONS[:2], DOCS, **kwargs)
+    b = tiny_engine.generate_many(QUESTIONS[:2], DOCS, **kwargs)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    alone = tiny_engine.generate(QUESTIONS[1], DOCS, mode="concat", max_new_tokens=8, temperature=1.0, seed=8)
+    assert a[1].token_ids == alone.token_ids  # question i samples with seed + i
+
+
+@pytest.mark.parametrize("questions", [[], "one question as a string"])
+def test_questions_must_be_a_non_empty_list(tiny_engine, questions):
+    with pytest.raises(InvalidOptionError, match="non-empty list"):
+        tiny_engine.generate_many(questions, DOCS)
+
+
+def test_document_lists_must_match_the_questions(tiny_engine):
+    with pytest.raises(EmptyDocumentsError, match="2 document lists for 3 questions"):
+        tiny_engine.generate_many(QUESTIONS[:3], [DOCS, DOCS])
+
+
+def test_a_stack_too_small_for_one_question_says_none_fits(tiny_engine):
+    with pytest.raises(DocumentTooLongError, match="not even one of its 2 questions fits"):
+        tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=8, max_stack_tokens=60)
+    with pytest.raises(InvalidOptionError, match="max_stack_tokens"):
+        tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_stack_tokens=0)
+
+
+def test_a_question_beyond_the_window_is_refused():
+    engine = Engine(tiny_loaded("llama", max_position_embeddings=160))
+    with pytest.raises(DocumentTooLongError, match="question 1 with its documents"):
+        engine.generate_many(["short?", "word " * 60], DOCS, max_new_tokens=8)
+
+
+def test_caches_on_another_device_are_refused():
+    here = CachedKV("a", (1,), torch.zeros(1, 2, 1, 1, 1))
+    elsewhere = CachedKV("b", (1,), torch.zeros(1, 2, 1, 1, 1, device="meta"))
+    _check_devices(torch.device("cpu"), [here])
+    with pytest.raises(InvalidOptionError, match="meta"):
+        _check_devices(torch.device("cpu"), [here, elsewhere])
+
+
+@pytest.mark.slow
+def test_embedded_model_parity(embedded_engine):
+    questions = ["Who is the mayor of Marrowgate?", "On which river is Marrowgate?", "When was Ilsa Brenn elected?"]
+    answers = embedded_engine.generate_many(questions, DOCS, max_new_tokens=20)
+    for question, answer in zip(questions, answers):
+        assert answer.token_ids == independent(embedded_engine, DOCS, question, 20)
+    assert "Ilsa Brenn" in answers[0].text
