@@ -114,8 +114,8 @@ def test_stream_cancelled_is_what_the_call_sees():
 def test_engine_stream_closed_early_frees_the_engine():
     engine = Engine(tiny_loaded("llama"))
     question, docs = "What is the code?", ["The code is 4721.", "Paris is in France."]
-    assert len(engine.generate(question, docs, max_new_tokens=200).token_ids) > 50  # a long decode to interrupt
-    stream = engine.stream(question, docs, max_new_tokens=200)
+    assert len(engine.generate(question, docs, max_new_tokens=64).token_ids) > 32  # a long decode to interrupt
+    stream = engine.stream(question, docs, max_new_tokens=64)
     next(stream)
     stream.close()
-    assert not engine._lock.locked()  # decoding stopped instead of running 200 tokens for nobody
+    assert not engine._lock.locked()  # decoding stopped instead of running 64 tokens for nobody

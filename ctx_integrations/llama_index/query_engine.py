@@ -3,7 +3,9 @@
 retrieve (any LlamaIndex retriever; every score kept) -> node postprocessors (rerankers; their scores
 kept and fused with the retrieval score) -> one ``Engine.generate`` call over the nodes, their fused
 relevance r and their cached KV -> a ``Response`` whose ``source_nodes`` carry every score and whose
-``metadata`` holds the per-token trace, the cited nodes, timings and cache hits.
+``metadata`` holds the per-token trace, the cited nodes, timings and cache hits. ``query_many`` answers a
+list of questions in one ``Engine.generate_many`` call (IPPD by default), sharing contexts between
+questions that retrieved the same nodes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ctx_integrations.engine.generate import Engine
 from ctx_integrations.engine.modes import check_options, resolve_mode
 from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
-from ctx_integrations.llama_index.convert import response_metadata, to_document
+from ctx_integrations.llama_index.convert import node_text, response_metadata, to_document
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM
 from ctx_integrations.llama_index.score_keeping import (
     SCORES_KEY,
@@ -62,6 +64,8 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
         streaming: ``query`` returns a ``StreamingResponse`` (``aquery``: ``AsyncStreamingResponse``)
             yielding text pieces as they are decoded.
         max_new_tokens, temperature, top_p, seed, stop: decoding settings of every answer.
+        batch_mode: the mode of :meth:`query_many` (default ``"ippd"``: questions over the same nodes
+            in one stacked decode); ``None`` answers each question with ``mode``, exactly as ``query``.
     """
 
     def __init__(self, retriever: BaseRetriever, *, engine: Engine | ExpertDecoderLLM | None = None,
@@ -69,11 +73,14 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
                  node_postprocessors: Sequence[BaseNodePostprocessor] | None = None,
                  retrieval_score_kind: str = "auto", reranker_score_kind: str = "reranker",
                  streaming: bool = False, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] = (), callback_manager: CallbackManager | None = None):
+                 seed: int | None = None, stop: Sequence[str] = (), batch_mode: str | None = "ippd",
+                 callback_manager: CallbackManager | None = None):
         self.engine = engine.engine if isinstance(engine, ExpertDecoderLLM) else engine
         check_engine(self.engine)
         resolve_mode(mode)
-        self.mode = mode
+        if batch_mode is not None:
+            resolve_mode(batch_mode)
+        self.mode, self.batch_mode = mode, batch_mode
         self.mode_options = {name: dict(options) for name, options in (mode_options or {}).items()}
         for name, options in self.mode_options.items():
             check_options(name, options)
@@ -161,10 +168,14 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
         return [item if SCORES_KEY in item.node.metadata else finalize(keep_retrieval_score(item, kind))
                 for item in nodes]
 
-    def _call(self, engine: Engine, query: str, nodes: list[NodeWithScore]) -> TokenCall:
+    @staticmethod
+    def _require_nodes(query: str, nodes: list[NodeWithScore]) -> None:
         if not nodes:
             raise EmptyDocumentsError(f"the retriever found no nodes for {query!r}: check that the index is not empty "
                                       "and that no filter or similarity cutoff drops every node")
+
+    def _call(self, engine: Engine, query: str, nodes: list[NodeWithScore]) -> TokenCall:
+        self._require_nodes(query, nodes)
         documents = [to_document(item) for item in nodes]
         options = self.mode_options.get(self.mode, {})
 
@@ -211,6 +222,51 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
             event.on_end(payload={EventPayload.RESPONSE: response})
         return response
 
+    # ----------------------------------------------------------------- many questions
+
+    def _answer_many(self, engine: Engine, questions: list[str], per_question: list[list[NodeWithScore]],
+                     shared: bool) -> list[Response]:
+        """One ``generate_many`` call: shared nodes once, or one node list per question."""
+        for question, nodes in zip(questions, per_question):
+            self._require_nodes(question, nodes)
+        mode = self.batch_mode or self.mode
+        if self.batch_mode is not None and not shared:
+            per_question = _shared_order(per_question)
+        lists = [[to_document(item) for item in nodes] for nodes in per_question]
+        answers = engine.generate_many(questions, lists[0] if shared else lists, mode=mode, **self.settings,
+                                       **self.mode_options.get(mode, {}))
+        return [Response(answer.text, source_nodes=nodes, metadata=response_metadata(answer, nodes, engine.loaded.name))
+                for answer, nodes in zip(answers, per_question)]
+
+    @dispatcher.span
+    def query_many(self, questions: Sequence[str], nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
+        """Answer every question, in order, in one ``Engine.generate_many`` call.
+
+        ``nodes``: answer all questions over these nodes. Otherwise each question is retrieved (and
+        postprocessed) on its own; with ``batch_mode`` set, questions whose node sets are identical get
+        them in the same order, so IPPD reads that context once per step for all of them (each question
+        keeps its own scores in its ``source_nodes``). Always returns plain ``Response`` objects.
+        """
+        questions = _questions(questions)
+        engine = resolve_engine(self.engine)
+        if nodes is not None:
+            return self._answer_many(engine, questions, [self._scored(nodes)] * len(questions), shared=True)
+        return self._answer_many(engine, questions, [self.retrieve(q) for q in questions], shared=False)
+
+    @dispatcher.span
+    async def aquery_many(self, questions: Sequence[str],
+                          nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
+        """Like :meth:`query_many`: retrieval through the async path, decoding on a worker thread."""
+        questions = _questions(questions)
+        engine = await asyncio.to_thread(resolve_engine, self.engine)
+        if nodes is not None:
+            per_question, shared = [self._scored(nodes)] * len(questions), True
+        else:
+            per_question, shared = list(await asyncio.gather(*(self.aretrieve(q) for q in questions))), False
+        return await asyncio.to_thread(self._answer_many, engine, questions, per_question, shared)
+
+    # ----------------------------------------------------------------- BaseQueryEngine
+
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         with self.callback_manager.event(CBEventType.QUERY,
@@ -230,6 +286,23 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
 
 def _bundle(query: QueryType) -> QueryBundle:
     return QueryBundle(query) if isinstance(query, str) else query
+
+
+def _questions(questions: Sequence[str]) -> list[str]:
+    if isinstance(questions, str) or not questions:
+        raise InvalidOptionError("query_many takes a non-empty list of questions; use query for one question")
+    return list(questions)
+
+
+def _shared_order(per_question: list[list[NodeWithScore]]) -> list[list[NodeWithScore]]:
+    """Give questions with the same node set the first such question's node order (one shared context)."""
+    first_order: dict[frozenset, dict[str, int]] = {}
+    out = []
+    for nodes in per_question:
+        key = frozenset((item.node.node_id, node_text(item.node)) for item in nodes)  # not .hash: it hashes scores
+        order = first_order.setdefault(key, {item.node.node_id: i for i, item in enumerate(nodes)})
+        out.append(sorted(nodes, key=lambda item: order[item.node.node_id]))
+    return out
 
 
 def _stream(call: TokenCall, nodes: list[NodeWithScore], engine: Engine, metadata: dict[str, Any]) -> Iterator[str]:
