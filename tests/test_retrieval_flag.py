@@ -1,7 +1,8 @@
 """BGE-M3 and FlagReranker through the real FlagEmbedding classes, on tiny random weights built here (offline).
 
-The BGE-M3-shaped folder is a 2-layer BERT with the embedded MiniLM tokenizer (its ``[SEP]`` declared
-as the end token, as ``</s>`` is in BGE-M3's XLM-R tokenizer) and random ``colbert_linear.pt`` /
+The BGE-M3-shaped folder is a 2-layer XLM-RoBERTa (BGE-M3's architecture) saved as
+``pytorch_model.bin`` (the format BAAI/bge-m3 ships), the embedded MiniLM tokenizer (its ``[SEP]``
+declared as the end token, as ``</s>`` is in BGE-M3's tokenizer) and random ``colbert_linear.pt`` /
 ``sparse_linear.pt`` heads. Expected scores are computed by hand from the same weights with the
 closed forms of FlagEmbedding's M3 model (``_sparse_embedding``, ``_colbert_embedding``,
 ``compute_lexical_matching_score``, ``colbert_score``).
@@ -23,7 +24,8 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
-    BertModel,
+    XLMRobertaConfig,
+    XLMRobertaModel,
 )
 
 from ctx_integrations.errors import InvalidOptionError, MissingDependencyError, ModelLoadError
@@ -47,19 +49,19 @@ FLAG_PROMPT = ("Given a query A and a passage B, determine whether the passage c
                "providing a prediction of either 'Yes' or 'No'.")
 
 
-def _bert_config(tokenizer, **extra) -> BertConfig:
-    return BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=8192, **extra)
-
-
 @pytest.fixture(scope="module")
 def m3_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-bge-m3")
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir()), eos_token="[SEP]")
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    # initializer_range 0.1: a random BERT with the usual 0.02 gives nearly the same CLS vector for every text
-    BertModel(_bert_config(tokenizer, initializer_range=0.1)).save_pretrained(folder)
+    # initializer_range 0.1: with the usual 0.02 a random encoder gives nearly the same CLS vector for every text
+    config = XLMRobertaConfig(vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64, max_position_embeddings=8194,
+                              pad_token_id=tokenizer.pad_token_id, initializer_range=0.1,
+                              architectures=["XLMRobertaModel"])
+    config.save_pretrained(folder)
+    torch.save(XLMRobertaModel(config).state_dict(), folder / "pytorch_model.bin")
     colbert, sparse = torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, 1)
     with torch.no_grad():
         sparse.bias.fill_(1.2)  # most token weights positive, some cut by the relu
@@ -80,9 +82,9 @@ def reranker_folder(tmp_path_factory) -> Path:
     tokenizer.save_pretrained(folder)
     torch.manual_seed(1)
     # a wide initialisation so that the logits of different pairs differ visibly
-    model = AutoModelForSequenceClassification.from_config(_bert_config(tokenizer, num_labels=1,
-                                                                         initializer_range=0.5))
-    model.save_pretrained(folder)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1, initializer_range=0.5)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     return folder
 
 
