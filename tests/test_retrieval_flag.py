@@ -216,7 +216,10 @@ def test_missing_flag_embedding_names_the_extra(m3_folder, monkeypatch):
         FlagRerankerModel(m3_folder)
 
 
-def test_bad_sizes_are_refused(m3_folder):
+def test_max_length_defaults_to_the_model_positions_and_bad_sizes_are_refused(m3, m3_folder):
+    assert m3.max_length == 8194 - 0 - 1  # XLM-R positions start after the pad id (0 here, 1 in BGE-M3)
+    with pytest.raises(InvalidOptionError, match="8193 positions"):
+        BGEM3Embedder(m3_folder, max_length=8194)
     with pytest.raises(InvalidOptionError, match="batch_size"):
         BGEM3Embedder(m3_folder, batch_size=0)
     with pytest.raises(InvalidOptionError, match="kind"):

@@ -92,6 +92,14 @@ def _read_config(folder: Path) -> dict[str, Any]:
                              ) from error
 
 
+def _position_limit(config: dict[str, Any]) -> int:
+    """Longest input the encoder takes: RoBERTa-style models (BGE-M3) start positions after the pad id."""
+    positions = int(config.get("max_position_embeddings", 512))
+    if config.get("model_type") in ("xlm-roberta", "roberta"):
+        positions -= int(config.get("pad_token_id", 1)) + 1
+    return positions
+
+
 def _check_sizes(batch_size: int, max_length: int) -> None:
     if batch_size < 1 or max_length < 2:
         raise InvalidOptionError("batch_size must be >= 1 and max_length >= 2")
@@ -107,20 +115,26 @@ class BGEM3Embedder:
 
     ``model``: hub id (e.g. ``BAAI/bge-m3``) or local folder holding ``colbert_linear.pt`` and
     ``sparse_linear.pt``. ``device``: the one torch device to run on. ``use_fp16`` applies on GPUs
-    (FlagEmbedding runs fp32 on CPU). ``max_length``: tokens kept per text (BGE-M3 handles 8192).
+    (FlagEmbedding runs fp32 on CPU). ``max_length``: tokens kept per text; by default all the model's
+    positions allow (8192 for BGE-M3), more is refused (FlagEmbedding retries failing batches at
+    ever smaller sizes instead of reporting the error).
     The folder is checked now; the weights load on first use.
     """
 
     kinds = ("sparse", "colbert")
 
     def __init__(self, model: str | os.PathLike, *, device: str = "cpu", use_fp16: bool = False,
-                 batch_size: int = 16, max_length: int = 8192, cache_dir: str | os.PathLike | None = None):
-        _check_sizes(batch_size, max_length)
+                 batch_size: int = 16, max_length: int | None = None, cache_dir: str | os.PathLike | None = None):
         self._flag = flag_embedding()
         self.model_ref = str(model)
         self.folder = resolve_model(model, cache_dir)
         check_m3_heads(self.folder)
         self._config = _read_config(self.folder)
+        limit = _position_limit(self._config)
+        max_length = limit if max_length is None else max_length
+        _check_sizes(batch_size, max_length)
+        if max_length > limit:
+            raise InvalidOptionError(f"max_length {max_length} is more than the {limit} positions of {self.folder}")
         self.name = Path(self.model_ref).name or self.folder.name
         self.device = str(device)
         self.use_fp16 = use_fp16
