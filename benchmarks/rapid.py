@@ -16,8 +16,8 @@ in the cache, RAPID's window includes the drafter's prefill of its short context
 RAPID's decode throughput over ``concat``'s on the same question; ``loop_tok_s`` is RAPID's throughput
 without its drafter's prefill (the draft / verify rounds alone).
 
-    python benchmarks/rapid.py                                   # 2k and 4k context, 64 tokens
-    python benchmarks/rapid.py --contexts 2048 4096 8192 --new-tokens 128 --examples 2
+    python benchmarks/rapid.py                                   # 2k, 4k and ~8k context, 128 tokens
+    python benchmarks/rapid.py --contexts 2048 --new-tokens 32   # smoke run
 """
 
 from __future__ import annotations
@@ -112,8 +112,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096], help="document tokens")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192],
+                        help="document tokens (8192 is cut to what fits the window with the answer)")
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--examples", type=int, default=1, help="document sets per context length (2 questions each)")
     parser.add_argument("--gamma", type=int, default=10)
     parser.add_argument("--eta", type=float, nargs="+", default=[0.0, 10.0], help="one rapid row per value")

@@ -1,11 +1,11 @@
 """``ctx-experts``: the command line, a user's first contact with the library.
 
 Built-in commands: ``demo`` (a small invented-city corpus answered with PCED and concatenation),
-``ingest`` (files into a store, KV caches computed at ingestion) and ``ask`` (answer from a store,
-with sources, scores and timings), ``distill`` (Consistency Distillation, a LoRA adapter for
-Soft-NBCE). A command is a function
-registered with :func:`register_command`; heavy or optional packages are imported inside it, so
-the parser stays cheap to build. Errors derived from ``CtxIntegrationsError`` raised by a command
+``ingest`` (.txt / .md / .pdf files into a store as token-bounded passages, KV caches computed at
+ingestion), ``ask`` (answer from a store, with sources, scores and timings) and ``distill``
+(Consistency Distillation, a LoRA adapter for Soft-NBCE). A command is a function registered with
+:func:`register_command`; heavy or optional packages are imported inside it, so the parser stays
+cheap to build. Errors derived from ``CtxIntegrationsError`` raised by a command
 are printed as ``error: ...`` with exit status 2.
 """
 
@@ -210,6 +210,43 @@ def run_demo(args: argparse.Namespace) -> int:
             found = item["answer"].lower() in answer.text.lower()
             print(f"      contains the expected answer: {'yes' if found else 'no'}")
     print(f"\ndone in {time.perf_counter() - started:.1f} s; KV cache misses while answering: {misses}")
+    return 0
+
+
+# -- ingest --------------------------------------------------------------------------------------------
+def _configure_ingest(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md or .pdf files, or folders (recursive)")
+    parser.add_argument("--store", default=str(_default_store()), help="store folder (made if missing) or Chroma URL")
+    parser.add_argument("--chunk-tokens", type=int, default=512,
+                        help="longest passage in tokens of the LLM's tokenizer (default 512)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="do not compute KV caches now (ask computes missing ones on first use)")
+    _add_retriever_arguments(parser)
+    _add_model_arguments(parser)
+
+
+@register_command("ingest", help="add .txt/.md/.pdf files to a store as passages, KV caches computed now",
+                  configure=_configure_ingest)
+def run_ingest(args: argparse.Namespace) -> int:
+    from ctx_integrations.engine.model import load_tokenizer
+    from ctx_integrations.retrieval.ingest import MIN_TOKENS, find_files, ingest, token_counter
+
+    started = time.perf_counter()
+    if args.chunk_tokens < MIN_TOKENS:
+        raise InvalidOptionError(f"--chunk-tokens must be >= {MIN_TOKENS}")
+    find_files(args.paths)  # refuse a wrong path before loading any model
+    store = _open_store(args, must_exist=False)
+    if args.no_cache:
+        tokenizer = load_tokenizer(args.model)
+    else:
+        tokenizer = store.open_engine(args.model, device=args.device).loaded.tokenizer
+    report = ingest(store, args.paths, token_counter(tokenizer), args.chunk_tokens, warm=not args.no_cache)
+    caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed"
+    print(f"ingested {report.files} files into {store.location}: {report.passages} passages ({report.added} added, "
+          f"{report.updated} updated, {report.unchanged} unchanged, {report.removed} removed); KV caches: {caches}; "
+          f"{time.perf_counter() - started:.1f} s")
+    for path, reason in report.skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
     return 0
 
 

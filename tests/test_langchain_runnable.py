@@ -216,16 +216,14 @@ def test_batch_over_different_documents_answers_each(runnable, engine):
 
 
 def test_batch_over_shared_documents(runnable, engine):
-    """Questions over the same documents: the many-questions path when the engine has one, else one by one."""
+    """Questions over the same documents are answered in one IPPD decode."""
     questions = [QUESTION, "Which city is the capital?"]
     outputs = runnable.batch([{"question": q, "documents": DOCS} for q in questions])
     docs = [Document(d.page_content, d.id, d.metadata["score"]) for d in DOCS]
-    if callable(getattr(engine, "generate_many", None)):
-        answers = engine.generate_many(questions, docs, mode="ippd", max_new_tokens=TOKENS)
-    else:
-        answers = [expected(engine), engine.generate(questions[1], docs, max_new_tokens=TOKENS)]
+    answers = engine.generate_many(questions, docs, mode="ippd", max_new_tokens=TOKENS)
     assert [o.content for o in outputs] == [a.text for a in answers]
-    assert [o.response_metadata["mode"] for o in outputs] == [a.mode for a in answers]
+    assert [o.response_metadata["mode"] for o in outputs] == ["ippd", "ippd"]
+    assert outputs[0].response_metadata["extra"]["stacked_questions"] == 2
 
 
 def test_bad_inputs_raise_clear_errors(runnable, engine):

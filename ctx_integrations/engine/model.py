@@ -149,6 +149,36 @@ def converted_gguf_dir(gguf_file: Path) -> Path:
     return folder
 
 
+def _source(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
+    """Where transformers loads ``name_or_path`` from (a GGUF is converted first), and its display name."""
+    if name_or_path is None:
+        return str(converted_gguf_dir(embedded_gguf_path())), EMBEDDED_MODEL_NAME
+    name = str(name_or_path)
+    if name.endswith(".gguf"):
+        gguf_file = Path(name).expanduser()
+        if not gguf_file.is_file():
+            raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
+        return str(converted_gguf_dir(gguf_file)), name
+    return name, name
+
+
+def _load_error(name: str, error: OSError) -> ModelLoadError:
+    return ModelLoadError(
+        f"could not load model {name!r}: {error}. Give a local directory, a .gguf file, or a hub id "
+        "that is already in the Hugging Face cache (this machine may have no network)")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+    """Only the tokenizer of what :func:`load_model` would load (e.g. to size passages without the weights)."""
+    from transformers import AutoTokenizer
+
+    source, name = _source(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as error:
+        raise _load_error(name, error) from error
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None) -> LoadedModel:
     """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``.
@@ -160,23 +190,12 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
 
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    gguf_file: Path | None = None
-    if name_or_path is None:
-        gguf_file, name = embedded_gguf_path(), EMBEDDED_MODEL_NAME
-    else:
-        name = str(name_or_path)
-        if name.endswith(".gguf"):
-            gguf_file = Path(name).expanduser()
-            if not gguf_file.is_file():
-                raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
-    source = str(converted_gguf_dir(gguf_file)) if gguf_file is not None else name
+    source, name = _source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as error:
-        raise ModelLoadError(
-            f"could not load model {name!r}: {error}. Give a local directory, a .gguf file, or a hub id "
-            "that is already in the Hugging Face cache (this machine may have no network)") from error
+        raise _load_error(name, error) from error
     if adapter is not None:
         from ctx_integrations.engine.distill import merge_adapter
 

@@ -101,6 +101,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     def _check(self) -> None:
         """Refuse a typo in a mode name or option at construction, not at the first question."""
         resolve_mode(self.mode)
+        if self.batch_mode is not None:
+            resolve_mode(self.batch_mode)
         for name, options in self.mode_options.items():
             check_options(name, options)
         check_engine(self.engine)
@@ -256,8 +258,6 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         """True when every input brings the same documents and every call the same settings: one IPPD decode."""
         if self.batch_mode is None or len(inputs) < 2:
             return False
-        if not callable(getattr(resolve_engine(self.engine), "generate_many", None)):
-            return False  # an engine without the many-questions path answers each question on its own
         if not all(isinstance(i, Mapping) and "question" in i and i.get("documents") is not None for i in inputs):
             return False
         configs = get_config_list(config, len(inputs))

@@ -60,6 +60,21 @@ def minilm_dir() -> Path:
     return folder
 
 
+def main_weights(folder: Path) -> Path | None:
+    """The model's weights file in ``folder`` (first ``*.safetensors``, else first ``*.bin``), if any."""
+    return next(iter(sorted(folder.glob("*.safetensors"))), None) or next(iter(sorted(folder.glob("*.bin"))), None)
+
+
+def files_fingerprint(files: Sequence[Path], *extra: str) -> str:
+    """A short hash of ``extra`` and each file's size and first megabyte: cheap, and it changes with the weights."""
+    digest = hashlib.sha256("".join(extra).encode())
+    for path in files:
+        digest.update(str(path.stat().st_size).encode())
+        with path.open("rb") as handle:
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
 class TransformerEmbedder:
     """A sentence-transformers-style encoder (mean pooling + L2 norm) loaded with transformers, offline.
 
@@ -85,14 +100,8 @@ class TransformerEmbedder:
     @property
     def identity(self) -> str:
         """Name plus a hash of the weights file's size and first megabyte (cheap, changes with the weights)."""
-        weights = next(iter(sorted(self.model_dir.glob("*.safetensors"))), None) or next(
-            iter(sorted(self.model_dir.glob("*.bin"))), None)
-        digest = hashlib.sha256(str(self.max_length).encode())
-        if weights is not None:
-            digest.update(str(weights.stat().st_size).encode())
-            with weights.open("rb") as handle:
-                digest.update(handle.read(1 << 20))
-        return f"{self.name}:{digest.hexdigest()[:16]}"
+        weights = main_weights(self.model_dir)
+        return f"{self.name}:{files_fingerprint([weights] if weights else [], str(self.max_length))}"
 
     @property
     def dimension(self) -> int:

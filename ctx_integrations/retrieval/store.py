@@ -103,7 +103,8 @@ class DocumentStore:
         self.location = str(location) if is_url(location or "") else Path(location or cache_root() / "store")
         self.collection_name = collection
         self._client = client if client is not None else self._connect()
-        self._collection = self._client.get_collection(collection) if self._exists() else None
+        # embedding_function=None also when reopening: get_collection's default would attach Chroma's own
+        self._collection = self._client.get_collection(collection, embedding_function=None) if self._exists() else None
         self.embedder = self._check_embedder(embedder)
         self.kv_dir = Path(kv_dir) if kv_dir is not None else self._default_kv_dir()
         self.engine = engine
@@ -250,7 +251,7 @@ class DocumentStore:
         docs = self._prepare(documents)
         report = AddReport()
         existing = {d.id: d for d in self.get([d.id for d in docs])}  # type: ignore[misc]
-        changed = []
+        changed, replaced = [], []
         for doc in docs:
             old = existing.get(doc.id)
             if old is not None and old.text == doc.text and old.metadata == doc.metadata:
@@ -259,7 +260,7 @@ class DocumentStore:
             if old is not None:
                 report.updated += 1
                 if old.text != doc.text:
-                    self._forget(old.text)
+                    replaced.append(old.text)
             else:
                 report.added += 1
             changed.append(doc)
@@ -272,6 +273,7 @@ class DocumentStore:
                 progress(len(batch))
         if changed:
             self._lexical = None
+        self._forget_unreferenced(replaced)
         if warm and self.engine is not None:
             self._warm(docs, report)
         return report
@@ -316,14 +318,22 @@ class DocumentStore:
         if docs:
             for batch in _batches([d.id for d in docs], self.max_batch_size):
                 self._collection.delete(ids=list(batch))
-            for doc in docs:
-                self._forget(doc.text)
+            self._forget_unreferenced([d.text for d in docs])
             self._lexical = None
         return len(docs)
 
-    def _forget(self, text: str) -> None:
-        if self.engine is not None:
-            self.engine.store.forget(self.engine.layout, text)
+    def _forget_unreferenced(self, texts: Iterable[str]) -> None:
+        """Drop the KV caches of texts that no stored document has any more.
+
+        Caches are keyed by content, so two documents with the same text share one: it stays while
+        either exists. Without an engine nothing can be dropped (the key needs the model); stale
+        entries then stay on disk, unused, since a changed text has another key.
+        """
+        if self.engine is None:
+            return
+        for text in set(texts):
+            if not self.where({"content_hash": content_hash(text)}):
+                self.engine.store.forget(self.engine.layout, text)
 
     # -- lexical index ---------------------------------------------------------------------------------
     def lexical_scores(self, query: str) -> dict[str, float]:
