@@ -252,7 +252,9 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 # -- ask -----------------------------------------------------------------------------------------------
 def _configure_ask(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("question", help="the question to answer")
+    parser.add_argument("questions", nargs="+", metavar="question",
+                        help="the question to answer; several are answered together with Engine.generate_many "
+                             "(one stacked decode for all of them with --mode ippd)")
     parser.add_argument("--store", default=str(_default_store()), help="store folder or Chroma URL")
     parser.add_argument("--mode", default="pced", help="decoding mode (any registered: pced, concat, ...)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -283,13 +285,12 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 @register_command("ask", help="answer a question from a store, listing sources with scores and timings",
                   configure=_configure_ask)
 def run_ask(args: argparse.Namespace) -> int:
-    from ctx_integrations.engine.modes import available_modes, check_options, resolve_mode
+    from ctx_integrations.engine.modes import check_options, resolve_mode
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
     options = _parse_options(args.option)
     resolve_mode(args.mode)  # refuse a typo before loading anything
     check_options(args.mode, options)
-    available_modes()
     store = _open_store(args, must_exist=True)
     reranker = None
     if args.reranker:
@@ -298,16 +299,24 @@ def run_ask(args: argparse.Namespace) -> int:
         reranker = FlagRerankerModel(args.reranker, device=args.retriever_device)
     retriever = ScoredRetriever(store, score=args.score, reranker=reranker)
     started = time.perf_counter()
-    docs = retriever.retrieve(args.question, top_k=args.top_k, rerank_top_n=args.rerank_top_n)
+    retrieved = [retriever.retrieve(q, top_k=args.top_k, rerank_top_n=args.rerank_top_n) for q in args.questions]
     retrieval_s = time.perf_counter() - started
     engine = store.open_engine(args.model, device=args.device)
-    answer = engine.generate(args.question, docs, mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
+    settings = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
+    if len(args.questions) == 1:
+        answers = [engine.generate(args.questions[0], retrieved[0], **settings)]
+    else:
+        answers = engine.generate_many(args.questions, retrieved, **settings)
     if args.json:
-        print(json.dumps({**answer.to_dict(), "retrieval_s": retrieval_s}, indent=1))
+        payload = [{**a.to_dict(), "question": q, "retrieval_s": retrieval_s} for q, a in zip(args.questions, answers)]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=1))
         return 0
-    print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
-    _print_sources(docs)
-    _print_answer(answer, indent="")
+    for question, docs, answer in zip(args.questions, retrieved, answers):
+        if len(args.questions) > 1:
+            print(f"\nQ: {question}")
+        print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
+        _print_sources(docs)
+        _print_answer(answer, indent="")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -236,6 +237,14 @@ def test_cli_ingest_then_ask(tmp_path, capsys, cli):
     assert len(sources) == 2 and any(str(docs / "harbour.md") in line for line in sources)
     assert "r=" in sources[0] and "dense=" in sources[0]
     assert "KV cache 2 hits / 0 misses" in out  # the caches computed at ingestion are the ones used
+
+    questions = ["Who is the harbour master of Quillby?", "Since when does the bakery sell rye bread?"]
+    assert cli("ask", *questions, "--store", str(store), "--top-k", "2", "--max-new-tokens", "4", "--mode", "ippd",
+               "--json") == 0
+    answers = json.loads(capsys.readouterr().out)
+    assert [a["question"] for a in answers] == questions and {a["mode"] for a in answers} == {"ippd"}
+    assert all(len(a["token_ids"]) == 4 and len(a["documents"]) == 2 for a in answers)
+    assert answers[0]["timings"]["stacks"] == 1  # both questions were decoded in one stacked prompt
 
     assert cli("ingest", str(docs / "bakery.txt"), "--store", str(tmp_path / "plain"), "--no-cache") == 0
     assert "1 passages (1 added" in capsys.readouterr().out
