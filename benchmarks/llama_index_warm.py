@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, default=8, help="similarity_top_k of the query engine")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--questions", type=int, default=None, help="ask only the first N demo questions")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is faster on a busy CPU)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     from ctx_integrations.llama_index import ContextOfExpertsQueryEngine
 
     rows, questions = demo_corpus()
+    questions = questions[:args.questions]
     runs: dict[str, list[dict]] = {"cold": [], "repeat": [], "ingested": []}
     for question in questions:
         engine = Engine.from_pretrained()

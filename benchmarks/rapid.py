@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192],
                         help="document tokens (8192 is cut to what fits the window with the answer)")
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 avoids spin-waiting on a shared, busy machine)")
     parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = run(args)
     print_table(rows, COLUMNS)

@@ -1,0 +1,102 @@
+"""Every benchmark script runs end to end on the embedded model at a tiny size and writes its JSON.
+
+The published tables come from the default (long) runs; these smoke runs keep the scripts from
+rotting and check the invariants a benchmark row must satisfy whatever the model answers (IPPD's
+answers equal sequential decoding; RAPID with eta = 0 answers exactly as the long-context target).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import benchmarks.common
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("river harbour council bridge market winter tower library school garden railway museum festival "
+         "mountain island treaty founder painter engineer merchant").split()
+
+
+@pytest.fixture(autouse=True)
+def small_musique(tmp_path, monkeypatch):
+    """A MuSiQue-shaped file of short passages, so the smoke runs are fast and need no shared data."""
+    rng = random.Random(0)
+    rows = [{"id": f"tiny-{q}", "question": f"Which {WORDS[q]} is named in the passages?",
+             "answers": [WORDS[q]],
+             "documents": [" ".join(rng.choice(WORDS) for _ in range(60)).capitalize() + "." for _ in range(5)]}
+            for q in range(3)]
+    path = tmp_path / "musique_tiny.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    monkeypatch.setattr(benchmarks.common, "MUSIQUE", path)
+
+
+def run_benchmark(name: str, argv: list[str], tmp_path: Path) -> list[dict]:
+    module = importlib.import_module(f"benchmarks.{name}")
+    output = tmp_path / f"{name}.json"
+    module.main([*argv, "--output", str(output)])
+    payload = json.loads(output.read_text())
+    assert payload["benchmark"] == name and payload["environment"]["torch"]
+    assert payload["rows"], f"{name} wrote no rows"
+    return payload["rows"]
+
+
+def test_ttft(tmp_path):
+    rows = run_benchmark("ttft", ["--grid", "4x64", "--examples", "1", "--repeats", "1",
+                                  "--max-new-tokens", "4"], tmp_path)
+    assert {r["mode"] for r in rows} == {"concat", "pced (cold)", "pced (warm)"}
+    assert all(r["ttft_s"] > 0 and 0 <= r["accuracy"] <= 1 for r in rows)
+    assert next(r for r in rows if r["mode"] == "concat")["ttft_speedup_vs_concat"] == 1.0
+
+
+def test_ape(tmp_path):
+    rows = run_benchmark("ape", ["--grid", "4x64", "--examples", "1", "--musique", "1", "--temperatures", "0.9",
+                                 "--scales", "0.9", "--max-new-tokens", "4"], tmp_path)
+    modes = {r.get("mode") for r in rows}
+    assert {"concat", "ape warm", "pced warm"} <= modes
+    assert any(r.get("T") == 0.9 and r.get("S") == 0.9 for r in rows)
+
+
+def test_ippd(tmp_path):
+    rows = run_benchmark("ippd", ["--questions", "2", "--max-new-tokens", "4"], tmp_path)
+    assert {r["set"] for r in rows} == {"synthetic", "musique"}
+    ippd = [r for r in rows if r["method"].startswith("ippd")]
+    assert ippd and all(r["same_as_sequential"] == 1.0 for r in ippd)
+
+
+def test_rapid_with_eta_zero_answers_as_the_target(tmp_path):
+    rows = run_benchmark("rapid", ["--contexts", "1024", "--new-tokens", "8", "--eta", "0",
+                                   "--draft-context-tokens", "256", "--chunk-tokens", "128", "--gamma", "4"], tmp_path)
+    for question in ("code", "describe"):
+        by_mode = {r["mode"]: r for r in rows if r["question"] == question}
+        assert {"concat", "drafter", "rapid eta=0"} <= set(by_mode)
+        assert by_mode["rapid eta=0"]["answer"] == by_mode["concat"]["answer"]
+        assert 0 <= by_mode["rapid eta=0"]["acceptance"] <= 1
+
+
+def test_pced_variants(tmp_path):
+    rows = run_benchmark("pced_variants", ["--musique", "1", "--synthetic", "1", "--n-docs", "3", "--doc-tokens",
+                                           "64", "--max-new-tokens", "4"], tmp_path)
+    assert {r["dataset"] for r in rows} == {"secret-code", "musique"}
+    assert {"pced logprobs max", "concat"} <= {r["variant"] for r in rows}
+
+
+def test_soft_nbce(tmp_path):
+    rows = run_benchmark("soft_nbce", ["--lengths", "800", "--depths", "0.5", "--chunk-tokens", "256",
+                                       "--musique", "1", "--max-new-tokens", "4"], tmp_path)
+    niah = [r for r in rows if r.get("task") == "niah"]
+    assert {r["mode"] for r in niah} == {"soft_nbce", "nbce", "pcw", "pced"}
+    assert all(r["streams"] >= 3 and r["cache_misses"] == 0 for r in niah)  # warmed before timing
+    assert sum("summary" in r for r in rows) == 4
+
+
+def test_llama_index_warm(tmp_path):
+    pytest.importorskip("llama_index.core")
+    rows = run_benchmark("llama_index_warm", ["--top-k", "2", "--max-new-tokens", "4", "--questions", "1"], tmp_path)
+    by_query = {r["query"]: r for r in rows}
+    assert by_query["cold"]["cache_misses"] > 0
+    assert by_query["repeat"]["cache_misses"] == 0 and by_query["ingested"]["cache_misses"] == 0
