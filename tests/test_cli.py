@@ -1,0 +1,68 @@
+"""``ctx-experts demo`` end to end on the embedded model, then ``ask`` in every registered mode on its store."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import ctx_integrations  # noqa: F401  (registers every mode)
+from ctx_integrations.cli import load_demo_corpus, main
+from ctx_integrations.engine.modes import available_modes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """Run the demo once into a fresh store; return (store folder, printed text)."""
+    import contextlib
+    import io
+
+    store = tmp_path_factory.mktemp("demo") / "store"
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = main(["--threads", "1", "demo", "--store", str(store)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    return store, out.getvalue()
+
+
+def test_demo_answers_every_question_from_warm_caches(demo_run):
+    _, out = demo_run
+    documents, questions = load_demo_corpus()
+    assert out.startswith("store ") and f"{len(documents)} added" in out
+    assert f"KV caches: {len(documents)} computed" in out
+    for item in questions:
+        block = out.split(f"Q: {item['question']}")[1].split("\nQ: ")[0]
+        pced = block.split("[pced]")[1].split("[concat]")[0]
+        assert item["answer"] in pced and "contains the expected answer: yes" in pced  # greedy, fp32: deterministic
+        assert re.search(r"cited: \S+ \(r=[\d.]+, \d+ tokens\)", pced)
+        assert "KV cache 3 hits / 0 misses" in pced
+        assert "[concat]" in block
+    assert out.rstrip().endswith("KV cache misses while answering: 0")
+
+
+def test_a_second_demo_computes_nothing(demo_run, capsys):
+    store, _ = demo_run
+    assert main(["--threads", "1", "demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2"]) == 0
+    unchanged = len(load_demo_corpus()[0])
+    assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", available_modes())
+def test_ask_in_every_mode_on_the_demo_store(demo_run, capsys, mode):
+    store, _ = demo_run
+    question = "Who designed the Copper Bridge in Velmora?"
+    assert main(["--threads", "1", "ask", question, "--store", str(store), "--mode", mode, "--top-k", "3",
+                 "--max-new-tokens", "6", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["question"] == question and answer["mode"] == mode
+    assert 0 < len(answer["token_ids"]) <= 6 and answer["text"].strip()
+    assert [d["id"] for d in answer["documents"]][0] == "velmora-copper-bridge"
+    assert answer["timings"]["ttft_s"] > 0
