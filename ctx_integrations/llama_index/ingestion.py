@@ -17,6 +17,7 @@ from llama_index.core.schema import BaseNode, TransformComponent
 
 from ctx_integrations.adapters import check_engine, resolve_engine
 from ctx_integrations.llama_index.convert import node_text
+from ctx_integrations.llama_index.events import KVCacheWarmEvent, dispatcher
 
 
 class KVCacheWarmer(TransformComponent):
@@ -53,10 +54,14 @@ class KVCacheWarmer(TransformComponent):
         return dict(self._stats)
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        texts = [text for text in (node_text(node) for node in nodes) if text.strip()]
+        texts = {node.node_id: node_text(node) for node in nodes}
+        texts = {node_id: text for node_id, text in texts.items() if text.strip()}
         if texts:  # nodes without text (e.g. images) have nothing to cache
-            for key, value in resolve_engine(self.engine).warm(texts).items():
+            counts = resolve_engine(self.engine).warm(list(texts.values()))
+            for key, value in counts.items():
                 self._stats[key] += value
+            dispatcher.event(KVCacheWarmEvent(node_ids=list(texts), hits=counts["hits"], misses=counts["misses"],
+                                              corrupt=counts["corrupt"]))
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

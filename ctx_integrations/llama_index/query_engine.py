@@ -20,6 +20,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
@@ -32,6 +33,7 @@ from ctx_integrations.engine.modes import check_options, resolve_mode
 from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.llama_index.convert import node_text, response_metadata, to_document
+from ctx_integrations.llama_index.events import emit_answer_events
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM
 from ctx_integrations.llama_index.score_keeping import (
     SCORES_KEY,
@@ -184,10 +186,12 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
 
         return call
 
+    @dispatcher.span
     def synthesize(self, query_bundle: QueryType, nodes: list[NodeWithScore],
                    additional_source_nodes: Sequence[NodeWithScore] | None = None) -> RESPONSE_TYPE:
         """Decode an answer from ``nodes`` (e.g. from :meth:`retrieve`) in one engine call."""
         query_bundle, nodes = _bundle(query_bundle), self._scored(nodes)
+        dispatcher.event(SynthesizeStartEvent(query=query_bundle))
         engine = resolve_engine(self.engine)
         with self.callback_manager.event(CBEventType.SYNTHESIZE,
                                          payload={EventPayload.QUERY_STR: query_bundle.query_str}) as event:
@@ -195,18 +199,20 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
             if self.streaming:
                 metadata: dict[str, Any] = {}
                 response: RESPONSE_TYPE = StreamingResponse(
-                    response_gen=_stream(call, nodes, engine, metadata), source_nodes=nodes, metadata=metadata)
+                    response_gen=_stream(call, query_bundle.query_str, nodes, engine, metadata), source_nodes=nodes,
+                    metadata=metadata)
             else:
-                answer = call()
-                response = Response(answer.text, source_nodes=nodes,
-                                    metadata=response_metadata(answer, nodes, engine.loaded.name))
+                response = _response(query_bundle.query_str, call(), nodes, engine)
             event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
         return response
 
+    @dispatcher.span
     async def asynthesize(self, query_bundle: QueryType, nodes: list[NodeWithScore],
                           additional_source_nodes: Sequence[NodeWithScore] | None = None) -> RESPONSE_TYPE:
         """Like :meth:`synthesize`; decoding runs on a worker thread, so the event loop keeps running."""
         query_bundle, nodes = _bundle(query_bundle), self._scored(nodes)
+        dispatcher.event(SynthesizeStartEvent(query=query_bundle))
         engine = await asyncio.to_thread(resolve_engine, self.engine)
         with self.callback_manager.event(CBEventType.SYNTHESIZE,
                                          payload={EventPayload.QUERY_STR: query_bundle.query_str}) as event:
@@ -214,12 +220,12 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
             if self.streaming:
                 metadata: dict[str, Any] = {}
                 response: RESPONSE_TYPE = AsyncStreamingResponse(
-                    response_gen=_astream(call, nodes, engine, metadata), source_nodes=nodes, metadata=metadata)
+                    response_gen=_astream(call, query_bundle.query_str, nodes, engine, metadata), source_nodes=nodes,
+                    metadata=metadata)
             else:
-                answer = await asyncio.to_thread(call)
-                response = Response(answer.text, source_nodes=nodes,
-                                    metadata=response_metadata(answer, nodes, engine.loaded.name))
+                response = _response(query_bundle.query_str, await asyncio.to_thread(call), nodes, engine)
             event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
         return response
 
     # ----------------------------------------------------------------- many questions
@@ -235,8 +241,8 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
         lists = [[to_document(item) for item in nodes] for nodes in per_question]
         answers = engine.generate_many(questions, lists[0] if shared else lists, mode=mode, **self.settings,
                                        **self.mode_options.get(mode, {}))
-        return [Response(answer.text, source_nodes=nodes, metadata=response_metadata(answer, nodes, engine.loaded.name))
-                for answer, nodes in zip(answers, per_question)]
+        return [_response(question, answer, nodes, engine)
+                for question, answer, nodes in zip(questions, answers, per_question)]
 
     @dispatcher.span
     def query_many(self, questions: Sequence[str], nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
@@ -305,15 +311,24 @@ def _shared_order(per_question: list[list[NodeWithScore]]) -> list[list[NodeWith
     return out
 
 
-def _stream(call: TokenCall, nodes: list[NodeWithScore], engine: Engine, metadata: dict[str, Any]) -> Iterator[str]:
+def _response(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> Response:
+    """The ``Response`` of a decoded answer; its cache and decoding events are sent on the way."""
+    emit_answer_events(query, answer, nodes)
+    return Response(answer.text, source_nodes=nodes, metadata=response_metadata(answer, nodes, engine.loaded.name))
+
+
+def _stream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
+            metadata: dict[str, Any]) -> Iterator[str]:
     """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled."""
     answer = yield from iter_tokens(call)
+    emit_answer_events(query, answer, nodes)
     metadata.update(response_metadata(answer, nodes, engine.loaded.name))
 
 
-async def _astream(call: TokenCall, nodes: list[NodeWithScore], engine: Engine,
+async def _astream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
                    metadata: dict[str, Any]) -> AsyncIterator[str]:
     sink: dict[str, Answer] = {}
     async for piece in aiter_tokens(call, sink):
         yield piece
+    emit_answer_events(query, sink["answer"], nodes)
     metadata.update(response_metadata(sink["answer"], nodes, engine.loaded.name))
