@@ -49,7 +49,7 @@ def run_set(engine: Engine, name: str, items: list, max_new_tokens: int) -> list
                                                    for label, _, _ in RUNS}
     for question, documents, answers in items:
         for label, mode, warm in RUNS:
-            engine.store._memory.clear()  # memory-only store: cold means nothing cached
+            engine.store.clear_memory()  # memory-only store: cold means nothing cached
             if warm:
                 engine.warm(documents)
             answer = engine.generate(question, documents, mode=mode, max_new_tokens=max_new_tokens)

@@ -97,7 +97,7 @@ def run(engine: Engine, name: str, documents: list[str], questions: list[str], a
         else:
             results[label] = (seconds, [a.text for a in outputs], [a.token_ids for a in outputs])
 
-    engine.store._memory.clear()
+    engine.store.clear_memory()
     measure("ippd cold", lambda: engine.generate_many(questions, documents, max_new_tokens=max_new_tokens))
     measure("ippd warm", lambda: engine.generate_many(questions, documents, max_new_tokens=max_new_tokens))
     measure("batched", lambda: batched_generate(engine, documents, questions, max_new_tokens))

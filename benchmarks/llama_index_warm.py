@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {"cold": [], "repeat": [], "ingested": []}
     for question in questions:
         engine = Engine.from_pretrained()
-        engine.store._memory.clear()  # the embedded engine's store is memory-only: this makes it cold
+        engine.store.clear_memory()  # the embedded engine's store is memory-only: this makes it cold
         query_engine = ContextOfExpertsQueryEngine.from_index(build_index(rows, engine, warm=False), engine=engine,
                                                               similarity_top_k=args.top_k,
                                                               max_new_tokens=args.max_new_tokens)
         runs["cold"].append(ask(query_engine, question))
         runs["repeat"].append(ask(query_engine, question))
-        engine.store._memory.clear()
+        engine.store.clear_memory()
         query_engine = ContextOfExpertsQueryEngine.from_index(build_index(rows, engine, warm=True), engine=engine,
                                                               similarity_top_k=args.top_k,
                                                               max_new_tokens=args.max_new_tokens)

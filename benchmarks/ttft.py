@@ -35,7 +35,7 @@ def run_case(engine: Engine, n: int, length: int, examples: int, repeats: int, m
                                  "total": [], "correct": []} for m in ("concat", "pced (cold)", "pced (warm)")}
     for seed in range(examples):
         example = secret_code_example(engine.layout, n, length, seed=seed)
-        engine.store._memory.clear()  # cold means nothing cached, in memory or on disk (the store is memory-only)
+        engine.store.clear_memory()  # cold means nothing cached, in memory or on disk (the store is memory-only)
         plan = [("pced (cold)", "pced", 1), ("pced (warm)", "pced", repeats), ("concat", "concat", repeats)]
         for label, mode, times in plan:
             for _ in range(times):

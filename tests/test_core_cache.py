@@ -117,6 +117,18 @@ def test_memory_lru_evicts_oldest(loaded, layout):
     assert store.stats.misses == 4
 
 
+def test_clear_memory_keeps_disk_entries(loaded, layout, tmp_path):
+    on_disk, in_memory = KVCacheStore(loaded, tmp_path / "kv"), KVCacheStore(loaded)
+    for store in (on_disk, in_memory):
+        store.document(layout, DOC)
+        store.clear_memory()
+    assert on_disk.contains(layout, DOC) and not in_memory.contains(layout, DOC)
+    on_disk.document(layout, DOC)
+    in_memory.document(layout, DOC)
+    assert (on_disk.stats.hits, on_disk.stats.misses) == (1, 1)
+    assert (in_memory.stats.hits, in_memory.stats.misses) == (0, 2)
+
+
 def test_half_precision_on_disk(loaded, layout, tmp_path):
     exact = KVCacheStore(loaded, tmp_path / "full").document(layout, DOC)
     KVCacheStore(loaded, tmp_path / "half", half_on_disk=True).document(layout, DOC)

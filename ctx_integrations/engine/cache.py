@@ -151,6 +151,10 @@ class KVCacheStore:
         if self.directory is not None:
             self._path(key).unlink(missing_ok=True)
 
+    def clear_memory(self) -> None:
+        """Empty the in-memory LRU; entries on disk stay (benchmarks use this to time cold calls)."""
+        self._memory.clear()
+
     # -- internals -------------------------------------------------------------------------------
     def _get(self, key: str, token_ids: tuple[int, ...], prefix: CachedKV | None, count: bool) -> CachedKV:
         entry = self._lookup(key, token_ids)
