@@ -29,6 +29,11 @@ def to_document(item: NodeWithScore) -> Document:
     return Document(node_text(item.node), item.node.node_id, r, parts, metadata)
 
 
+def cited_node_ids(answer: Answer, nodes: Sequence[NodeWithScore]) -> list[str]:
+    """Ids of the nodes that won tokens of ``answer``, most tokens first."""
+    return [nodes[i].node.node_id for i, _ in answer.citation_counts().most_common()]
+
+
 def response_metadata(answer: Answer, nodes: Sequence[NodeWithScore], model_name: str) -> dict[str, Any]:
     """Everything needed to cite and time an answer, as ``Response.metadata``.
 
@@ -42,7 +47,7 @@ def response_metadata(answer: Answer, nodes: Sequence[NodeWithScore], model_name
         "mode": answer.mode, "model_name": model_name,
         "trace": [{"token_id": step.token_id, "node_id": None if step.document is None else ids[step.document],
                    "score": step.score} for step in answer.trace],
-        "cited_nodes": [ids[i] for i, _ in counts.most_common()],
+        "cited_nodes": cited_node_ids(answer, nodes),
         "tokens_won": {ids[i]: n for i, n in counts.most_common()},
         "timings": dict(answer.timings),
         "cache": {"hits": answer.cache_hits, "misses": answer.cache_misses},

@@ -18,6 +18,7 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.schema import NodeWithScore
 
 from ctx_integrations.engine.answer import Answer
+from ctx_integrations.llama_index.convert import cited_node_ids
 
 dispatcher = instrument.get_dispatcher("ctx_integrations.llama_index")
 
@@ -71,10 +72,8 @@ class KVCacheWarmEvent(BaseEvent):
 
 def emit_answer_events(query: str, answer: Answer, nodes: Sequence[NodeWithScore]) -> None:
     """Report the cache lookups and the result of one decoded answer."""
-    ids = [item.node.node_id for item in nodes]
-    dispatcher.event(KVCacheLookupEvent(query=query, mode=answer.mode, node_ids=ids, hits=answer.cache_hits,
-                                        misses=answer.cache_misses))
+    dispatcher.event(KVCacheLookupEvent(query=query, mode=answer.mode, node_ids=[item.node.node_id for item in nodes],
+                                        hits=answer.cache_hits, misses=answer.cache_misses))
     dispatcher.event(DecodingEndEvent(query=query, mode=answer.mode, text=answer.text,
                                       num_tokens=len(answer.token_ids), finish_reason=answer.finish_reason,
-                                      timings=dict(answer.timings),
-                                      cited_node_ids=[ids[i] for i, _ in answer.citation_counts().most_common()]))
+                                      timings=dict(answer.timings), cited_node_ids=cited_node_ids(answer, nodes)))

@@ -311,18 +311,21 @@ def _shared_order(per_question: list[list[NodeWithScore]]) -> list[list[NodeWith
     return out
 
 
-def _response(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> Response:
-    """The ``Response`` of a decoded answer; its cache and decoding events are sent on the way."""
+def _answer_metadata(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> dict[str, Any]:
+    """The response metadata of a decoded answer; its cache and decoding events are sent on the way."""
     emit_answer_events(query, answer, nodes)
-    return Response(answer.text, source_nodes=nodes, metadata=response_metadata(answer, nodes, engine.loaded.name))
+    return response_metadata(answer, nodes, engine.loaded.name)
+
+
+def _response(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> Response:
+    return Response(answer.text, source_nodes=nodes, metadata=_answer_metadata(query, answer, nodes, engine))
 
 
 def _stream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
             metadata: dict[str, Any]) -> Iterator[str]:
     """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled."""
     answer = yield from iter_tokens(call)
-    emit_answer_events(query, answer, nodes)
-    metadata.update(response_metadata(answer, nodes, engine.loaded.name))
+    metadata.update(_answer_metadata(query, answer, nodes, engine))
 
 
 async def _astream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
@@ -330,5 +333,4 @@ async def _astream(call: TokenCall, query: str, nodes: list[NodeWithScore], engi
     sink: dict[str, Answer] = {}
     async for piece in aiter_tokens(call, sink):
         yield piece
-    emit_answer_events(query, sink["answer"], nodes)
-    metadata.update(response_metadata(sink["answer"], nodes, engine.loaded.name))
+    metadata.update(_answer_metadata(query, sink["answer"], nodes, engine))
