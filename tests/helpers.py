@@ -7,6 +7,10 @@ template) comes from the embedded SmolLM2 wheel, so no network is ever needed.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import lru_cache
 
 import torch
@@ -48,3 +52,36 @@ def greedy_reference(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
                                 pad_token_id=loaded.tokenizer.eos_token_id)
     new = out[0, len(prompt_ids):].tolist()
     return [t for t in new if t not in loaded.eos_token_ids]
+
+
+@asynccontextmanager
+async def loop_ticks(interval_s: float = 0.001) -> AsyncIterator[list[float]]:
+    """Record when the event loop is free to run a task, every ``interval_s``, while the block runs.
+
+    A decode that blocked the loop would leave a gap in the ticks as long as the decode.
+    """
+    ticks: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield ticks
+    finally:
+        stop.set()
+        await task
+
+
+def run_cli(*argv: str) -> int:
+    """``ctx-experts`` with ``--threads 1`` (much faster on a busy shared CPU); torch's thread count is restored."""
+    from ctx_integrations.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(["--threads", "1", *argv])
+    finally:
+        torch.set_num_threads(threads)

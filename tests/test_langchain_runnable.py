@@ -27,7 +27,7 @@ from ctx_integrations.errors import (
     UnknownModeError,
 )
 from ctx_integrations.langchain import ContextOfExpertsRunnable
-from tests.helpers import tiny_loaded
+from tests.helpers import loop_ticks, tiny_loaded
 
 DOCS = [
     LCDocument(page_content="The secret code of the vault is 4721.", id="vault",
@@ -132,26 +132,17 @@ def test_stream_yields_token_chunks_that_join_to_the_answer(runnable, engine):
 
 def test_astream_does_not_block_the_event_loop(engine):
     runnable = ContextOfExpertsRunnable(engine=engine, max_new_tokens=24)
-    ticks: list[float] = []
     arrivals: list[float] = []
 
-    async def ticker(stop: asyncio.Event):
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
-            await asyncio.sleep(0.001)
-
     async def main():
-        stop = asyncio.Event()
-        task = asyncio.create_task(ticker(stop))
         chunks = []
-        async for chunk in runnable.astream({"question": QUESTION, "documents": DOCS}):
-            arrivals.append(time.perf_counter())
-            chunks.append(chunk)
-        stop.set()
-        await task
-        return chunks
+        async with loop_ticks() as ticks:
+            async for chunk in runnable.astream({"question": QUESTION, "documents": DOCS}):
+                arrivals.append(time.perf_counter())
+                chunks.append(chunk)
+        return chunks, ticks
 
-    chunks = asyncio.run(main())
+    chunks, ticks = asyncio.run(main())
     assert len(chunks) > 2
     assert "".join(c.content for c in chunks) == expected(engine, max_new_tokens=24).text
     during = [t for t in ticks if arrivals[0] < t < arrivals[-1]]

@@ -22,7 +22,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from ctx_integrations import Document, Engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, MissingDependencyError, UnknownModeError
 from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, ExpertDecoderLLM
-from tests.helpers import tiny_loaded
+from tests.helpers import loop_ticks, tiny_loaded
 from tests.llama_index_support import (
     QUESTION,
     TEXTS,
@@ -145,23 +145,14 @@ def test_async_streaming(engine, index):
 def test_aquery_does_not_block_the_event_loop(engine, index):
     query_engine = ContextOfExpertsQueryEngine.from_index(index, engine=engine, similarity_top_k=2, max_new_tokens=48)
     expected = query_engine.query(QUESTION)  # the reference answer (and a warm start, so the timing is the decode's)
-    ticks: list[float] = []
-
-    async def ticker(stop: asyncio.Event):
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
-            await asyncio.sleep(0.001)
 
     async def main():
-        stop = asyncio.Event()
-        task = asyncio.create_task(ticker(stop))
-        response = await query_engine.aquery(QUESTION)
-        finished = time.perf_counter()
-        stop.set()
-        await task
-        return response, finished
+        async with loop_ticks() as ticks:
+            response = await query_engine.aquery(QUESTION)
+            finished = time.perf_counter()
+        return response, finished, ticks
 
-    response, finished = asyncio.run(main())
+    response, finished, ticks = asyncio.run(main())
     assert response.response == expected.response and len(response.metadata["trace"]) > 8
     decode_s = response.metadata["timings"]["total_s"]
     # ticks inside the middle of the decode: a loop blocked by decoding would have none there
