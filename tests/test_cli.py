@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 
 import pytest
-import torch
 
 import ctx_integrations  # noqa: F401  (registers every mode)
-from ctx_integrations.cli import load_demo_corpus, main
+from ctx_integrations.cli import load_demo_corpus
 from ctx_integrations.engine.modes import available_modes
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -18,18 +20,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """Run the demo once into a fresh store; return (store folder, printed text)."""
-    import contextlib
-    import io
-
     store = tmp_path_factory.mktemp("demo") / "store"
-    threads = torch.get_num_threads()
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            code = main(["--threads", "1", "demo", "--store", str(store)])
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0
+    with contextlib.redirect_stdout(out):
+        assert run_cli("demo", "--store", str(store)) == 0
     return store, out.getvalue()
 
 
@@ -50,7 +44,7 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
 
 def test_a_second_demo_computes_nothing(demo_run, capsys):
     store, _ = demo_run
-    assert main(["--threads", "1", "demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2"]) == 0
+    assert run_cli("demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2") == 0
     unchanged = len(load_demo_corpus()[0])
     assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in capsys.readouterr().out
 
@@ -59,8 +53,8 @@ def test_a_second_demo_computes_nothing(demo_run, capsys):
 def test_ask_in_every_mode_on_the_demo_store(demo_run, capsys, mode):
     store, _ = demo_run
     question = "Who designed the Copper Bridge in Velmora?"
-    assert main(["--threads", "1", "ask", question, "--store", str(store), "--mode", mode, "--top-k", "3",
-                 "--max-new-tokens", "6", "--json"]) == 0
+    assert run_cli("ask", question, "--store", str(store), "--mode", mode, "--top-k", "3", "--max-new-tokens", "6",
+                   "--json") == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["question"] == question and answer["mode"] == mode
     assert 0 < len(answer["token_ids"]) <= 6 and answer["text"].strip()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from ctx_integrations.cli import main
 from ctx_integrations.errors import InvalidOptionError, MissingDependencyError
 from ctx_integrations.retrieval import DocumentStore
 from ctx_integrations.retrieval.embedders import default_embedder
@@ -22,7 +21,7 @@ from ctx_integrations.retrieval.ingest import (
     split_passages,
     token_counter,
 )
-from tests.helpers import embedded_tokenizer
+from tests.helpers import embedded_tokenizer, run_cli
 
 
 def words(text: str) -> int:
@@ -198,18 +197,8 @@ def test_ingest_syncs_files_with_the_store(corpus, tmp_path):
 
 
 # -- the command line ------------------------------------------------------------------------------------------
-@pytest.fixture
-def cli():
-    """``main`` with ``--threads 1`` (much faster on a busy shared CPU); torch's thread count is restored after."""
-    import torch
-
-    threads = torch.get_num_threads()
-    yield lambda *argv: main(["--threads", "1", *argv])
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_cli_ingest_then_ask(tmp_path, capsys, cli):
+def test_cli_ingest_then_ask(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "harbour.md").write_text("# Harbour\n\nThe harbour master of Quillby is Orla Venn.\n\n"
@@ -217,7 +206,7 @@ def test_cli_ingest_then_ask(tmp_path, capsys, cli):
     (docs / "bakery.txt").write_text("The oldest bakery in Quillby sells rye bread since 1820.")
     store = tmp_path / "store"
 
-    assert cli("ingest", str(docs), "--store", str(store), "--chunk-tokens", "16") == 0
+    assert run_cli("ingest", str(docs), "--store", str(store), "--chunk-tokens", "16") == 0
     line = capsys.readouterr().out.strip()
     match = re.fullmatch(r"ingested 2 files into (.+): (\d+) passages \((\d+) added, 0 updated, 0 unchanged, "
                          r"0 removed\); KV caches: (\d+) computed; [\d.]+ s", line)
@@ -226,11 +215,11 @@ def test_cli_ingest_then_ask(tmp_path, capsys, cli):
     count = token_counter(embedded_tokenizer())  # the LLM's tokenizer sized the passages
     assert all(count(doc.text) <= 16 for doc in DocumentStore(store).all_documents())
 
-    assert cli("ingest", str(docs), "--store", str(store), "--chunk-tokens", "16") == 0
+    assert run_cli("ingest", str(docs), "--store", str(store), "--chunk-tokens", "16") == 0
     assert f"(0 added, 0 updated, {match.group(2)} unchanged, 0 removed); KV caches: 0 computed" in (
         capsys.readouterr().out)
 
-    assert cli("ask", "Who is the harbour master of Quillby?", "--store", str(store), "--top-k", "2",
+    assert run_cli("ask", "Who is the harbour master of Quillby?", "--store", str(store), "--top-k", "2",
                "--max-new-tokens", "4") == 0
     out = capsys.readouterr().out
     sources = [line for line in out.splitlines() if re.match(r"\s+\d+\. ", line)]
@@ -239,15 +228,15 @@ def test_cli_ingest_then_ask(tmp_path, capsys, cli):
     assert "KV cache 2 hits / 0 misses" in out  # the caches computed at ingestion are the ones used
 
     questions = ["Who is the harbour master of Quillby?", "Since when does the bakery sell rye bread?"]
-    assert cli("ask", *questions, "--store", str(store), "--top-k", "2", "--max-new-tokens", "4", "--mode", "ippd",
+    assert run_cli("ask", *questions, "--store", str(store), "--top-k", "2", "--max-new-tokens", "4", "--mode", "ippd",
                "--json") == 0
     answers = json.loads(capsys.readouterr().out)
     assert [a["question"] for a in answers] == questions and {a["mode"] for a in answers} == {"ippd"}
     assert all(len(a["token_ids"]) == 4 and len(a["documents"]) == 2 for a in answers)
     assert answers[0]["timings"]["stacks"] == 1  # both questions were decoded in one stacked prompt
 
-    assert cli("ingest", str(docs / "bakery.txt"), "--store", str(tmp_path / "plain"), "--no-cache") == 0
+    assert run_cli("ingest", str(docs / "bakery.txt"), "--store", str(tmp_path / "plain"), "--no-cache") == 0
     assert "1 passages (1 added" in capsys.readouterr().out
 
-    assert cli("ingest", str(tmp_path / "absent"), "--store", str(store)) == 2
+    assert run_cli("ingest", str(tmp_path / "absent"), "--store", str(store)) == 2
     assert "does not exist" in capsys.readouterr().err
