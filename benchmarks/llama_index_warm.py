@@ -17,10 +17,8 @@ Each of the demo questions is asked once per way; the medians are reported with 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,26 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import median, print_table, write_results  # noqa: E402
-from ctx_integrations import Engine  # noqa: E402
+from ctx_integrations import Document, Engine  # noqa: E402
+from ctx_integrations.cli import load_demo_corpus  # noqa: E402
 
 COLUMNS = ["query", "questions", "ttft_s", "total_s", "wall_s", "cache_misses", "ttft_ratio_vs_cold",
            "wall_ratio_vs_cold"]
 
 
-def demo_corpus() -> tuple[list[dict], list[str]]:
-    data = resources.files("ctx_integrations") / "data"
-    rows = [json.loads(line) for line in (data / "demo_city.jsonl").read_text().splitlines() if line.strip()]
-    questions = [item["question"] for item in json.loads((data / "demo_questions.json").read_text())]
-    return rows, questions
-
-
-def build_index(rows: list[dict], engine: Engine, warm: bool):
-    from llama_index.core import Document, VectorStoreIndex
+def build_index(corpus: list[Document], engine: Engine, warm: bool):
+    from llama_index.core import Document as LlamaDocument
+    from llama_index.core import VectorStoreIndex
     from llama_index.core.ingestion import IngestionPipeline
 
     from ctx_integrations.llama_index import KVCacheWarmer, default_embedding
 
-    documents = [Document(text=row["text"], id_=row["id"], metadata={"title": row["title"]}) for row in rows]
+    documents = [LlamaDocument(text=doc.text, id_=doc.id, metadata=doc.metadata) for doc in corpus]
     transformations = [default_embedding()] + ([KVCacheWarmer(engine)] if warm else [])
     nodes = IngestionPipeline(transformations=transformations).run(documents=documents)
     return VectorStoreIndex(nodes, embed_model=default_embedding())
@@ -74,22 +67,19 @@ def main(argv: list[str] | None = None) -> None:
 
     from ctx_integrations.llama_index import ContextOfExpertsQueryEngine
 
-    rows, questions = demo_corpus()
-    questions = questions[:args.questions]
+    corpus, demo_questions = load_demo_corpus()
+    questions = [item["question"] for item in demo_questions][:args.questions]
+    engine = Engine.from_pretrained()
+    settings = dict(engine=engine, similarity_top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+    plain = ContextOfExpertsQueryEngine.from_index(build_index(corpus, engine, warm=False), **settings)
     runs: dict[str, list[dict]] = {"cold": [], "repeat": [], "ingested": []}
     for question in questions:
-        engine = Engine.from_pretrained()
         engine.store.clear_memory()  # the embedded engine's store is memory-only: this makes it cold
-        query_engine = ContextOfExpertsQueryEngine.from_index(build_index(rows, engine, warm=False), engine=engine,
-                                                              similarity_top_k=args.top_k,
-                                                              max_new_tokens=args.max_new_tokens)
-        runs["cold"].append(ask(query_engine, question))
-        runs["repeat"].append(ask(query_engine, question))
+        runs["cold"].append(ask(plain, question))
+        runs["repeat"].append(ask(plain, question))
         engine.store.clear_memory()
-        query_engine = ContextOfExpertsQueryEngine.from_index(build_index(rows, engine, warm=True), engine=engine,
-                                                              similarity_top_k=args.top_k,
-                                                              max_new_tokens=args.max_new_tokens)
-        runs["ingested"].append(ask(query_engine, question))
+        warmed = ContextOfExpertsQueryEngine.from_index(build_index(corpus, engine, warm=True), **settings)
+        runs["ingested"].append(ask(warmed, question))
         print(f"{question!r}: " + " | ".join(f"{k}={v[-1]['text'][:40]!r} misses={v[-1]['misses']}"
                                              for k, v in runs.items()), flush=True)
 
