@@ -54,14 +54,13 @@ class KVCacheWarmer(TransformComponent):
         return dict(self._stats)
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        texts = {node.node_id: node_text(node) for node in nodes}
-        texts = {node_id: text for node_id, text in texts.items() if text.strip()}
-        if texts:  # nodes without text (e.g. images) have nothing to cache
-            counts = resolve_engine(self.engine).warm(list(texts.values()))
+        texted = [(node.node_id, text) for node in nodes if (text := node_text(node)).strip()]
+        if texted:  # nodes without text (e.g. images) have nothing to cache
+            counts = resolve_engine(self.engine).warm([text for _, text in texted])
             for key, value in counts.items():
                 self._stats[key] += value
-            dispatcher.event(KVCacheWarmEvent(node_ids=list(texts), hits=counts["hits"], misses=counts["misses"],
-                                              corrupt=counts["corrupt"]))
+            dispatcher.event(KVCacheWarmEvent(node_ids=[node_id for node_id, _ in texted], hits=counts["hits"],
+                                              misses=counts["misses"], corrupt=counts["corrupt"]))
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
