@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import best_f1, load_musique, print_table, substring_match, write_results  # noqa: E402
 from ctx_integrations import Engine  # noqa: E402
-from ctx_integrations.engine.soft_nbce import split_documents  # noqa: E402
+from ctx_integrations.engine.modes.soft_nbce import split_documents  # noqa: E402
 
 MODES = ("soft_nbce", "nbce", "pcw", "pced")
 QUESTION = "What is the secret code? Answer with the code only."

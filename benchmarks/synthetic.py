@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ctx_integrations.engine.layout import PromptLayout
+from ctx_integrations.engine.core.layout import PromptLayout
 
 _FILLER = ("the river town market people water city day year time house school road field work light house "
            "tree hill stone wind rain bridge north south east west small large old new green blue red morning "

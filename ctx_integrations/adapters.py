@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ctx_integrations.engine.generate import Engine
+from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.errors import InvalidOptionError
 
 

@@ -228,7 +228,7 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
 @register_command("ingest", help="add .txt/.md/.pdf files to a store as passages, KV caches computed now",
                   configure=_configure_ingest)
 def run_ingest(args: argparse.Namespace) -> int:
-    from ctx_integrations.engine.model import load_tokenizer
+    from ctx_integrations.engine.core.model import load_tokenizer
     from ctx_integrations.retrieval.ingest import MIN_TOKENS, find_files, ingest, token_counter
 
     started = time.perf_counter()
@@ -285,7 +285,7 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 @register_command("ask", help="answer a question from a store, listing sources with scores and timings",
                   configure=_configure_ask)
 def run_ask(args: argparse.Namespace) -> int:
-    from ctx_integrations.engine.modes import check_options, resolve_mode
+    from ctx_integrations.engine.core.registry import check_options, resolve_mode
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
     options = _parse_options(args.option)

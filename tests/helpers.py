@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ctx_integrations.engine.model import LoadedModel, converted_gguf_dir, embedded_gguf_path, model_identity
+from ctx_integrations.engine.core.model import LoadedModel, converted_gguf_dir, embedded_gguf_path, model_identity
 
 
 @lru_cache(maxsize=1)

@@ -10,8 +10,8 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.ape import ApeLayout, ape_attention, ape_attention_swapped
-from ctx_integrations.engine.model import LoadedModel, model_identity
+from ctx_integrations.engine.core.model import LoadedModel, model_identity
+from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention, ape_attention_swapped
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 from tests.helpers import greedy_reference, tiny_loaded
 
@@ -103,8 +103,8 @@ def block_mask_reference(loaded: LoadedModel, engine: Engine, documents: list[st
 def ape_question_logits(engine: Engine, documents: list[str], question: str, temperature: float,
                         scale: float) -> torch.Tensor:
     """The question tokens' logits as mode 'ape' computes them (cached documents + the APE attention)."""
-    from ctx_integrations.engine.cache import concatenated_stream
-    from ctx_integrations.engine.streams import forward_streams_keep
+    from ctx_integrations.engine.core.cache import concatenated_stream
+    from ctx_integrations.engine.core.streams import forward_streams_keep
 
     layout, store = engine.layout, engine.store
     suffix = layout.suffix_ids(question)

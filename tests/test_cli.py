@@ -11,7 +11,7 @@ import pytest
 
 import ctx_integrations  # noqa: F401  (registers every mode)
 from ctx_integrations.cli import load_demo_corpus
-from ctx_integrations.engine.modes import available_modes
+from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.cache import KVCacheStore, StreamBatch, batch_streams
-from ctx_integrations.engine.layout import PromptLayout
-from ctx_integrations.engine.streams import forward_streams
+from ctx_integrations.engine.core.cache import KVCacheStore, StreamBatch, batch_streams
+from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.streams import forward_streams
 from ctx_integrations.errors import CorruptCacheWarning
 from tests.helpers import tiny_loaded
 

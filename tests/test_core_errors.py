@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ctx_integrations import Engine
-from ctx_integrations.engine import model as model_module
+from ctx_integrations.engine.core import model as model_module
 from ctx_integrations.errors import (
     ChatTemplateError,
     CtxIntegrationsError,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ctx_integrations.engine.fusion import PCEDFusion, jensen_shannon
+from ctx_integrations.engine.modes.pced import PCEDFusion, jensen_shannon
 from ctx_integrations.errors import InvalidOptionError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctx_integrations.engine.layout import PromptLayout
+from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.errors import ChatTemplateError
 from tests.helpers import embedded_tokenizer
 

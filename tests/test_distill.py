@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core.model import load_model
 from ctx_integrations.engine.distill import DistillConfig, consistency_kl, distill, main, token_windows
-from ctx_integrations.engine.model import load_model
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError
 from tests.helpers import tiny_loaded
 
@@ -109,7 +109,7 @@ def test_cli_main_trains_and_saves(tmp_path, monkeypatch):
     import ctx_integrations.engine.distill as module
 
     loaded = peaked_tiny_model()
-    monkeypatch.setattr("ctx_integrations.engine.model.load_model", lambda name: loaded)
+    monkeypatch.setattr("ctx_integrations.engine.core.model.load_model", lambda name: loaded)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text(plain_text(2))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.cache import CachedKV
-from ctx_integrations.engine.ippd import PAD_ID, PAD_POSITION, _check_devices, visibility
+from ctx_integrations.engine.core.cache import CachedKV
+from ctx_integrations.engine.modes.ippd import PAD_ID, PAD_POSITION, _check_devices, visibility
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError
 from tests.helpers import greedy_reference, tiny_loaded
 

@@ -15,10 +15,10 @@ import torch
 from scipy.stats import chi2, chisquare
 
 from ctx_integrations import Engine
-from ctx_integrations.engine import speculative
-from ctx_integrations.engine.model import model_identity
-from ctx_integrations.engine.rapid import Chunk, rank_chunks, select_chunks, split_chunks
-from ctx_integrations.engine.speculative import Verdict, nucleus, residual, tail_adjusted, verify
+from ctx_integrations.engine.core.model import model_identity
+from ctx_integrations.engine.modes import speculative
+from ctx_integrations.engine.modes.rapid import Chunk, rank_chunks, select_chunks, split_chunks
+from ctx_integrations.engine.modes.speculative import Verdict, nucleus, residual, tail_adjusted, verify
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, greedy_reference, tiny_loaded
 
@@ -302,8 +302,8 @@ def test_selection_keeps_the_best_chunks_in_original_order():
 
 def test_ranking_by_bm25_and_by_document_scores(tiny_engine):
     from ctx_integrations.documents import prepare_documents
-    from ctx_integrations.engine.modes import DecodeContext
-    from ctx_integrations.engine.streams import StopCriteria, TokenSampler
+    from ctx_integrations.engine.core.registry import DecodeContext
+    from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
 
     def context(scores):
         return DecodeContext(tiny_engine, QUESTION, prepare_documents(DOCS, scores), TokenSampler(),

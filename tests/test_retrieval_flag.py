@@ -30,9 +30,10 @@ from transformers import (
 
 from ctx_integrations.errors import InvalidOptionError, MissingDependencyError, ModelLoadError
 from ctx_integrations.retrieval import BGEM3Embedder, FlagRerankerModel
-from ctx_integrations.retrieval.embedders import Embedder, embedder_from_spec, minilm_dir
+from ctx_integrations.retrieval.embedders import Embedder, minilm_dir
 from ctx_integrations.retrieval.retriever import Reranker, ScoredRetriever, Scorer
 from ctx_integrations.retrieval.scores import fuse_scores, normalize, normalize_reranker
+from ctx_integrations.retrieval.specs import embedder_from_spec
 from ctx_integrations.retrieval.store import DocumentStore, StoreMismatchError
 from tests.helpers import tiny_loaded
 

@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 
-from ctx_integrations.engine.fusion import (
+from ctx_integrations.engine.core.streams import TokenSampler
+from ctx_integrations.engine.modes.soft_nbce import (
     FILTERED_LOGPROB,
     NBCEFusion,
     PCWFusion,
     SoftNBCEFusion,
     nucleus_mask,
+    split_documents,
     truncated_entropy,
 )
-from ctx_integrations.engine.soft_nbce import split_documents
-from ctx_integrations.engine.streams import TokenSampler
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import greedy_reference
 

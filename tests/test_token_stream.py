@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.token_stream import StreamCancelled, aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.token_stream import StreamCancelled, aiter_tokens, iter_tokens
 from tests.helpers import tiny_loaded
 
 

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.answer import Answer
-from ctx_integrations.engine.baselines import single_stream
-from ctx_integrations.engine.cache import StreamBatch
-from ctx_integrations.engine.generate import Engine
-from ctx_integrations.engine.streams import StopCriteria, TokenSampler, decode_fused, forward_streams
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.cache import StreamBatch
+from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler, decode_fused, forward_streams
+from ctx_integrations.engine.modes.baselines import single_stream
 from ctx_integrations.errors import ChatTemplateError, DocumentTooLongError, InvalidOptionError
 
 CHAT_MODE = "chat"

@@ -18,8 +18,6 @@ gradient and all tokens carry teacher mass. Optimiser: AdamW, lr 5e-6, cosine sc
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import math
 import random
@@ -29,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ctx_integrations.engine.fusion import contrast_chunks, truncated_entropy
-from ctx_integrations.engine.model import LoadedModel
-from ctx_integrations.errors import InvalidOptionError, ModelLoadError, missing_dependency
+from ctx_integrations.engine.core.lora import require_peft
+from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.modes.soft_nbce import contrast_chunks, truncated_entropy
+from ctx_integrations.errors import InvalidOptionError
 
 CONFIG_FILE = "ctx_distill.json"
 
@@ -75,11 +74,6 @@ class DistillReport:
     losses: list[float] = field(default_factory=list)
     windows: int = 0
     output_dir: str | None = None
-
-
-def _require_peft() -> None:
-    if importlib.util.find_spec("peft") is None:
-        raise missing_dependency("peft", extra="distill")
 
 
 def token_windows(tokenizer: object, texts: Iterable[str], config: DistillConfig) -> list[torch.Tensor]:
@@ -141,7 +135,7 @@ def distill(loaded: LoadedModel, texts: Iterable[str], output_dir: str | Path | 
     load the result with ``Engine.from_pretrained(model, adapter=output_dir)``. ``log(step, kl)``
     is called after every step.
     """
-    _require_peft()
+    require_peft()
     from peft import LoraConfig, get_peft_model
 
     config = config or DistillConfig()
@@ -194,30 +188,6 @@ def save_adapter(peft_model: torch.nn.Module, output_dir: Path, base_name: str, 
     (output_dir / CONFIG_FILE).write_text(json.dumps(info, indent=2))
 
 
-def merge_adapter(model: torch.nn.Module, adapter: str | Path) -> tuple[torch.nn.Module, str]:
-    """Apply a saved LoRA adapter to ``model`` and merge it into the weights (no per-step LoRA cost).
-
-    Returns the merged model and a digest of the adapter files, which ``load_model`` puts in the
-    model identity so KV caches computed with and without the adapter never mix.
-    """
-    _require_peft()
-    from peft import PeftModel
-
-    folder = Path(adapter).expanduser()
-    files = sorted(folder.glob("adapter_*")) if folder.is_dir() else []
-    if not any(f.name == "adapter_config.json" for f in files):
-        raise ModelLoadError(f"{folder} is not a LoRA adapter folder (no adapter_config.json); "
-                             "create one with `ctx-experts distill`")
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + b"\x1f" + file.read_bytes())
-    try:
-        merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
-    except (ValueError, KeyError, RuntimeError) as error:
-        raise ModelLoadError(f"the adapter in {folder} does not fit this model: {error}") from error
-    return merged.eval(), digest.hexdigest()
-
-
 def read_texts(paths: Sequence[str | Path]) -> list[str]:
     """Plain text from files, or from every ``.txt``/``.md`` file under a folder."""
     texts = []
@@ -244,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``ctx-experts distill`` from parsed arguments."""
-    from ctx_integrations.engine.model import load_model
+    from ctx_integrations.engine.core.model import load_model
 
     names = ("rank", "alpha", "lr", "steps", "warmup_steps", "chunk_tokens", "n_chunks", "target_tokens", "tau",
              "beta", "seed")

@@ -15,7 +15,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
 
 from ctx_integrations.documents import Document, as_document
-from ctx_integrations.engine.answer import Answer
+from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.errors import EmptyDocumentsError
 
 SCORE_KEY = "score"

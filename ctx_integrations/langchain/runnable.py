@@ -23,10 +23,10 @@ from pydantic import ConfigDict, Field
 
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.answer import Answer
-from ctx_integrations.engine.generate import Engine
-from ctx_integrations.engine.modes import check_options, resolve_mode
-from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.registry import check_options, resolve_mode
+from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
 

@@ -17,7 +17,7 @@ import llama_index.core.instrumentation as instrument
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.schema import NodeWithScore
 
-from ctx_integrations.engine.answer import Answer
+from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.llama_index.convert import cited_node_ids
 
 dispatcher = instrument.get_dispatcher("ctx_integrations.llama_index")

@@ -31,10 +31,10 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ctx_integrations.adapters import check_engine, resolve_engine
-from ctx_integrations.engine.answer import Answer
 from ctx_integrations.engine.chat import chat_answer, conversation_ids
-from ctx_integrations.engine.generate import Engine
-from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import InvalidOptionError
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}

@@ -27,10 +27,10 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.core.settings import Settings
 
 from ctx_integrations.adapters import check_engine, resolve_engine
-from ctx_integrations.engine.answer import Answer
-from ctx_integrations.engine.generate import Engine
-from ctx_integrations.engine.modes import check_options, resolve_mode
-from ctx_integrations.engine.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.registry import check_options, resolve_mode
+from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.llama_index.convert import node_text, response_metadata, to_document
 from ctx_integrations.llama_index.events import emit_answer_events

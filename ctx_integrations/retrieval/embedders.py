@@ -152,26 +152,6 @@ class TransformerEmbedder:
         return f"TransformerEmbedder(name={self.name!r}, model_dir={str(self.model_dir)!r}, device={self.device!r})"
 
 
-def embedder_spec(embedder: Embedder) -> str:
-    """The spec a store records so that ``ask`` can rebuild its embedder without being told."""
-    return getattr(embedder, "spec", None) or f"custom:{embedder.name}"
-
-
-def embedder_from_spec(spec: str, device: str = "cpu") -> Embedder:
-    """Rebuild an embedder from a spec: ``minilm``, ``hf:<folder>`` or ``bge-m3:<hub id or folder>``."""
-    kind, _, argument = spec.partition(":")
-    if kind == "minilm":
-        return default_embedder(device)
-    if kind == "hf" and argument:
-        return TransformerEmbedder(argument, device=device)
-    if kind == "bge-m3" and argument:
-        from ctx_integrations.retrieval.flag import BGEM3Embedder
-
-        return BGEM3Embedder(argument, device=device)
-    raise InvalidOptionError(f"cannot rebuild embedder {spec!r} by name: pass the embedder object that built the "
-                             "store (DocumentStore(..., embedder=...))")
-
-
 @lru_cache(maxsize=4)
 def default_embedder(device: str = "cpu") -> TransformerEmbedder:
     """The shared embedded all-MiniLM-L6-v2 embedder (one instance per device, loaded on first use)."""

@@ -158,7 +158,7 @@ class BGEM3Embedder:
 
     @property
     def spec(self) -> str:
-        """How :func:`~ctx_integrations.retrieval.embedders.embedder_from_spec` rebuilds this embedder."""
+        """How :func:`~ctx_integrations.retrieval.specs.embedder_from_spec` rebuilds this embedder."""
         path = Path(self.model_ref).expanduser()
         return f"bge-m3:{path.resolve() if path.is_dir() else self.model_ref}"
 

@@ -36,7 +36,7 @@ from ctx_integrations.paths import cache_root
 from ctx_integrations.retrieval.embedders import Embedder
 
 if TYPE_CHECKING:
-    from ctx_integrations.engine.generate import Engine
+    from ctx_integrations.engine.core.engine import Engine
 
 STORE_FORMAT = "ctx-store-1"
 DEFAULT_COLLECTION = "ctx_documents"
@@ -135,7 +135,7 @@ class DocumentStore:
         return cache_root() / "kv" / f"{url.hostname}_{url.port or 0}_{self.collection_name}"
 
     def _check_embedder(self, embedder: Embedder | None) -> Embedder:
-        from ctx_integrations.retrieval.embedders import embedder_from_spec
+        from ctx_integrations.retrieval.specs import embedder_from_spec
 
         recorded = dict(self._collection.metadata or {}) if self._collection is not None else {}
         if embedder is None:
@@ -150,7 +150,7 @@ class DocumentStore:
 
     def _collection_for_writing(self) -> Any:
         if self._collection is None:
-            from ctx_integrations.retrieval.embedders import embedder_spec
+            from ctx_integrations.retrieval.specs import embedder_spec
 
             metadata = {"format": STORE_FORMAT, "embedder": self.embedder.identity,
                         "embedder_spec": embedder_spec(self.embedder), "dimension": int(self.embedder.dimension)}
@@ -161,7 +161,7 @@ class DocumentStore:
 
     def open_engine(self, model: str | os.PathLike | None = None, **options: Any) -> Engine:
         """Load a model (the embedded default without ``model``) whose caches live in this store's ``kv_dir``."""
-        from ctx_integrations.engine.generate import Engine
+        from ctx_integrations.engine.core.engine import Engine
 
         self.engine = Engine.from_pretrained(model, cache_dir=self.kv_dir, **options)
         return self.engine

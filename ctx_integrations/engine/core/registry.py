@@ -17,22 +17,36 @@ import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.streams import DecodeResult, StopCriteria, TokenSampler
+from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError, UnknownModeError
 
-if TYPE_CHECKING:
-    from ctx_integrations.engine.generate import Engine
+
+@runtime_checkable
+class EngineParts(Protocol):
+    """What a mode needs of an engine: the model, the prompt layout and the KV-cache store.
+
+    Modes depend on this protocol, not on :class:`~ctx_integrations.engine.core.engine.Engine`, so the
+    engine can import the modes and no mode imports the engine.
+    """
+
+    loaded: LoadedModel
+    layout: PromptLayout
+    store: KVCacheStore
+
 
 ModeFunction = Callable[..., DecodeResult]
 _MODES: dict[str, ModeFunction] = {}
 _MANY_MODES: set[str] = set()
 # Modules whose import registers the built-in modes; a new mode adds its module here.
-_BUILTIN_MODULES = ("ctx_integrations.engine.pced", "ctx_integrations.engine.baselines",
-                    "ctx_integrations.engine.soft_nbce", "ctx_integrations.engine.rapid",
-                    "ctx_integrations.engine.ape", "ctx_integrations.engine.ippd")
+_BUILTIN_MODULES = ("ctx_integrations.engine.modes.pced", "ctx_integrations.engine.modes.baselines",
+                    "ctx_integrations.engine.modes.soft_nbce", "ctx_integrations.engine.modes.rapid",
+                    "ctx_integrations.engine.modes.ape", "ctx_integrations.engine.modes.ippd")
 
 
 def register_mode(name: str, *, many: bool = False) -> Callable[[ModeFunction], ModeFunction]:
@@ -85,7 +99,7 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 class DecodeContext:
     """What a mode gets: the engine, the question, the validated documents and the decoding settings."""
 
-    engine: Engine
+    engine: EngineParts
     query: str
     documents: list[Document]
     sampler: TokenSampler

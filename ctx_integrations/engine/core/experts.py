@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from ctx_integrations.engine.cache import batch_streams
-from ctx_integrations.engine.modes import DecodeContext
-from ctx_integrations.engine.streams import DecodeResult, FusionRule, decode_fused, forward_streams
+from ctx_integrations.engine.core.cache import batch_streams
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.streams import DecodeResult, FusionRule, decode_fused, forward_streams
 
 
 def run_expert_streams(ctx: DecodeContext, rule: FusionRule, contexts: list[str] | None = None,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.errors import ModelLoadError, missing_dependency
 from ctx_integrations.paths import cache_root
 
@@ -197,8 +198,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
     except OSError as error:
         raise _load_error(name, error) from error
     if adapter is not None:
-        from ctx_integrations.engine.distill import merge_adapter
-
         model, digest = merge_adapter(model, adapter)
         name = f"{name} + adapter {digest[:16]}"
     model.to(device).eval()

@@ -13,10 +13,10 @@ import torch
 from transformers import DynamicCache
 
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.cache import StreamBatch, batch_streams
-from ctx_integrations.engine.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
-from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.streams import (
+from ctx_integrations.engine.core.cache import StreamBatch, batch_streams
+from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.streams import (
     DecodeResult,
     FusedStep,
     StopCriteria,

@@ -17,17 +17,120 @@ mode. The chunk index per token is kept in ``Answer.extra["trace_chunks"]``, and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ctx_integrations.engine.experts import run_expert_streams
-from ctx_integrations.engine.fusion import NBCEFusion, PCWFusion, SoftNBCEFusion
-from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.streams import DecodeResult, TraceStep
+import torch
+
+from ctx_integrations.engine.core.experts import run_expert_streams
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.streams import DecodeResult, FusedStep, TraceStep
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 DEFAULT_CHUNK_TOKENS = 2048
+TINY = torch.finfo(torch.float32).tiny  # floor of chunk weights before their log (citation evidence)
 # Re-tokenising a chunk's text can move a boundary token and the layout appends a newline.
 _RETOKENIZE_SLACK = 4
+
+
+# NBCE's clip value: a token outside a chunk's top-p nucleus scores as if its log-prob were -100.
+# Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary), so a floored
+# token can never outrank a kept one, yet the weighted sum stays finite (no -inf * 0 = NaN).
+FILTERED_LOGPROB = -100.0
+
+
+def nucleus_mask(logprobs: torch.Tensor, rho: float) -> torch.Tensor:
+    """Top-p nucleus of each row of ``logprobs`` ([..., V]): the smallest head of the sorted distribution
+    whose mass reaches ``rho``; the top token is always kept, so no row is ever empty. ``rho=1`` keeps
+    every token (fp32 rounding would otherwise drop a tail whose cumulative sum already reads 1.0)."""
+    if rho >= 1:
+        return torch.ones_like(logprobs, dtype=torch.bool)
+    sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True)
+    probs = sorted_logprobs.exp()
+    keep_sorted = torch.cumsum(probs, -1) - probs < rho
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """NBCE's entropy of a top-p filtered distribution: -sum over kept v of p(v) log p(v), not renormalised.
+
+    Not renormalising keeps a confident chunk's entropy strictly positive and distinct from another
+    confident chunk's, so hard selection rarely meets exact ties.
+    """
+    terms = logprobs.exp() * logprobs.clamp_min(FILTERED_LOGPROB)
+    return -torch.where(keep, terms, torch.zeros_like(terms)).sum(-1)
+
+
+def contrast_chunks(prior: torch.Tensor, chunks: torch.Tensor, prior_keep: torch.Tensor, chunk_keep: torch.Tensor,
+                    beta: float) -> torch.Tensor:
+    """Per-chunk scores S_k = (1 + beta) L~_k - beta L_prior, with L~_k floored outside chunk k's nucleus.
+
+    Where the prior filtered a token the contrast is dropped and S_k = L~_k (NBCE's fallback): the
+    prior's log-prob is only trusted on its own nucleus. ``prior`` broadcasts against ``chunks`` (chunk axis 0).
+    """
+    kept = torch.where(chunk_keep, chunks, torch.full_like(chunks, FILTERED_LOGPROB))
+    contrast = (1 + beta) * kept - beta * prior.clamp_min(FILTERED_LOGPROB)
+    return torch.where(prior_keep, contrast, kept)
+
+
+class SoftNBCEFusion:
+    """Soft-NBCE: fuse chunk experts with entropy weights w_k = softmax_k(-H_k / tau).
+
+    Rows of the step's logits: 0 = the prior (query only), 1..K = chunks. Per step, log-probs L_k
+    are top-p filtered with ``rho``, H_k is the truncated entropy, and
+    fused(v) = sum_k w_k S_k(v) with S_k from :func:`contrast_chunks`. Filtered tokens: inside the
+    union of the chunks' nuclei a chunk that filtered v contributes the floor -100 (finite, far
+    below any kept token); outside that union fused(v) = -inf. The union always holds every chunk's
+    top token, so the support is never empty and the scores never NaN. Evidence (the citation
+    trace) is log w_k + S_k(v): the chunk that gives the chosen token the most weighted support.
+    ``tau=math.inf`` is exactly the uniform average (:class:`PCWFusion`).
+    """
+
+    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9):
+        if not (tau > 0):  # also refuses NaN
+            raise InvalidOptionError(f"tau must be > 0 (math.inf = uniform average), got {tau!r}")
+        self.tau = tau
+        if not math.isfinite(beta) or beta < 0:
+            raise InvalidOptionError(f"beta must be a float >= 0, got {beta!r}")
+        if not 0 < rho <= 1:
+            raise InvalidOptionError(f"rho (each chunk's top-p) must be in (0, 1], got {rho!r}")
+        self.beta, self.rho = beta, rho
+
+    def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
+        """Weights over the chunk axis (0) from the chunks' entropies."""
+        return torch.softmax(-entropy / self.tau, dim=0)
+
+    def __call__(self, logits: torch.Tensor) -> FusedStep:
+        if logits.shape[0] < 2:
+            raise InvalidOptionError("Soft-NBCE needs the prior stream plus at least one chunk stream")
+        logprobs = torch.log_softmax(logits.float(), -1)
+        keep = nucleus_mask(logprobs, self.rho)
+        scores = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], self.beta)
+        weights = self.chunk_weights(truncated_entropy(logprobs[1:], keep[1:])).unsqueeze(1)
+        fused = (weights * scores).sum(0)
+        fused = torch.where(keep[1:].any(0), fused, torch.full_like(fused, -math.inf))
+        return FusedStep(fused, torch.log(weights.clamp_min(TINY)) + scores)
+
+
+class NBCEFusion(SoftNBCEFusion):
+    """Hard NBCE, the tau -> 0 limit: all weight on the lowest-entropy chunk (the first one on a tie)."""
+
+    def __init__(self, *, beta: float = 0.25, rho: float = 0.9):
+        super().__init__(tau=1.0, beta=beta, rho=rho)
+
+    def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.argmin(entropy, dim=0), entropy.shape[0]).movedim(-1, 0).float()
+
+
+class PCWFusion(SoftNBCEFusion):
+    """The tau -> infinity limit: the uniform average of the chunks' contrasted scores."""
+
+    def __init__(self, *, beta: float = 0.25, rho: float = 0.9):
+        super().__init__(tau=math.inf, beta=beta, rho=rho)
+
+    def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(entropy, 1.0 / entropy.shape[0])
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ctx_integrations.engine.cache import StreamBatch
+from ctx_integrations.engine.core.cache import StreamBatch
 from ctx_integrations.errors import InvalidOptionError
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.streams import TraceStep
+from ctx_integrations.engine.core.streams import TraceStep
 
 
 @dataclass

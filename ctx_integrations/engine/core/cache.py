@@ -16,9 +16,6 @@ transformers has no on-disk cache format, hence this module; in memory we use it
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +23,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.layout import PromptLayout
-from ctx_integrations.engine.model import LoadedModel
-from ctx_integrations.errors import CorruptCacheWarning, InvalidOptionError
-
-FORMAT_VERSION = "ctx-kv-1"
+from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier
+from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.errors import InvalidOptionError
 
 
 @dataclass(frozen=True)
@@ -44,16 +40,6 @@ class CachedKV:
     @property
     def length(self) -> int:
         return self.kv.shape[-2]
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt}
 
 
 def cache_from_kv(kv: torch.Tensor) -> DynamicCache:
@@ -85,9 +71,9 @@ class KVCacheStore:
     def __post_init__(self) -> None:
         if self.memory_entries < 0:
             raise InvalidOptionError("memory_entries must be >= 0")
+        self.disk: DiskTier | None = None
         if self.directory is not None:
-            self.directory = Path(self.directory)
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
 
     # -- keys ------------------------------------------------------------------------------------
@@ -97,10 +83,6 @@ class KVCacheStore:
             digest.update(part.encode() + b"\x1f")
         digest.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
         return digest.hexdigest()
-
-    def _path(self, key: str) -> Path:
-        assert self.directory is not None
-        return self.directory / key[:2] / f"{key}.safetensors"
 
     # -- public API ------------------------------------------------------------------------------
     def prefix(self, layout: PromptLayout) -> CachedKV:
@@ -142,14 +124,14 @@ class KVCacheStore:
 
     def contains(self, layout: PromptLayout, text: str) -> bool:
         key = self.entry_key(layout, layout.context_ids(text))
-        return key in self._memory or (self.directory is not None and self._path(key).is_file())
+        return key in self._memory or (self.disk is not None and self.disk.contains(key))
 
     def forget(self, layout: PromptLayout, text: str) -> None:
         """Drop a document's entry (used when a stored document is changed or deleted)."""
         key = self.entry_key(layout, layout.context_ids(text))
         self._memory.pop(key, None)
-        if self.directory is not None:
-            self._path(key).unlink(missing_ok=True)
+        if self.disk is not None:
+            self.disk.delete(key)
 
     def clear_memory(self) -> None:
         """Empty the in-memory LRU; entries on disk stay (benchmarks use this to time cold calls)."""
@@ -166,16 +148,17 @@ class KVCacheStore:
 
     def _lookup(self, key: str, token_ids: tuple[int, ...]) -> CachedKV | None:
         entry = self._memory.get(key)
-        if entry is None and self.directory is not None:
-            entry = self._load(key, token_ids)
+        if entry is None and self.disk is not None:
+            kv = self.disk.load(key, token_ids)
+            entry = CachedKV(key, token_ids, kv) if kv is not None else None
         if entry is not None:
             self._remember(entry)
         return entry
 
     def _add(self, entry: CachedKV) -> CachedKV:
         """Persist and remember a freshly computed entry."""
-        if self.directory is not None:
-            self._save(entry)
+        if self.disk is not None:
+            self.disk.save(entry.key, entry.token_ids, entry.kv)
         self._remember(entry)
         return entry
 
@@ -219,62 +202,6 @@ class KVCacheStore:
         return [torch.stack([torch.stack([layer.keys[b, :, span], layer.values[b, :, span]]) for layer in cache.layers])
                 .contiguous() for b, span in enumerate(spans)]
 
-    def _save(self, entry: CachedKV) -> None:
-        from safetensors.torch import save_file
-
-        kv = entry.kv.to("cpu")
-        if self.half_on_disk and kv.dtype == torch.float32:
-            kv = kv.to(torch.float16)
-        tensors = {"kv": kv.contiguous(), "token_ids": torch.tensor(entry.token_ids, dtype=torch.int64)}
-        metadata = {"format": FORMAT_VERSION, "key": entry.key, "checksum": _checksum(tensors)}
-        path = self._path(entry.key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def _load(self, key: str, token_ids: tuple[int, ...]) -> CachedKV | None:
-        from safetensors import safe_open
-
-        path = self._path(key)
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in ("kv", "token_ids")}
-            problem = self._check(metadata, tensors, key, token_ids)
-        except Exception as error:  # safetensors raises several types for truncated or garbled files
-            problem = f"unreadable ({type(error).__name__}: {error})"
-        if problem:
-            warnings.warn(f"KV cache entry {path} is corrupt: {problem}; it was discarded and will be recomputed",
-                          CorruptCacheWarning, stacklevel=3)
-            self.stats.corrupt += 1
-            path.unlink(missing_ok=True)
-            return None
-        kv = tensors["kv"].to(device=self.loaded.device, dtype=self.loaded.dtype)
-        return CachedKV(key, token_ids, kv)
-
-    def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
-        config = self.loaded.model.config
-        if metadata.get("format") != FORMAT_VERSION or metadata.get("key") != key:
-            return "wrong format or key"
-        if metadata.get("checksum") != _checksum(tensors):
-            return "checksum mismatch"
-        if tuple(tensors["token_ids"].tolist()) != token_ids:
-            return "token ids differ from the document's"
-        kv = tensors["kv"]
-        expected = (config.num_hidden_layers, 2, len(token_ids))
-        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3]) != expected:
-            return f"unexpected shape {tuple(kv.shape)}"
-        return None
-
-
 def _token_budget_groups(items: list, budget: int) -> list[list]:
     """Split (key, token_ids) items into groups whose padded size (count x longest) stays within ``budget``."""
     groups: list[list] = []
@@ -285,14 +212,6 @@ def _token_budget_groups(items: list, budget: int) -> list[list]:
         else:
             groups.append([item])
     return groups
-
-
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass

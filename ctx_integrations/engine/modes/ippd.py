@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.cache import CachedKV, cache_from_kv
-from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.streams import DecodeResult, Emitter, TraceStep
+from ctx_integrations.engine.core.cache import CachedKV, cache_from_kv
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding

@@ -16,13 +16,19 @@ from typing import Any
 import torch
 
 from ctx_integrations.documents import Document, prepare_documents
-from ctx_integrations.engine.answer import Answer
-from ctx_integrations.engine.cache import KVCacheStore
-from ctx_integrations.engine.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
-from ctx_integrations.engine.model import LoadedModel, load_model
-from ctx_integrations.engine.modes import DecodeContext, answers_many, available_modes, check_options, resolve_mode
-from ctx_integrations.engine.streams import DecodeResult, StopCriteria, TokenSampler
-from ctx_integrations.engine.token_stream import iter_tokens
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
+from ctx_integrations.engine.core.model import LoadedModel, load_model
+from ctx_integrations.engine.core.registry import (
+    DecodeContext,
+    answers_many,
+    available_modes,
+    check_options,
+    resolve_mode,
+)
+from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler
+from ctx_integrations.engine.core.token_stream import iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 
@@ -98,7 +104,7 @@ class Engine:
         ``documents``: strings, :class:`~ctx_integrations.Document` objects or retrieved objects with
         ``text``/``score``; ``scores`` (one r in [0, 1] per document) overrides their scores.
         ``on_token`` receives each new piece of text as it is decoded. ``options`` are the mode's
-        knobs (see ``ctx_integrations.engine.modes.mode_options(mode)``).
+        knobs (see ``ctx_integrations.engine.core.registry.mode_options(mode)``).
         """
         run = self._check_call(mode, options)
         ctx = self._context(query, prepare_documents(documents, scores), TokenSampler(temperature, top_p, seed),

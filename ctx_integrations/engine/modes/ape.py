@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from ctx_integrations.engine.baselines import single_stream
-from ctx_integrations.engine.cache import concatenated_stream
-from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.streams import DecodeResult, decode_fused, forward_streams
+from ctx_integrations.engine.core.cache import concatenated_stream
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams
+from ctx_integrations.engine.modes.baselines import single_stream
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"

@@ -6,7 +6,7 @@ reuses it. The drafter is the same engine (default) or another engine with the s
 a short context: the long context is cut into token chunks, ranked against the question (BM25, or
 the documents' own retrieval scores), and the best chunks within ``draft_context_tokens`` are kept
 in their original order. Each round the drafter proposes ``gamma`` tokens from its own cache, the
-target scores them all in one forward pass, :func:`~ctx_integrations.engine.speculative.verify`
+target scores them all in one forward pass, :func:`~ctx_integrations.engine.modes.speculative.verify`
 accepts a prefix, and both caches are rewound to the accepted sequence.
 """
 
@@ -17,12 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.baselines import single_stream
-from ctx_integrations.engine.cache import CachedKV, StreamBatch, batch_streams
-from ctx_integrations.engine.generate import Engine
-from ctx_integrations.engine.modes import DecodeContext, register_mode
-from ctx_integrations.engine.speculative import scaled_logits, verify
-from ctx_integrations.engine.streams import (
+from ctx_integrations.engine.core.cache import CachedKV, StreamBatch, batch_streams
+from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
+from ctx_integrations.engine.core.streams import (
     DecodeResult,
     Emitter,
     StopCriteria,
@@ -32,6 +29,8 @@ from ctx_integrations.engine.streams import (
     forward_streams,
     forward_streams_keep,
 )
+from ctx_integrations.engine.modes.baselines import single_stream
+from ctx_integrations.engine.modes.speculative import scaled_logits, verify
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
 
@@ -104,11 +103,11 @@ def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str) -> tuple[
     return [Chunk(c.start, c.document, c.token_ids, float(s)) for c, s in zip(chunks, scores)], ranking
 
 
-def check_drafter(engine: Engine, drafter: object) -> Engine:
+def check_drafter(engine: EngineParts, drafter: object) -> EngineParts:
     """The drafter engine: the target itself by default; another one must share the target's tokenizer."""
     if drafter is None or drafter is engine:
         return engine
-    if not isinstance(drafter, Engine):
+    if not isinstance(drafter, EngineParts):
         raise InvalidOptionError(
             f"drafter must be an Engine (or None to draft with the target model), got {type(drafter).__name__}")
     mine, theirs = engine.loaded.tokenizer, drafter.loaded.tokenizer
@@ -228,7 +227,7 @@ def _target_alone_rate(ctx: DecodeContext, prefix: CachedKV, long_kv: CachedKV, 
 
 
 @register_mode("rapid")
-def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: Engine | None = None,
+def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
               draft_context_tokens: int = 1024, chunk_tokens: int = 512, min_similarity: float = 0.3,
               ranking: str = "auto", compare_target: bool = False) -> DecodeResult:
     """Retrieval-augmented speculative decoding.

@@ -1,0 +1,105 @@
+"""PCED mode: an amateur stream plus one expert per document, fused per token (METHODS.md "PCED").
+
+The per-step rule (:class:`PCEDFusion`) is a pure function over the step's stream logits, like a
+transformers logits processor: arguments are checked in ``__init__`` and inputs are never edited in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ctx_integrations.engine.core.experts import run_expert_streams
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.streams import DecodeResult, FusedStep
+from ctx_integrations.errors import InvalidOptionError
+
+SCORE_SPACES = ("logprobs", "logits")
+AGGREGATIONS = ("max", "mixture", "product")
+TINY = torch.finfo(torch.float32).tiny
+
+
+def jensen_shannon(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """JSD(softmax(p), softmax(q)) in nats along the last axis; in [0, ln 2]."""
+    log_p, log_q = torch.log_softmax(p_logits.float(), -1), torch.log_softmax(q_logits.float(), -1)
+    log_m = torch.logsumexp(torch.stack([log_p, log_q]), 0) - math.log(2.0)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return (0.5 * (kl_pm + kl_qm)).clamp(0.0, math.log(2.0))
+
+
+def relevance_weights(relevance: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    r = torch.as_tensor(relevance, dtype=torch.float32)
+    total = r.sum()
+    return r / total if total > 0 else torch.full_like(r, 1.0 / len(r))
+
+
+class PCEDFusion:
+    """Parallel Context-of-Experts fusion (METHODS.md "PCED").
+
+    s^_k = (1 + beta_k) s_k - beta_k s_0 + gamma log r_k, then ``max`` over experts (default),
+    or ``mixture`` (log sum_k w_k p_k) / ``product`` (sum_k w_k log p_k) with w = r / sum r and
+    p_k = softmax((1 + beta_k) s_k - beta_k s_0). ``beta=None`` is AdaCAD's dynamic rule:
+    beta_k = JSD(softmax(s_k), softmax(s_0)) at the first generated token, then fixed.
+    ``score_space="logprobs"`` normalises each stream first so experts are comparable (raw logits
+    carry a per-expert offset); ``"logits"`` is the paper's literal formula.
+    """
+
+    def __init__(self, relevance: Sequence[float], *, beta: float | None = None, gamma: float = 2.5,
+                 score_space: str = "logprobs", aggregation: str = "max"):
+        if len(relevance) == 0:
+            raise InvalidOptionError("PCED needs at least one expert")
+        if score_space not in SCORE_SPACES:
+            raise InvalidOptionError(f"score_space must be one of {SCORE_SPACES}, got {score_space!r}")
+        if aggregation not in AGGREGATIONS:
+            raise InvalidOptionError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if beta is not None and (not math.isfinite(beta) or beta < 0):
+            raise InvalidOptionError(f"beta must be None (dynamic) or a float >= 0, got {beta!r}")
+        if not math.isfinite(gamma) or gamma < 0:
+            raise InvalidOptionError(f"gamma must be a float >= 0, got {gamma!r}")
+        self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
+        self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
+        self.fixed_beta = beta
+        self.beta: torch.Tensor | None = None if beta is None else torch.full((len(relevance),), float(beta))
+
+    def __call__(self, logits: torch.Tensor) -> FusedStep:
+        logits = logits.float()
+        amateur, experts = logits[0], logits[1:]
+        if experts.shape[0] != self.relevance.shape[0]:
+            raise InvalidOptionError(f"got {experts.shape[0]} expert streams for {self.relevance.shape[0]} scores")
+        if self.beta is None:
+            self.beta = jensen_shannon(experts, amateur.expand_as(experts)).cpu()
+        beta = self.beta.to(logits.device).unsqueeze(1)
+        if self.score_space == "logprobs":
+            amateur, experts = torch.log_softmax(amateur, -1), torch.log_softmax(experts, -1)
+        contrastive = (1 + beta) * experts - beta * amateur
+        relevance = self.relevance.to(logits.device)
+        if self.aggregation == "max":
+            adjusted = contrastive + self.gamma * torch.log(relevance.clamp_min(TINY)).unsqueeze(1)
+            return FusedStep(adjusted.max(0).values, adjusted)
+        weights = relevance_weights(relevance).to(logits.device).unsqueeze(1)
+        log_p = torch.log_softmax(contrastive, -1)
+        if self.aggregation == "mixture":
+            weighted = torch.log(weights.clamp_min(TINY)) + log_p
+            return FusedStep(torch.logsumexp(weighted, 0), weighted)
+        return FusedStep((weights * log_p).sum(0), torch.log(weights.clamp_min(TINY)) + log_p)
+
+
+
+@register_mode("pced")
+def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.5, score_space: str = "logprobs",
+             aggregation: str = "max") -> DecodeResult:
+    """Parallel Context-of-Experts Decoding.
+
+    beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float >= 0.
+    gamma: weight of the retrieval prior gamma * log r_k (2.5, the paper's default).
+    score_space: "logprobs" (default: experts comparable) or "logits" (the paper's literal rule).
+    aggregation: "max" (token-level expert switching, default), "mixture" or "product".
+    """
+    rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
+                      aggregation=aggregation)
+    result = run_expert_streams(ctx, rule)
+    result.extra["beta"] = [round(float(b), 6) for b in rule.beta] if rule.beta is not None else None
+    return result
