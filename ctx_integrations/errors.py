@@ -52,3 +52,11 @@ def missing_dependency(package: str, extra: str | None = None, pip_name: str | N
     """Build the error for a missing optional package, naming the exact install command."""
     how = f"pip install 'ctx-integrations[{extra}]'" if extra else f"pip install {pip_name or package}"
     return MissingDependencyError(f"{package!r} is not installed. Install it with: {how}")
+
+
+class EngineOverloadedError(CtxIntegrationsError, RuntimeError):
+    """The engine's request queue is full (``max_queued_requests``): retry later or raise the limit."""
+
+
+class RequestTimeoutError(CtxIntegrationsError, TimeoutError):
+    """A request ran past its ``timeout``; it was cancelled and its rows freed."""

@@ -15,7 +15,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.chat import conversation_ids
+from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.errors import InvalidOptionError, UnknownModeError
 from ctx_integrations.langchain import ChatContextOfExperts
 from tests.helpers import greedy_reference, tiny_loaded
@@ -71,7 +71,7 @@ def test_plain_chat_is_greedy_decoding_of_the_chat_template(chat):
     messages = [SystemMessage("You are terse."), HumanMessage("hello"), AIMessage("hi"), HumanMessage("how are you?")]
     result = chat.invoke(messages)
     engine = shared_engine()
-    ids = conversation_ids(engine, [{"role": "system", "content": "You are terse."},
+    ids = conversation_ids(engine.loaded.tokenizer, [{"role": "system", "content": "You are terse."},
                                     {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
                                     {"role": "user", "content": "how are you?"}])
     reference = greedy_reference(engine.loaded, ids, 8)

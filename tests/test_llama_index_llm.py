@@ -17,7 +17,6 @@ from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugH
 from llama_index.core.callbacks.schema import EventPayload
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.chat import chat_answer
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index import EmbedderEmbedding, ExpertDecoderLLM, default_embedding
 from ctx_integrations.retrieval.embedders import default_embedder
@@ -40,7 +39,7 @@ def llm(engine) -> ExpertDecoderLLM:
 
 
 def reference(engine: Engine, messages: list[dict[str, str]]):
-    return chat_answer(engine, messages, max_new_tokens=TOKENS)
+    return engine.chat(messages, max_new_tokens=TOKENS)
 
 
 def test_metadata_is_truthful(llm, engine):

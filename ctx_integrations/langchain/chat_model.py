@@ -21,8 +21,8 @@ from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field
 
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
-from ctx_integrations.engine.chat import chat_answer, conversation_ids
 from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
@@ -61,13 +61,13 @@ class _Request:
 
     def run(self, on_token: Any = None) -> Answer:
         if self.documents is None:
-            return chat_answer(self.engine, self.messages, on_token=on_token, **self.settings)
+            return self.engine.chat(self.messages, on_token=on_token, **self.settings)
         return self.engine.generate(self.question, self.documents, mode=self.mode, on_token=on_token,
                                     **self.settings, **self.options)
 
     def input_tokens(self, answer: Answer) -> int:
         if self.documents is None:
-            return len(conversation_ids(self.engine, self.messages))
+            return len(conversation_ids(self.engine.loaded.tokenizer, self.messages))
         return prompt_tokens(self.engine, self.question, [d.text for d in answer.documents])
 
 

@@ -31,8 +31,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ctx_integrations.adapters import check_engine, resolve_engine
-from ctx_integrations.engine.chat import chat_answer, conversation_ids
 from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import InvalidOptionError
@@ -55,11 +55,11 @@ class _Request:
     settings: dict[str, Any]
 
     def run(self, on_token: Any = None) -> Answer:
-        return chat_answer(self.engine, self.messages, on_token=on_token, **self.settings)
+        return self.engine.chat(self.messages, on_token=on_token, **self.settings)
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
-        prompt = len(conversation_ids(self.engine, self.messages))
+        prompt = len(conversation_ids(self.engine.loaded.tokenizer, self.messages))
         return {"usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
                           "total_tokens": prompt + len(answer.token_ids)},
                 "model": self.engine.loaded.name, "timings": dict(answer.timings),

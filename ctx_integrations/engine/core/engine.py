@@ -6,6 +6,8 @@ The engine owns a loaded model, the prompt layout and the KV-cache store; every 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import threading
 import time
@@ -14,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.cache import KVCacheStore, StreamBatch
+from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
 from ctx_integrations.engine.core.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.registry import (
@@ -27,9 +31,16 @@ from ctx_integrations.engine.core.registry import (
     check_options,
     resolve_mode,
 )
-from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler
-from ctx_integrations.engine.core.token_stream import iter_tokens
-from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, InvalidScoresError
+from ctx_integrations.engine.core.streams import (
+    DecodeResult,
+    StopCriteria,
+    TokenSampler,
+    decode_fused,
+    forward_streams,
+    single_stream,
+)
+from ctx_integrations.engine.core.token_stream import AnswerStream, aiter_tokens, iter_tokens
+from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 
 def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] | None:
@@ -166,6 +177,66 @@ class Engine:
             after = self.store.stats.as_dict()
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         return [_answer(ctx, result, mode, options, total, hits, misses) for ctx, result in zip(contexts, results)]
+
+    async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+                        mode: str = "pced", **kwargs: Any) -> Answer:
+        """:meth:`generate` for async callers: awaits the answer without blocking the event loop."""
+        return await asyncio.to_thread(self.generate, query, documents, scores, mode, **kwargs)
+
+    def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+                mode: str = "pced", **kwargs: Any) -> AnswerStream:
+        """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
+
+        Leaving the loop early cancels the request.
+        """
+        if "on_token" in kwargs:
+            raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
+        sink: dict[str, Any] = {}
+        call = functools.partial(self.generate, query, documents, scores, mode, **kwargs)
+        return AnswerStream(aiter_tokens(lambda on_token: call(on_token=on_token), sink), sink)
+
+    async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
+                             scores: Sequence[float] | None = None, mode: str = "ippd", **kwargs: Any) -> list[Answer]:
+        """:meth:`generate_many` for async callers."""
+        return await asyncio.to_thread(self.generate_many, questions, documents, scores, mode, **kwargs)
+
+    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+             on_token: Callable[[str], None] | None = None) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
+        ids = conversation_ids(self.loaded.tokenizer, messages)
+        if len(ids) + max_new_tokens > self.loaded.max_positions:
+            raise DocumentTooLongError(
+                f"the conversation has {len(ids)} tokens + max_new_tokens={max_new_tokens}, more than the model's "
+                f"window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
+        sampler = TokenSampler(temperature, top_p, seed)
+        criteria = StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop)
+        loaded, device = self.loaded, self.loaded.device
+        with self._lock:
+            started = time.perf_counter()
+            streams = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=device),
+                                  torch.zeros(1, dtype=torch.long, device=device))
+            first_logits = forward_streams(loaded.model, streams, torch.tensor([ids], device=device))
+            ctx = DecodeContext(self, "", [], sampler, criteria, on_token, started)
+            ctx.timings.update(prefill_s=time.perf_counter() - started, prompt_tokens=float(len(ids)))
+            result = decode_fused(loaded.model, loaded.tokenizer, streams, first_logits, single_stream, sampler,
+                                  criteria, on_token, started)
+            total = time.perf_counter() - started
+        return _answer(ctx, result, CHAT_MODE, {}, total, 0, 0)
+
+    async def achat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Answer:
+        """:meth:`chat` for async callers."""
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
+        """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
+        return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
+
+    def astream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> AnswerStream:
+        """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
+        sink: dict[str, Any] = {}
+        return AnswerStream(aiter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs), sink),
+                            sink)
 
     def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
         """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.

@@ -34,6 +34,11 @@ class FusedStep:
 FusionRule = Callable[[torch.Tensor], FusedStep]
 
 
+def single_stream(logits: torch.Tensor) -> FusedStep:
+    """The identity rule: one stream, its own logits, no attribution."""
+    return FusedStep(logits[0])
+
+
 @dataclass(frozen=True)
 class TraceStep:
     """Which document produced a token, and its fused score there (``document=None``: no attribution)."""

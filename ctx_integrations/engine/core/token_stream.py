@@ -92,3 +92,28 @@ async def aiter_tokens(call: TokenCall[Result], sink: dict[str, Result]) -> Asyn
         await asyncio.gather(future, return_exceptions=True)
         raise
     sink["answer"] = await future  # also re-raises the call's error
+
+
+class AnswerStream:
+    """An async stream of one answer: ``async for piece in stream`` yields text pieces; then ``stream.answer``.
+
+    Leaving the loop early (``break``, ``aclose()``, task cancellation) cancels the request, so its
+    decoding stops at the next step instead of running to ``max_new_tokens`` for nobody.
+    """
+
+    def __init__(self, pieces: AsyncIterator[str], sink: dict[str, Any]):
+        self._pieces, self._sink = pieces, sink
+
+    @property
+    def answer(self) -> Any:
+        """The final :class:`~ctx_integrations.Answer`, once the stream is exhausted (``None`` before)."""
+        return self._sink.get("answer")
+
+    def __aiter__(self) -> AnswerStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._pieces.__anext__()
+
+    async def aclose(self) -> None:
+        await self._pieces.aclose()

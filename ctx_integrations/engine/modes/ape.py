@@ -30,8 +30,7 @@ from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import concatenated_stream
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams
-from ctx_integrations.engine.modes.baselines import single_stream
+from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams, single_stream
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"

@@ -18,18 +18,13 @@ from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMA
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import (
     DecodeResult,
-    FusedStep,
     StopCriteria,
     TraceStep,
     decode_fused,
     decode_independent,
     forward_streams,
+    single_stream,
 )
-
-
-def single_stream(logits: torch.Tensor) -> FusedStep:
-    """The identity rule: one stream, its own logits, no attribution."""
-    return FusedStep(logits[0])
 
 
 def _decode_concatenated(ctx: DecodeContext, texts: list[str]) -> DecodeResult:

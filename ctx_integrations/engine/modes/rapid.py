@@ -28,8 +28,8 @@ from ctx_integrations.engine.core.streams import (
     decode_fused,
     forward_streams,
     forward_streams_keep,
+    single_stream,
 )
-from ctx_integrations.engine.modes.baselines import single_stream
 from ctx_integrations.engine.modes.speculative import scaled_logits, verify
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
