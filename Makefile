@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,14 @@ test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
 	$(BIN)/python -m pytest -q
 
+# Mutation testing of the per-step rule modules (not part of `make test` / CI; minutes per module).
+# `make mutate MODULES="pced scores"` runs some of them; see docs/testing.md for the scores.
+MODULES ?=
+mutate: $(VENV)/.dev
+	$(BIN)/python tools/mutate.py $(MODULES)
+
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/ttft.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build/mutate

@@ -24,22 +24,43 @@ def embedded_tokenizer():
     return AutoTokenizer.from_pretrained(str(converted_gguf_dir(embedded_gguf_path())))
 
 
-def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
+# Position-sensitive tiny models: with the default init (std 0.02) a random model's attention is nearly
+# uniform, so moving the question 100 positions changes its logits by ~4e-3 and no greedy output moves:
+# position bugs (a query start off by the documents' total length, a context at the wrong offset) pass.
+# Larger weights make each layer matter, and query/key projections scaled up make attention scores
+# large, so RoPE's rotation (1 radian per position in the fastest pair) moves them by whole units.
+POSITION_SENSITIVE_INIT = 0.2
+POSITION_SENSITIVE_QK_SCALE = 5.0
+
+
+def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, *,
+                position_sensitive: bool = False, **overrides) -> LoadedModel:
     """A 2-layer random model of ``family`` ("llama", "qwen2", "mistral") with GQA, on CPU.
 
     The output embedding is not tied to the input one: a tied random model predicts its last input
     token again and again, so greedy parity over such output would compare one repeated token.
+    ``position_sensitive=True``: weights with std 0.2 and query/key projections scaled by 5, so that
+    moving part of the prompt by one position changes the greedy answer
+    (``test_position_sensitive_model_reacts_to_a_one_position_shift``); use it in tests of positions.
     """
     tokenizer = embedded_tokenizer()
     settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                     bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.eos_token_id)
+    if position_sensitive:
+        settings["initializer_range"] = POSITION_SENSITIVE_INIT
     settings.update(overrides)
     config = AutoConfig.for_model(family, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     name = f"tiny-{family}-{seed}"
+    if position_sensitive:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(POSITION_SENSITIVE_QK_SCALE)
+                layer.self_attn.k_proj.weight.mul_(POSITION_SENSITIVE_QK_SCALE)
+        name += "-positions"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
                        device=torch.device("cpu"), dtype=dtype)
 
@@ -85,3 +106,13 @@ def run_cli(*argv: str) -> int:
         return main(["--threads", "1", *argv])
     finally:
         torch.set_num_threads(threads)
+
+
+def last_logits(loaded: LoadedModel, prompts: list[list[int]]) -> torch.Tensor:
+    """Next-token logits ([len(prompts), V], fp32) of each prompt from its own plain forward pass.
+
+    Positions 0..n-1, no cache, no batching, no padding: the reference a mode's batched, cached
+    streams must reproduce.
+    """
+    with torch.inference_mode():
+        return torch.stack([loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].float() for ids in prompts])

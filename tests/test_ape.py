@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaForCausalLM
+from transformers import AttentionInterface, LlamaForCausalLM
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
@@ -167,6 +167,88 @@ def test_only_the_longest_document_counts_against_the_window():
     assert len(answer.token_ids) == 4
     with pytest.raises(DocumentTooLongError, match="longest document"):
         engine.generate(QUESTION, ["word " * 150], mode="ape", max_new_tokens=4)
+
+
+def full_sequence_ape_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, segments=None,
+                                knobs=None, **kwargs):
+    """APE over one uncached sequence, written from METHODS.md independently of :func:`ape_attention`.
+
+    ``segments[j]``: 0 = prefix, k >= 1 = document k, -1 = question / answer. Prefix and document
+    tokens attend causally to the prefix and their own document (the block mask); a question or answer
+    token merges two softmaxes: every document key with scores / T (set C) and the prefix plus the
+    question / answer keys before it with plain scores (set O), weighted by softmax([S T LSE_C, LSE_O]).
+    Float64, one query row at a time.
+    """
+    def mix(weights, values):  # [B, H, K] x [B, H, K, d] -> [B, H, d]
+        return torch.einsum("bhk,bhkd->bhd", weights, values)
+
+    temperature, scale = knobs
+    heads, kv_heads = query.shape[1], key.shape[1]
+    k = key.double().repeat_interleave(heads // kv_heads, 1)
+    v = value.double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling  # [B, H, N, N]
+    out = torch.zeros_like(query, dtype=torch.float64)
+    for i, own in enumerate(segments.tolist()):
+        past, s, vp = segments[: i + 1], scores[:, :, i, : i + 1], v[:, :, : i + 1]
+        if own >= 0:
+            allowed = (past == 0) | (past == own)
+            out[:, :, i] = mix(torch.softmax(s.masked_fill(~allowed, -math.inf), -1), vp)
+            continue
+        documents = past > 0
+        context, outside = s[..., documents] / temperature, s[..., ~documents]
+        merge = torch.softmax(torch.stack([scale * temperature * torch.logsumexp(context, -1),
+                                           torch.logsumexp(outside, -1)], -1), -1)
+        out[:, :, i] = (merge[..., :1] * mix(torch.softmax(context, -1), vp[:, :, documents])
+                        + merge[..., 1:] * mix(torch.softmax(outside, -1), vp[:, :, ~documents]))
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+AttentionInterface.register("test_full_sequence_ape", full_sequence_ape_attention)
+
+
+def ape_reference_greedy(loaded: LoadedModel, engine: Engine, documents: list[str], question: str, temperature: float,
+                         scale: float, steps: int) -> list[int]:
+    """Greedy decoding with one full forward pass per step over [prefix | documents | question | answer]:
+    documents at positions L_p.., the question from L_p + max_k len_k (documents share positions)."""
+    layout = engine.layout
+    prefix, suffix = layout.prefix_ids, layout.suffix_ids(question)
+    contexts = [layout.context_ids(d) for d in documents]
+    ids = prefix + [t for c in contexts for t in c] + suffix
+    positions, segments = list(range(len(prefix))), [0] * len(prefix)
+    for k, c in enumerate(contexts, start=1):
+        positions += range(len(prefix), len(prefix) + len(c))
+        segments += [k] * len(c)
+    start = len(prefix) + max(len(c) for c in contexts)
+    positions += range(start, start + len(suffix))
+    segments += [-1] * len(suffix)
+    model, tokens = loaded.model, []
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("test_full_sequence_ape")
+    try:
+        with torch.inference_mode():
+            for _ in range(steps):
+                logits = model(input_ids=torch.tensor([ids + tokens]), position_ids=torch.tensor([positions]),
+                               segments=torch.tensor(segments), knobs=(temperature, scale)).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+                if tokens[-1] in loaded.eos_token_ids:
+                    return tokens[:-1]
+                positions.append(positions[-1] + 1)
+                segments.append(-1)
+    finally:
+        model.set_attn_implementation(previous)
+    return tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_several_documents_with_distinct_knobs_equal_an_independent_full_sequence_reference(family):
+    """Documents of different lengths, T = 0.6 != S = 0.8, on a position-sensitive model: mode 'ape' must
+    decode like the full-sequence reference. Fails if the question starts after the sum instead of the
+    max of the documents' lengths, if the prefix joins the tempered set C, or if T and S are swapped."""
+    loaded = tiny_loaded(family, seed=7, position_sensitive=True)
+    engine = Engine(loaded)
+    answer = engine.generate(QUESTION, DOCS, mode="ape", attention_temperature=0.6, scale=0.8, max_new_tokens=10)
+    expected = ape_reference_greedy(loaded, engine, DOCS, QUESTION, 0.6, 0.8, 10)
+    assert len(set(expected)) > 3 and answer.token_ids == expected
 
 
 class LegacyAttention(nn.Module):

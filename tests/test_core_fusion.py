@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from ctx_integrations.engine.modes.pced import PCEDFusion, jensen_shannon
+from ctx_integrations.engine.modes.pced import PCEDFusion, jensen_shannon, relevance_weights
 from ctx_integrations.errors import InvalidOptionError
 
 
@@ -112,3 +113,70 @@ def test_inputs_are_not_modified():
 def test_invalid_arguments_are_refused(kwargs):
     with pytest.raises(InvalidOptionError):
         PCEDFusion([0.5], **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(50,), (3, 50), (2, 3, 50)])
+def test_jensen_shannon_works_along_the_last_axis_of_any_shape(shape):
+    generator = torch.Generator().manual_seed(len(shape))
+    p, q = torch.randn(*shape, generator=generator) * 3, torch.randn(*shape, generator=generator) * 3
+    torch.testing.assert_close(jensen_shannon(p, q).double(), reference_jsd(p, q), rtol=1e-5, atol=1e-6)
+
+
+def test_jensen_shannon_stays_inside_its_bounds_despite_rounding():
+    """Without the clamp, identical rows give about -3e-8 and very sharp disjoint ones ln 2 + 1e-7."""
+    generator = torch.Generator().manual_seed(0)
+    same = torch.randn(2000, 50, generator=generator) * 3
+    assert (jensen_shannon(same, same) >= 0).all()
+    sharp_p, sharp_q = torch.randn(2000, 50, generator=generator) * 30, torch.randn(2000, 50, generator=generator) * 30
+    assert (jensen_shannon(sharp_p, sharp_q) <= math.log(2)).all()
+
+
+def test_relevance_weights_normalise_and_fall_back_to_uniform():
+    torch.testing.assert_close(relevance_weights([0.2, 0.3]), torch.tensor([0.4, 0.6]))
+    torch.testing.assert_close(relevance_weights([3.0, 1.0]), torch.tensor([0.75, 0.25]))
+    torch.testing.assert_close(relevance_weights([0.0, 0.0, 0.0, 0.0]), torch.full((4,), 0.25))
+    assert relevance_weights(np.array([0.2, 0.3])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("aggregation", ["mixture", "product"])
+def test_mixture_and_product_evidence_is_log_weight_plus_expert_log_prob(aggregation):
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 30, generator=generator) * 2
+    relevance = [0.6, 0.1, 0.3]
+    fused = PCEDFusion(relevance, beta=0.4, gamma=0.0, aggregation=aggregation)(logits)
+    log_p = torch.log_softmax(logits.double(), -1)
+    contrast = torch.log_softmax(1.4 * log_p[1:] - 0.4 * log_p[0], -1)
+    expected = torch.log(torch.tensor(relevance, dtype=torch.float64)).unsqueeze(1) + contrast
+    torch.testing.assert_close(fused.evidence.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_all_zero_relevance_mixes_experts_uniformly():
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 20, generator=generator)
+    zero = PCEDFusion([0.0, 0.0], beta=0.0, aggregation="mixture")(logits)
+    equal = PCEDFusion([0.5, 0.5], beta=0.0, aggregation="mixture")(logits)
+    torch.testing.assert_close(zero.scores, equal.scores)
+
+
+def test_default_gamma_is_the_papers_and_scores_stay_float32():
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 20, generator=generator)
+    default = PCEDFusion([0.9, 0.2], beta=0.0)(logits)
+    torch.testing.assert_close(default.scores, PCEDFusion([0.9, 0.2], beta=0.0, gamma=2.5)(logits).scores)
+    assert PCEDFusion(np.array([0.9, 0.2]), beta=0.0)(logits).scores.dtype == torch.float32
+
+
+def test_a_stream_count_that_does_not_match_the_scores_is_named():
+    with pytest.raises(InvalidOptionError, match="^got 2 expert streams for 3 scores$"):
+        PCEDFusion([0.5, 0.5, 0.5])(torch.zeros(3, 10))
+
+
+@pytest.mark.parametrize(("relevance", "kwargs", "message"), [
+    ([], {}, "^PCED needs at least one expert$"),
+    ([0.5], dict(score_space="probs"), r"^score_space must be one of \('logprobs', 'logits'\), got 'probs'$"),
+    ([0.5], dict(aggregation="mean"), r"^aggregation must be one of \('max', 'mixture', 'product'\), got 'mean'$"),
+    ([0.5], dict(beta=-1.0), r"^beta must be None \(dynamic\) or a float >= 0, got -1.0$"),
+    ([0.5], dict(gamma=-0.1), "^gamma must be a float >= 0, got -0.1$")])
+def test_invalid_arguments_are_named_in_the_error(relevance, kwargs, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        PCEDFusion(relevance, **kwargs)

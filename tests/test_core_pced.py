@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ctx_integrations import Answer, Document, Engine
-from tests.helpers import greedy_reference, tiny_loaded
+from tests.helpers import greedy_reference, last_logits, tiny_loaded
 
 DOCS = [
     "Marrowgate is the capital of Veloria and lies on the river Ast.",
@@ -107,6 +108,34 @@ def test_sampling_is_reproducible_with_a_seed(tiny_engine):
 def test_aggregation_variants_decode(tiny_engine, aggregation):
     answer = tiny_engine.generate(QUESTION, DOCS, aggregation=aggregation, max_new_tokens=6)
     assert len(answer.token_ids) == 6 and all(s.document in (0, 1, 2) for s in answer.trace)
+
+
+def test_answer_and_citations_equal_a_reference_over_separate_prompts():
+    """Fused greedy decoding, recomputed from one plain forward pass per prompt and step: the amateur
+    is (prefix, question) with no document, expert k is (prefix, document k, question), then
+    max_k (1 + beta) log p_k - beta log p_0 + gamma log r_k. On a position-sensitive model with documents
+    of different lengths. Fails if the amateur stream is built from a document's cache, if a stream's
+    positions or padding are off, or if relevance scores are matched to the wrong expert."""
+    loaded = tiny_loaded("llama", seed=6, position_sensitive=True)
+    engine = Engine(loaded)
+    scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 10
+    answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps)
+    layout = engine.layout
+    suffix = layout.suffix_ids(QUESTION)
+    prompts = [layout.prefix_ids + suffix] + [layout.prefix_ids + layout.context_ids(d) + suffix for d in DOCS]
+    log_r = torch.log(torch.tensor(scores)).unsqueeze(1)
+    tokens, cited = [], []
+    for _ in range(steps):
+        logprobs = torch.log_softmax(last_logits(loaded, [p + tokens for p in prompts]), -1)
+        adjusted = (1 + beta) * logprobs[1:] - beta * logprobs[0] + gamma * log_r
+        tokens.append(int(adjusted.max(0).values.argmax()))
+        cited.append(int(adjusted[:, tokens[-1]].argmax()))
+        if tokens[-1] in loaded.eos_token_ids:
+            tokens.pop()
+            break
+    assert answer.token_ids == tokens and len(set(tokens)) > 3
+    assert [step.document for step in answer.trace] == cited[:len(tokens)]
+    assert len(set(cited)) > 1  # more than one expert wins tokens, so citations are checked too
 
 
 @pytest.mark.slow

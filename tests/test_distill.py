@@ -117,3 +117,77 @@ def test_cli_main_trains_and_saves(tmp_path, monkeypatch):
                  "--n-chunks", "2", "--target-tokens", "8"])
     assert code == 0
     assert (tmp_path / "out" / "adapter_config.json").is_file() and (tmp_path / "out" / module.CONFIG_FILE).is_file()
+
+
+def reference_kl(model: torch.nn.Module, window: torch.Tensor, config: DistillConfig) -> float:
+    """The consistency KL written out from its definition in float64, one plain forward pass per sequence.
+
+    Teacher: the model over the whole window C + Y (the context included), predicting Y[1:].
+    Student: streams chunk_k + Y and the prior Y alone, fused as sum_k w_k ((1 + beta) L_k - beta L_prior)
+    with w = softmax_k(-H_k / tau) (low entropy = more weight; no top-p filter in training).
+    Loss: KL(teacher || student) = sum_v t(v) (log t(v) - log s(v)), averaged over Y[1:].
+    """
+    context_len = config.n_chunks * config.chunk_tokens
+    target = window[context_len:]
+
+    def logprobs(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=ids.unsqueeze(0)).logits[0].double(), -1)
+
+    teacher = logprobs(window)[context_len:-1]
+    chunks = [logprobs(torch.cat([window[k * config.chunk_tokens:(k + 1) * config.chunk_tokens], target]))
+              [config.chunk_tokens:-1] for k in range(config.n_chunks)]
+    prior = logprobs(target)[:-1]
+    chunk_lp = torch.stack(chunks)
+    entropy = -(chunk_lp.exp() * chunk_lp).sum(-1)
+    weights = torch.softmax(-entropy / config.tau, dim=0).unsqueeze(-1)
+    student = torch.log_softmax((weights * ((1 + config.beta) * chunk_lp - config.beta * prior)).sum(0), -1)
+    return float((teacher.exp() * (teacher - student)).sum(-1).mean())
+
+
+@pytest.mark.parametrize(("tau", "beta"), [(0.2, 0.25), (1.0, 0.0)])
+def test_consistency_kl_equals_its_definition(tau, beta):
+    """Fails if the KL is reversed (student || teacher), the teacher does not see the context, or the
+    entropy weights are softmax(+H / tau)."""
+    loaded = peaked_tiny_model()
+    config = small_config(tau=tau, beta=beta)
+    window = token_windows(loaded.tokenizer, [plain_text(3)], config)[0]
+    with torch.no_grad():
+        kl = float(consistency_kl(loaded.model, window, config))
+    assert kl == pytest.approx(reference_kl(loaded.model, window, config), rel=1e-4)
+    assert kl > 0.01  # the teacher and the student disagree, so each part of the formula shows
+
+
+def one_window_text(loaded, config: DistillConfig) -> str:
+    """Text of exactly one training window (so the first step trains on a known window)."""
+    ids = token_windows(loaded.tokenizer, [plain_text(4, words=400)], config)[0]
+    text = loaded.tokenizer.decode(ids)
+    assert len(token_windows(loaded.tokenizer, [text], config)) == 1
+    return text
+
+
+def test_the_first_training_loss_is_the_kl_against_the_full_context_teacher(tmp_path):
+    """At step 0 the LoRA update is zero, so the loss distill() reports is the base model's consistency KL:
+    fails if distill's teacher drops the context, or the trained loss is not that KL."""
+    loaded = peaked_tiny_model()
+    config = small_config(steps=1, tau=0.2)
+    text = one_window_text(loaded, config)
+    window = token_windows(loaded.tokenizer, [text], config)[0]
+    expected = reference_kl(loaded.model, window, config)
+    report = distill(loaded, [text], None, config)
+    assert report.losses[0] == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_adapter_is_lora_on_the_query_and_value_projections_only(tmp_path):
+    """The paper's setting (LoRA on q/v): the saved adapter holds q_proj and v_proj weights of every layer,
+    nothing else."""
+    from safetensors.torch import load_file
+
+    loaded = peaked_tiny_model()
+    assert DistillConfig().target_modules == ("q_proj", "v_proj")
+    distill(loaded, [plain_text(5)], tmp_path / "adapter", small_config(steps=1))
+    names = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")).keys()
+    projections = {(name.split(".layers.")[1].split(".")[0], name.split(".lora_")[0].rsplit(".", 1)[1])
+                   for name in names}
+    layers = range(loaded.model.config.num_hidden_layers)
+    assert projections == {(str(i), p) for i in layers for p in ("q_proj", "v_proj")}

@@ -78,6 +78,20 @@ def test_two_contexts_in_one_stack_and_a_batch_of_two_stacks():
         assert a.token_ids == expected and b.token_ids == expected
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_position_sensitive_answers_equal_independent_greedy_decoding(family):
+    """On a model whose answer moves when a token moves by one position: two contexts of different
+    lengths and questions of different lengths share one stack, so every virtual position (context
+    after the prefix, question after its own context, answer after its own question) must be exact."""
+    engine = Engine(tiny_loaded(family, seed=4, position_sensitive=True))
+    documents = [DOCS, OTHER_DOCS, DOCS, OTHER_DOCS]
+    answers = engine.generate_many(QUESTIONS, documents, max_new_tokens=10)
+    assert {a.extra["stack"] for a in answers} == {0}
+    for question, docs, answer in zip(QUESTIONS, documents, answers):
+        expected = independent(engine, docs, question, 10)
+        assert len(set(expected)) > 3 and answer.token_ids == expected
+
+
 def test_concat_mode_is_the_independent_baseline_and_ippd_answers_one_question_too(tiny_engine):
     baseline = tiny_engine.generate_many(QUESTIONS[:2], DOCS, mode="concat", max_new_tokens=10)
     stacked = tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=10)

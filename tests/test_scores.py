@@ -69,14 +69,20 @@ def test_dispatch_by_kind_and_unknown_kind():
     assert normalize("colbert", -0.2) == pytest.approx(0.4)
     assert normalize("sparse", 1.0) == pytest.approx(0.5)
     assert normalize("reranker", 0.0) == 0.5
-    with pytest.raises(InvalidOptionError, match="unknown score kind 'bm42'"):
+    with pytest.raises(InvalidOptionError, match="'bm42': use one of dense, colbert, sparse, reranker$"):
         normalize("bm42", 1.0)
 
 
-@pytest.mark.parametrize("rule", [normalize_dense, normalize_sparse, normalize_reranker, fuse_scores])
-def test_nan_is_refused(rule):
-    with pytest.raises(InvalidScoresError, match="NaN"):
+@pytest.mark.parametrize(("rule", "kind"), [(normalize_dense, "dense"), (normalize_sparse, "sparse"),
+                                          (normalize_reranker, "reranker"), (fuse_scores, "retrieval")])
+def test_nan_is_refused_naming_the_score(rule, kind):
+    with pytest.raises(InvalidScoresError, match=f"^{kind} score is NaN"):
         rule(float("nan"))
+
+
+def test_nan_reranker_score_in_a_fusion_is_named():
+    with pytest.raises(InvalidScoresError, match="^reranker score is NaN"):
+        fuse_scores(0.5, float("nan"))
 
 
 def test_normalised_scores_are_accepted_by_the_decoder_validation():

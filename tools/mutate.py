@@ -1,0 +1,124 @@
+"""``make mutate``: mutation testing of the per-step rule modules with mutmut, one module at a time.
+
+Each module runs in its own copy of the repository under ``build/mutate/<module>/`` with its own
+mutmut configuration, so its mutants only run the few fast test files that cover it (mutmut reads
+one ``[tool.mutmut]`` table per directory; a single shared table would send every mutant of the
+speculative step through RAPID's slow end-to-end decodes). Within a module only the rule functions
+are mutated (``run_*`` decode loops are the scheduler's business and are tested end to end).
+
+    python tools/mutate.py                 # every module
+    python tools/mutate.py pced scores     # some modules
+    MUTATE_CHILDREN=2 python tools/mutate.py
+
+Prints, per module, killed / survived / other mutants and every survivor's diff; equivalent
+mutants are judged by a person and listed in docs/testing.md. Not part of ``make test`` or CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "mutate"
+MUTMUT = Path(sys.executable).parent / "mutmut"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module: its file, the functions to mutate (mutmut name patterns) and the tests that cover them."""
+
+    path: str
+    functions: tuple[str, ...]
+    tests: tuple[str, ...]
+
+
+TARGETS = {
+    "scores": Target("ctx_integrations/retrieval/scores.py", ("*",), ("tests/test_scores.py",)),
+    "pced": Target("ctx_integrations/engine/modes/pced.py",
+                   ("x_jensen_shannon*", "x_relevance_weights*", "xǁPCEDFusionǁ*"),
+                   ("tests/test_core_fusion.py",)),
+    "ape": Target("ctx_integrations/engine/modes/ape.py", ("x_ape_attention*", "x_check_knobs*", "xǁApeLayoutǁ*"),
+                  ("tests/test_ape.py", "-m", "not slow")),
+    "ippd": Target("ctx_integrations/engine/modes/ippd.py",
+                   ("x_visibility*", "x_step_forward*", "x__pack*", "x__stack_batch*", "x__row_inputs*",
+                    "x__check_devices*"),
+                   ("tests/test_ippd.py", "-m", "not slow")),
+    "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",
+                        ("x_nucleus_mask*", "x_truncated_entropy*", "x_renormalized_entropy*", "x_contrast_chunks*",
+                         "x_masked_chunks*", "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
+                        ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
+    "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
+                          ("tests/test_rapid_eta.py", "tests/test_rapid.py", "-m", "not slow", "-k",
+                           "residual or tail or nucleus or verify or eta")),
+}
+
+
+def prepare(name: str, target: Target) -> Path:
+    """A fresh copy of the package, the tests and pyproject.toml with this module's mutmut table."""
+    folder = WORK / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("ctx_integrations", "tests"):
+        shutil.copytree(ROOT / part, folder / part, ignore=ignore)
+    table = {"source_paths": ["ctx_integrations/"], "only_mutate": [target.path],
+             "pytest_add_cli_args_test_selection": list(target.tests),
+             "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"]}
+    lines = ["", "[tool.mutmut]"] + [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    (folder / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + "\n".join(lines) + "\n")
+    return folder
+
+
+def run(name: str, target: Target, children: int) -> dict[str, int]:
+    folder = prepare(name, target)
+    module = target.path.removesuffix(".py").replace("/", ".")
+    patterns = [f"{module}.{f}" for f in target.functions]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    subprocess.run([str(MUTMUT), "run", "--max-children", str(children), *patterns], cwd=folder, env=env,
+                   stdout=subprocess.DEVNULL, check=False)
+    meta = json.loads((folder / "mutants" / (target.path + ".meta")).read_text())
+    chosen = {key: code for key, code in meta["exit_code_by_key"].items()
+              if any(_matches(key, module, f) for f in target.functions)}
+    counts = {"killed": 0, "survived": 0, "other": 0}
+    survivors = []
+    for key, code in sorted(chosen.items()):
+        status = "killed" if code in (1, 3) else "survived" if code == 0 else "other"
+        counts[status] += 1
+        if status != "killed":
+            survivors.append((key, code))
+    print(f"== {name}: {counts['killed']} killed, {counts['survived']} survived, {counts['other']} other "
+          f"(of {len(chosen)})", flush=True)
+    for key, code in survivors:
+        diff = subprocess.run([str(MUTMUT), "show", key], cwd=folder, env=env, capture_output=True, text=True).stdout
+        print(f"-- {key} (exit code {code})")
+        print("\n".join(line for line in diff.splitlines() if line.startswith(("-", "+"))
+                        and not line.startswith(("---", "+++"))))
+    return counts
+
+
+def _matches(key: str, module: str, pattern: str) -> bool:
+    from fnmatch import fnmatch
+
+    return fnmatch(key, f"{module}.{pattern}")
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        print(f"unknown module(s) {unknown}; choose from {', '.join(TARGETS)}", file=sys.stderr)
+        return 2
+    children = int(os.environ.get("MUTATE_CHILDREN", "2"))
+    for name in names:
+        run(name, TARGETS[name], children)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
