@@ -139,19 +139,23 @@ def test_overload_is_503_with_retry_after_and_a_disconnect_cancels(server):
     """
     async def scenario() -> tuple[httpx.Response, float, str]:
         long = {"query": "Bridge?", "documents": DOCS, "stream": True, "max_new_tokens": 4000}
+        release = asyncio.Event()
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:
-            async def read_one_token() -> None:
+            async def read_one_token_then_leave() -> None:
                 async with client.stream("POST", "/v1/answer", json=long) as response:
+                    await release.wait()
                     async for line in response.aiter_lines():
                         if line.startswith("data:"):
                             return  # leaving the block closes the connection mid-stream
 
-            first = asyncio.create_task(read_one_token())
-            await asyncio.sleep(0.5)
-            second = asyncio.create_task(read_one_token())
+            first = asyncio.create_task(read_one_token_then_leave())
+            second = asyncio.create_task(read_one_token_then_leave())
+            deadline = time.monotonic() + 60
             while metric((await client.get("/metrics")).text, "ctx_serve_in_flight_requests") < 2:
+                assert time.monotonic() < deadline, "the two streams were never both admitted"
                 await asyncio.sleep(0.05)
             refused = await client.post("/v1/answer", json={"query": "q", "documents": DOCS, "max_new_tokens": 1})
+            release.set()
             await asyncio.wait_for(asyncio.gather(first, second), 120)
         started = time.monotonic()
         post(server, "/v1/answer", {"query": "q", "documents": DOCS, "max_new_tokens": 2}, timeout=60)
