@@ -108,13 +108,43 @@ def test_corrupt_entry_is_detected_and_recomputed(loaded, layout, tmp_path, dama
         assert torch.equal(KVCacheStore(loaded, tmp_path).document(layout, DOC).kv, original.kv)
 
 
-def test_memory_lru_evicts_oldest(loaded, layout):
-    store = KVCacheStore(loaded, memory_entries=2)
+def test_memory_tier_evicts_least_recently_used_beyond_its_byte_budget(loaded, layout):
     docs = ["first document", "second document", "third document"]
+    sizes = [e.kv.numel() * e.kv.element_size() for e in KVCacheStore(loaded).documents(layout, docs)]
+    store = KVCacheStore(loaded, memory_bytes=sizes[1] + sizes[2])  # room for two of the three (not the prefix)
     store.documents(layout, docs)
-    assert not store.contains(layout, docs[0]) and store.contains(layout, docs[2])
+    assert not store.contains(layout, docs[0]) and store.contains(layout, docs[1]) and store.contains(layout, docs[2])
+    assert store.memory_used == sizes[1] + sizes[2] <= store.memory_bytes
     store.document(layout, docs[0])
     assert store.stats.misses == 4
+    assert not store.contains(layout, docs[1]) and store.contains(layout, docs[2])  # the least recently used left
+
+
+def test_hits_are_counted_per_tier_and_per_request(loaded, layout, tmp_path):
+    from ctx_integrations.engine.core.disk import CacheStats
+
+    KVCacheStore(loaded, tmp_path).documents(layout, ["on disk"])
+    store = KVCacheStore(loaded, tmp_path)
+    store.documents(layout, ["in memory"])
+    request = CacheStats()
+    store.documents(layout, ["on disk", "in memory", "new one"], stats=request)
+    assert (request.disk_hits, request.memory_hits, request.misses) == (1, 1, 1)
+    assert (store.stats.disk_hits, store.stats.memory_hits, store.stats.misses) == (1, 1, 2)
+    prefetched = KVCacheStore(loaded, tmp_path)
+    prefetched.prefetch(layout, [layout.context_ids("on disk")])  # read ahead into memory: still a disk hit
+    request = CacheStats()
+    prefetched.documents(layout, ["on disk", "on disk"], stats=request)
+    assert (request.disk_hits, request.memory_hits, request.misses) == (1, 1, 0)
+
+
+def test_query_time_entries_stay_off_the_disk(loaded, layout, tmp_path):
+    store = KVCacheStore(loaded, tmp_path)
+    store.prefix(layout)
+    with_prefix, in_memory = store.disk_used(), store.memory_used
+    store.document_tokens(layout, layout.context_ids("a concatenation of several documents"), persist=False)
+    assert store.disk_used() == with_prefix and store.memory_used > in_memory
+    store.document(layout, "an ingested document")  # document entries do go to disk
+    assert store.disk_used() > with_prefix
 
 
 def test_clear_memory_keeps_disk_entries(loaded, layout, tmp_path):

@@ -16,7 +16,8 @@ class Answer:
 
     ``trace`` has one entry per generated token: the index (into ``documents``) of the document
     that won that token and its fused score (``None`` for modes without per-token attribution).
-    ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``.
+    ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``. ``cache_hits_by_tier``
+    splits ``cache_hits`` into the tier that served them (``memory``, ``disk``).
     """
 
     text: str
@@ -28,6 +29,7 @@ class Answer:
     cache_hits: int = 0
     cache_misses: int = 0
     finish_reason: str = "length"
+    cache_hits_by_tier: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -47,7 +49,8 @@ class Answer:
         return {
             "text": self.text, "mode": self.mode, "token_ids": list(self.token_ids),
             "trace": [{"token_id": s.token_id, "document": s.document, "score": s.score} for s in self.trace],
-            "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses},
+            "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses,
+                                                       "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }

@@ -16,6 +16,7 @@ transformers has no on-disk cache format, hence this module; in memory we use it
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,28 +54,44 @@ def kv_from_cache(cache: DynamicCache, start: int = 0) -> torch.Tensor:
                         for layer in cache.layers])
 
 
+DEFAULT_MEMORY_BYTES = 4 << 30  # 4 GiB of KV in the memory tier (device memory on a GPU, host RAM on CPU)
+
+
 @dataclass
 class KVCacheStore:
-    """Content-addressed store of document KV caches: in-memory LRU in front of a safetensors folder.
+    """Content-addressed store of document KV caches: a memory tier in front of a disk tier.
 
-    ``directory=None`` keeps everything in memory only. ``half_on_disk`` stores fp32 caches as fp16
+    The memory tier lives on the model's device (GPU memory when there is one, host RAM otherwise) and
+    keeps at most ``memory_bytes`` of entries, evicting the least recently used. ``directory=None``
+    keeps everything in memory only; otherwise every document entry is also written to the disk tier
+    (:class:`~ctx_integrations.engine.core.disk.DiskTier`). ``half_on_disk`` stores fp32 caches as fp16
     (half the disk, values rounded, so logits are no longer bit-identical to a fresh prefill).
+
+    Query-time entries (``persist=False``: a RAPID long context, an IPPD concatenation, MapReduce's
+    summary layout) live in the memory tier only, so they never fill the disk.
+
+    Thread-safe: the scheduler's loader thread reads disk entries into memory (:meth:`prefetch`) while
+    the model's thread looks entries up and computes misses. Every lookup counts into the store's
+    ``stats`` and, when given, into a request's own ``stats`` (hits per tier, misses).
     """
 
     loaded: LoadedModel
     directory: Path | None = None
     half_on_disk: bool = False
-    memory_entries: int = 256
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
     batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
-        if self.memory_entries < 0:
-            raise InvalidOptionError("memory_entries must be >= 0")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
+            raise InvalidOptionError(f"memory_bytes must be an int >= 0 (0: no memory tier), got {self.memory_bytes!r}")
         self.disk: DiskTier | None = None
         if self.directory is not None:
             self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
+        self._memory_used = 0
+        self._prefetched: set[str] = set()  # read from disk ahead of use: their first use is a disk hit
+        self._lock = threading.RLock()
 
     # -- keys ------------------------------------------------------------------------------------
     def entry_key(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...], kind: str = "doc") -> str:
@@ -86,89 +103,152 @@ class KVCacheStore:
 
     # -- public API ------------------------------------------------------------------------------
     def prefix(self, layout: PromptLayout) -> CachedKV:
-        """The shared prefix's cache (system prompt + template text before the documents)."""
+        """The shared prefix's cache (system prompt + template text before the documents); not counted."""
         ids = tuple(layout.prefix_ids)
-        return self._get(self.entry_key(layout, ids, "prefix"), ids, None, count=False)
+        key = self.entry_key(layout, ids, "prefix")
+        entry = self._lookup(key, ids, ())
+        return entry if entry is not None else self._add(CachedKV(key, ids, self._compute(ids, None)), True)
 
     def document(self, layout: PromptLayout, text: str) -> CachedKV:
         """One document's cache, encoded after the shared prefix; computed and stored on a miss."""
         return self.document_tokens(layout, layout.context_ids(text))
 
-    def document_tokens(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...]) -> CachedKV:
+    def document_tokens(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...], *,
+                        stats: CacheStats | None = None, persist: bool = True) -> CachedKV:
         """Like :meth:`document` for text that is already tokenised with ``layout.context_ids``."""
-        ids = tuple(token_ids)
-        return self._get(self.entry_key(layout, ids), ids, self.prefix(layout), count=True)
+        return self.documents_tokens(layout, [list(token_ids)], stats=stats, persist=persist)[0]
 
-    def documents(self, layout: PromptLayout, texts: list[str]) -> list[CachedKV]:
-        return self.documents_tokens(layout, [layout.context_ids(text) for text in texts])
+    def documents(self, layout: PromptLayout, texts: list[str], *, stats: CacheStats | None = None) -> list[CachedKV]:
+        return self.documents_tokens(layout, [layout.context_ids(text) for text in texts], stats=stats)
 
-    def documents_tokens(self, layout: PromptLayout, token_lists: list[list[int]]) -> list[CachedKV]:
+    def documents_tokens(self, layout: PromptLayout, token_lists: list[list[int]], *, stats: CacheStats | None = None,
+                         persist: bool = True) -> list[CachedKV]:
         """Caches of many documents; all misses are computed together in right-padded batched forwards.
 
         One forward per ``batch_tokens`` budget instead of one per document: a cold query costs about
-        what prefilling the same tokens as one prompt costs.
+        what prefilling the same tokens as one prompt costs. Computing runs the model: call this on
+        the model's thread (the scheduler's) only.
         """
+        counters = (self.stats,) if stats is None else (self.stats, stats)
         prefix = self.prefix(layout)
         wanted = [(self.entry_key(layout, ids), tuple(ids)) for ids in token_lists]
         found: dict[str, CachedKV] = {}
-        for key, ids in wanted:
-            if key not in found and (entry := self._lookup(key, ids)) is not None:
+        for key, ids in dict(wanted).items():
+            if (entry := self._lookup(key, ids, counters)) is not None:
                 found[key] = entry
         missing = list({key: ids for key, ids in wanted if key not in found}.items())
-        self.stats.misses += len(missing)  # a duplicate within one request is computed once: one miss
-        self.stats.hits += len(wanted) - len(missing)
+        duplicates = len(wanted) - len(dict(wanted))
+        for counter in counters:
+            counter.misses += len(missing)  # a duplicate within one request is computed once: one miss ...
+            counter.memory_hits += duplicates  # ... and served from memory the second time
         for group in _token_budget_groups(missing, self.batch_tokens):
             for (key, ids), kv in zip(group, self._compute_batch([ids for _, ids in group], prefix)):
-                found[key] = self._add(CachedKV(key, ids, kv))
+                found[key] = self._add(CachedKV(key, ids, kv), persist)
         return [found[key] for key, _ in wanted]
+
+    def prefetch(self, layout: PromptLayout, token_lists: list[list[int]]) -> None:
+        """Read the disk entries among ``token_lists`` into the memory tier (no counting, no computing).
+
+        The scheduler runs this on its loader thread, so disk reads overlap with the model's work.
+        """
+        if self.disk is None:
+            return
+        for ids in token_lists:
+            key = self.entry_key(layout, ids)
+            with self._lock:
+                if key in self._memory:
+                    continue
+            kv = self.disk.load(key, tuple(ids))
+            if kv is not None:
+                with self._lock:
+                    self._remember(CachedKV(key, tuple(ids), kv))
+                    self._prefetched.add(key)
 
     def contains(self, layout: PromptLayout, text: str) -> bool:
         key = self.entry_key(layout, layout.context_ids(text))
-        return key in self._memory or (self.disk is not None and self.disk.contains(key))
+        with self._lock:
+            return key in self._memory or (self.disk is not None and self.disk.contains(key))
 
     def forget(self, layout: PromptLayout, text: str) -> None:
         """Drop a document's entry (used when a stored document is changed or deleted)."""
         key = self.entry_key(layout, layout.context_ids(text))
-        self._memory.pop(key, None)
-        if self.disk is not None:
-            self.disk.delete(key)
+        with self._lock:
+            self._drop(key)
+            if self.disk is not None:
+                self.disk.delete(key)
 
     def clear_memory(self) -> None:
-        """Empty the in-memory LRU; entries on disk stay (benchmarks use this to time cold calls)."""
-        self._memory.clear()
+        """Empty the memory tier; entries on disk stay (benchmarks use this to time cold calls)."""
+        with self._lock:
+            self._memory.clear()
+            self._memory_used = 0
+
+    @property
+    def memory_used(self) -> int:
+        """Bytes of KV in the memory tier now."""
+        return self._memory_used
+
+    def disk_used(self) -> int:
+        """Bytes of entries in the disk tier now (0 without one); walks the folder, so not for hot paths."""
+        if self.disk is None:
+            return 0
+        return sum(f.stat().st_size for f in self.disk.directory.rglob("*.safetensors") if f.is_file())
 
     # -- internals -------------------------------------------------------------------------------
-    def _get(self, key: str, token_ids: tuple[int, ...], prefix: CachedKV | None, count: bool) -> CachedKV:
-        entry = self._lookup(key, token_ids)
-        if entry is not None:
-            self.stats.hits += count
-            return entry
-        self.stats.misses += count
-        return self._add(CachedKV(key, token_ids, self._compute(token_ids, prefix)))
-
-    def _lookup(self, key: str, token_ids: tuple[int, ...]) -> CachedKV | None:
-        entry = self._memory.get(key)
-        if entry is None and self.disk is not None:
+    def _lookup(self, key: str, token_ids: tuple[int, ...], counters: tuple[CacheStats, ...]) -> CachedKV | None:
+        with self._lock:
+            entry = self._memory.get(key)
+            if entry is not None:
+                self._memory.move_to_end(key)
+                from_disk = key in self._prefetched
+                self._prefetched.discard(key)
+                for counter in counters:
+                    if from_disk:
+                        counter.disk_hits += 1
+                    else:
+                        counter.memory_hits += 1
+                return entry
+            if self.disk is None:
+                return None
+            corrupt = self.stats.corrupt
             kv = self.disk.load(key, token_ids)
-            entry = CachedKV(key, token_ids, kv) if kv is not None else None
-        if entry is not None:
+            for counter in counters[1:]:  # the store's own count is kept by the disk tier
+                counter.corrupt += self.stats.corrupt - corrupt
+            if kv is None:
+                return None
+            entry = CachedKV(key, token_ids, kv)
+            for counter in counters:
+                counter.disk_hits += 1
             self._remember(entry)
-        return entry
+            return entry
 
-    def _add(self, entry: CachedKV) -> CachedKV:
-        """Persist and remember a freshly computed entry."""
-        if self.disk is not None:
+    def _add(self, entry: CachedKV, persist: bool) -> CachedKV:
+        """Persist (unless query-time) and remember a freshly computed entry."""
+        if persist and self.disk is not None:
             self.disk.save(entry.key, entry.token_ids, entry.kv)
         self._remember(entry)
         return entry
 
     def _remember(self, entry: CachedKV) -> None:
-        if self.memory_entries == 0:
-            return
-        self._memory[entry.key] = entry
-        self._memory.move_to_end(entry.key)
-        while len(self._memory) > self.memory_entries:
-            self._memory.popitem(last=False)
+        """Put an entry in the memory tier and evict the least recently used ones beyond ``memory_bytes``.
+
+        An entry larger than the whole tier is not kept (it is used once by the request that needed it).
+        """
+        size = entry.kv.numel() * entry.kv.element_size()
+        with self._lock:
+            if size > self.memory_bytes:
+                return
+            self._drop(entry.key)
+            self._memory[entry.key] = entry
+            self._memory_used += size
+            while self._memory_used > self.memory_bytes:
+                self._drop(next(iter(self._memory)))
+
+    def _drop(self, key: str) -> None:
+        self._prefetched.discard(key)
+        entry = self._memory.pop(key, None)
+        if entry is not None:
+            self._memory_used -= entry.kv.numel() * entry.kv.element_size()
 
     @torch.inference_mode()
     def _compute(self, token_ids: tuple[int, ...], prefix: CachedKV | None) -> torch.Tensor:

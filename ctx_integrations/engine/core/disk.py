@@ -25,14 +25,20 @@ FORMAT_VERSION = "ctx-kv-1"
 
 @dataclass
 class CacheStats:
-    """Counts of a store's lookups; the disk tier adds the entries it had to discard."""
+    """Counts of a store's (or one request's) lookups: hits per tier, misses, entries discarded as corrupt."""
 
-    hits: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
     misses: int = 0
     corrupt: int = 0
 
+    @property
+    def hits(self) -> int:
+        return self.memory_hits + self.disk_hits
+
     def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt}
+        return {"hits": self.hits, "memory_hits": self.memory_hits, "disk_hits": self.disk_hits,
+                "misses": self.misses, "corrupt": self.corrupt}
 
 
 @dataclass

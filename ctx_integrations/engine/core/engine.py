@@ -1,27 +1,27 @@
-"""The one entry point: ``Engine.generate(query, documents, mode=...) -> Answer``.
+"""The one entry point: ``Engine.generate(query, documents, mode=...) -> Answer``, and its async twins.
 
-The engine owns a loaded model, the prompt layout and the KV-cache store; every mode runs through
-``generate`` so validation, timing and cache accounting live in one place.
+The engine owns the prompt layout and the KV-cache store over a loaded model; every request is
+validated here, in the caller's thread (so bad input fails at once, with a typed error), then handed
+to the model's :class:`~ctx_integrations.engine.core.scheduler.Scheduler`, which batches the streams
+of all concurrent requests into one forward per step. ``generate`` blocks; ``agenerate`` /
+``astream`` await the scheduler without blocking the event loop and without a thread per request.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import os
-import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.cache import KVCacheStore, StreamBatch
+from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
 from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
+from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.registry import (
@@ -31,16 +31,12 @@ from ctx_integrations.engine.core.registry import (
     check_options,
     resolve_mode,
 )
-from ctx_integrations.engine.core.streams import (
-    DecodeResult,
-    StopCriteria,
-    TokenSampler,
-    decode_fused,
-    forward_streams,
-    single_stream,
-)
-from ctx_integrations.engine.core.token_stream import AnswerStream, aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
+from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler, single_stream
+from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 
 def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] | None:
@@ -55,33 +51,54 @@ def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] |
     return list(documents)
 
 
-def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[str, Any], total: float,
-            hits: int, misses: int) -> Answer:
+def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[str, Any]) -> Answer:
+    total = time.perf_counter() - ctx.started
     decode_s = max(total - result.ttft_s, 1e-9)
     timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
                "tokens_per_s": (len(result.token_ids) - 1) / decode_s if len(result.token_ids) > 1 else 0.0,
                "new_tokens": float(len(result.token_ids)), **ctx.timings}
     return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
-                  documents=ctx.documents, mode=mode, cache_hits=hits, cache_misses=misses,
+                  documents=ctx.documents, mode=mode, cache_hits=ctx.cache.hits, cache_misses=ctx.cache.misses,
+                  cache_hits_by_tier={"memory": ctx.cache.memory_hits, "disk": ctx.cache.disk_hits},
                   finish_reason=result.finish_reason, options=dict(options), extra=result.extra)
 
 
-class Engine:
-    """A local decoder with per-document KV caches and every decoding mode.
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout != timeout:
+        raise InvalidOptionError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    return float(timeout)
 
-    ``cache_dir`` is where document caches persist (``None``: memory only). One engine serves one
-    request at a time (a lock serialises calls from threads or async adapters).
+
+class Engine:
+    """A local decoder with per-document KV caches and every decoding mode, serving concurrent requests.
+
+    ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only).
+    ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
+    used entries are evicted). ``max_queued_requests``: requests waiting for admission beyond this are
+    refused with :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the
+    default per-request timeout (``None``: none); ``timeout=`` on a call overrides it.
+
+    Engines built on one loaded model share its scheduler: their requests are batched together and
+    never run forward passes at the same time.
     """
 
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
-                 half_on_disk: bool = False, memory_entries: int = 256,
+                 half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE):
+        if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
-                                  memory_entries)
-        self._lock = threading.Lock()
+                                  memory_bytes)
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = _check_timeout(request_timeout_s)
+        self.scheduler = scheduler_for(loaded)
+        self._closed = False
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
@@ -97,42 +114,99 @@ class Engine:
     def modes(self) -> list[str]:
         return available_modes()
 
-    def warm(self, documents: Sequence[Any]) -> dict[str, int]:
-        """Compute (or load) the KV cache of every document now, e.g. at ingestion; returns hits/misses."""
-        docs = prepare_documents(documents)
-        with self._lock:
-            before = self.store.stats.as_dict()
-            self.store.documents(self.layout, [doc.text for doc in docs])
-            after = self.store.stats.as_dict()
-        return {k: after[k] - before[k] for k in after}
+    # -- requests ------------------------------------------------------------------------------------
+    def _submit(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
+                prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> RequestHandle:
+        if self._closed:
+            raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
+        timeout = _check_timeout(timeout) if timeout is not None else self.request_timeout_s
+        submission = Submission(plan, finish, self, prefetch=prefetch, rows_hint=rows_hint)
+        if timeout is not None:
+            submission.deadline = submission.submitted + timeout
+        return self.scheduler.submit(submission, self.max_queued_requests)
+
+    def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
+                 on_token: Callable[[str], None] | None, timeout: float | None, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int | None, stop: Sequence[str] | str,
+                 options: dict[str, Any]) -> RequestHandle:
+        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer]."""
+        run = self._check_call(mode, options)
+        ctx = self._context(query, prepare_documents(documents, scores), TokenSampler(temperature, top_p, seed),
+                            StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), on_token)
+        plan = (lambda: run([ctx], **options)) if answers_many(mode) else (lambda: run(ctx, **options))
+        return self._submit(plan, lambda job: [_answer(ctx, job.results()[0], mode, options)], timeout=timeout,
+                            prefetch=self._prefetcher([ctx]), rows_hint=len(ctx.documents) + 1)
+
+    def _prefetcher(self, contexts: list[DecodeContext]) -> Callable[[], None]:
+        """Read the requests' document caches from disk into memory on the scheduler's loader thread."""
+        def prefetch() -> None:
+            texts = {d.text for ctx in contexts for d in ctx.documents}
+            self.store.prefetch(self.layout, [self.layout.context_ids(text) for text in texts])
+
+        return prefetch
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                  mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | str = (),
-                 on_token: Callable[[str], None] | None = None, **options: Any) -> Answer:
-        """Answer ``query`` from ``documents`` with decoding ``mode``.
+                 on_token: Callable[[str], None] | None = None, timeout: float | None = None,
+                 **options: Any) -> Answer:
+        """Answer ``query`` from ``documents`` with decoding ``mode`` (blocks until the answer is done).
 
         ``documents``: strings, :class:`~ctx_integrations.Document` objects or retrieved objects with
         ``text``/``score``; ``scores`` (one r in [0, 1] per document) overrides their scores.
-        ``on_token`` receives each new piece of text as it is decoded. ``options`` are the mode's
-        knobs (see ``ctx_integrations.engine.core.registry.mode_options(mode)``).
+        ``on_token`` receives each new piece of text as it is decoded (on the scheduler's thread: keep it
+        quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError``.
+        ``options`` are the mode's knobs (see ``ctx_integrations.engine.core.registry.mode_options(mode)``).
         """
-        run = self._check_call(mode, options)
-        ctx = self._context(query, prepare_documents(documents, scores), TokenSampler(temperature, top_p, seed),
-                            StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), on_token)
-        return self._decode(run, mode, [ctx], options)[0]
+        return self._request(query, documents, scores, mode, on_token, timeout, max_new_tokens, temperature, top_p,
+                             seed, stop, options).result()[0]
 
-    def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
-                      mode: str = "ippd", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int | None = None, stop: Sequence[str] | str = (), **options: Any) -> list[Answer]:
-        """Answer every question in ``questions``; one :class:`Answer` per question, in order.
+    async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+                        mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0,
+                        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+                        timeout: float | None = None, **options: Any) -> Answer:
+        """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop.
 
-        ``documents`` is either one list of documents shared by every question, or one list per
-        question (``len(documents) == len(questions)``, each element a list). ``mode="ippd"`` (the
-        default) decodes all questions in one stacked prompt, one forward pass per step for every
-        answer; any other mode answers the questions one by one (``mode="concat"``: the independent
-        baseline). With a ``seed``, question i samples with seed ``seed + i``.
+        Cancelling the awaiting task cancels the request (its rows leave the batch at the next step).
         """
+        handle = self._request(query, documents, scores, mode, None, timeout, max_new_tokens, temperature, top_p,
+                               seed, stop, options)
+        return (await handle.wait())[0]
+
+    def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+                mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                seed: int | None = None, stop: Sequence[str] | str = (), timeout: float | None = None,
+                **options: Any) -> AnswerStream:
+        """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
+
+        The request is validated now and queued when iteration starts; leaving the loop early cancels it.
+        """
+        if "on_token" in options:
+            raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
+        run = self._check_call(mode, options)  # fail at once on a bad mode or option
+        del run
+        prepare_documents(documents, scores)
+
+        def start(on_token: Callable[[str], None]) -> RequestHandle:
+            return self._request(query, documents, scores, mode, on_token, timeout, max_new_tokens, temperature,
+                                 top_p, seed, stop, options)
+
+        return AnswerStream(start, lambda answers: answers[0])
+
+    def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
+        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
+
+        Closing the generator early stops decoding at the next token.
+        """
+        if "on_token" in kwargs:
+            raise InvalidOptionError("stream() delivers tokens itself; use generate(on_token=...) for a callback")
+        if not documents:
+            raise EmptyDocumentsError("no documents were given: pass at least one document")
+        return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))
+
+    def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
+              max_new_tokens: int, temperature: float, top_p: float, seed: int | None, stop: Sequence[str] | str,
+              timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
         run = self._check_call(mode, options)
         if isinstance(questions, str) or not questions:
             raise InvalidOptionError("questions must be a non-empty list of strings (got "
@@ -150,9 +224,142 @@ class Engine:
                                   StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), None)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         if answers_many(mode):
-            return self._decode(run, mode, contexts, options)
-        return [self._decode(run, mode, [ctx], options)[0] for ctx in contexts]
+            return [self._submit(lambda: run(contexts, **options),
+                                 lambda job: [_answer(c, r, mode, options) for c, r in zip(contexts, job.results())],
+                                 timeout=timeout, prefetch=self._prefetcher(contexts), rows_hint=len(contexts))]
+        handles = []
+        for ctx in contexts:  # independent requests: the scheduler batches them
+            handles.append(self._submit(lambda ctx=ctx: run(ctx, **options),
+                                        lambda job, ctx=ctx: [_answer(ctx, job.results()[0], mode, options)],
+                                        timeout=timeout, prefetch=self._prefetcher([ctx]),
+                                        rows_hint=len(ctx.documents) + 1))
+        return handles
 
+    def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
+                      mode: str = "ippd", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int | None = None, stop: Sequence[str] | str = (), timeout: float | None = None,
+                      **options: Any) -> list[Answer]:
+        """Answer every question in ``questions``; one :class:`Answer` per question, in order.
+
+        ``documents`` is either one list of documents shared by every question, or one list per
+        question (``len(documents) == len(questions)``, each element a list). ``mode="ippd"`` (the
+        default) decodes all questions in one stacked prompt, one forward pass per step for every
+        answer; any other mode sends the questions as concurrent requests, which the scheduler batches
+        (``mode="concat"``: the independent baseline). With a ``seed``, question i samples with seed
+        ``seed + i``.
+        """
+        handles = self._many(questions, documents, scores, mode, max_new_tokens, temperature, top_p, seed, stop,
+                             timeout, options)
+        return [answer for handle in handles for answer in handle.result()]
+
+    async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
+                             scores: Sequence[float] | None = None, mode: str = "ippd", *, max_new_tokens: int = 128,
+                             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                             stop: Sequence[str] | str = (), timeout: float | None = None,
+                             **options: Any) -> list[Answer]:
+        """:meth:`generate_many` for async callers."""
+        handles = self._many(questions, documents, scores, mode, max_new_tokens, temperature, top_p, seed, stop,
+                             timeout, options)
+        try:
+            return [answer for handle in handles for answer in await handle.wait()]
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+
+    # -- chat (no documents) -------------------------------------------------------------------------
+    def _chat_request(self, messages: Sequence[dict[str, str]], max_new_tokens: int, temperature: float, top_p: float,
+                      seed: int | None, stop: Sequence[str] | str, on_token: Callable[[str], None] | None,
+                      timeout: float | None) -> RequestHandle:
+        ids = conversation_ids(self.loaded.tokenizer, messages)
+        sampler = TokenSampler(temperature, top_p, seed)
+        criteria = StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop)
+        if len(ids) + max_new_tokens > self.loaded.max_positions:
+            raise DocumentTooLongError(
+                f"the conversation has {len(ids)} tokens + max_new_tokens={max_new_tokens}, more than the model's "
+                f"window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
+        ctx = DecodeContext(self, "", [], sampler, criteria, on_token)
+        ctx.timings["prompt_tokens"] = float(len(ids))
+        return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream),
+                            lambda job: [_answer(ctx, job.results()[0], CHAT_MODE, {})], timeout=timeout)
+
+    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+             on_token: Callable[[str], None] | None = None, timeout: float | None = None) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
+        return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token,
+                                  timeout).result()[0]
+
+    async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                    top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+                    timeout: float | None = None) -> Answer:
+        """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request)."""
+        handle = self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, None, timeout)
+        return (await handle.wait())[0]
+
+    def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
+        """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
+        return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
+
+    def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                     stop: Sequence[str] | str = (), timeout: float | None = None) -> AnswerStream:
+        """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
+        conversation_ids(self.loaded.tokenizer, messages)  # fail at once on an empty or unrenderable conversation
+
+        def start(on_token: Callable[[str], None]) -> RequestHandle:
+            return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token, timeout)
+
+        return AnswerStream(start, lambda answers: answers[0])
+
+    # -- caches, state -------------------------------------------------------------------------------
+    def warm(self, documents: Sequence[Any]) -> dict[str, int]:
+        """Compute (or load) the KV cache of every document now, e.g. at ingestion; returns the lookup counts.
+
+        Runs on the scheduler's thread like every use of the model (between other requests' steps).
+        """
+        docs = prepare_documents(documents)
+        ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1))
+
+        def steps() -> Generator[None, None, list[DecodeResult]]:
+            self.store.documents(self.layout, [doc.text for doc in docs], stats=ctx.cache)
+            return []
+            yield  # a generator: the scheduler runs it as one exclusive step
+
+        counts = self._submit(lambda: ExclusiveJob([ctx], steps()), lambda job: ctx.cache.as_dict(),
+                              prefetch=self._prefetcher([ctx])).result()
+        return {key: counts[key] for key in ("hits", "misses", "corrupt")}
+
+    def stats(self) -> dict[str, Any]:
+        """Serving and cache counters: queue depth, running requests and rows, answers, cache hits per tier,
+        bytes per tier, and the scheduler's time split (forward passes vs its own work)."""
+        running, rows = self.scheduler.active(self)
+        scheduler = self.scheduler.stats
+        cache = self.store.stats.as_dict()
+        return {"queue_depth": self.scheduler.queue_depth(self), "active_requests": running, "active_rows": rows,
+                "answered": scheduler.answered, "failed": scheduler.failed, "cancelled": scheduler.cancelled,
+                "timed_out": scheduler.timed_out, "steps": scheduler.steps, "forwards": scheduler.forwards,
+                "forward_s": scheduler.forward_s, "busy_s": scheduler.busy_s,
+                "cache": {**cache, "hits_by_tier": {"memory": cache["memory_hits"], "disk": cache["disk_hits"]}},
+                "bytes": {"memory": self.store.memory_used, "disk": self.store.disk_used()},
+                "budgets": {"memory": self.store.memory_bytes}}
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests and wait (up to ``timeout`` seconds) for this engine's requests in flight."""
+        self._closed = True
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while self.scheduler.queue_depth(self) or self.scheduler.active(self)[0]:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            time.sleep(0.01)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- validation ----------------------------------------------------------------------------------
     def _check_call(self, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         run = resolve_mode(mode)
         check_options(mode, options)
@@ -163,88 +370,3 @@ class Engine:
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
         return DecodeContext(self, query, documents, sampler, stop, on_token)
-
-    def _decode(self, run: Callable[..., Any], mode: str, contexts: list[DecodeContext],
-                options: dict[str, Any]) -> list[Answer]:
-        """Run ``mode`` over ``contexts`` (several only for a mode that answers many questions at once)."""
-        with self._lock:
-            before = self.store.stats.as_dict()
-            started = time.perf_counter()
-            for ctx in contexts:
-                ctx.started = started
-            results = run(contexts, **options) if answers_many(mode) else [run(contexts[0], **options)]
-            total = time.perf_counter() - started
-            after = self.store.stats.as_dict()
-        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-        return [_answer(ctx, result, mode, options, total, hits, misses) for ctx, result in zip(contexts, results)]
-
-    async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                        mode: str = "pced", **kwargs: Any) -> Answer:
-        """:meth:`generate` for async callers: awaits the answer without blocking the event loop."""
-        return await asyncio.to_thread(self.generate, query, documents, scores, mode, **kwargs)
-
-    def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                mode: str = "pced", **kwargs: Any) -> AnswerStream:
-        """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
-
-        Leaving the loop early cancels the request.
-        """
-        if "on_token" in kwargs:
-            raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
-        sink: dict[str, Any] = {}
-        call = functools.partial(self.generate, query, documents, scores, mode, **kwargs)
-        return AnswerStream(aiter_tokens(lambda on_token: call(on_token=on_token), sink), sink)
-
-    async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
-                             scores: Sequence[float] | None = None, mode: str = "ippd", **kwargs: Any) -> list[Answer]:
-        """:meth:`generate_many` for async callers."""
-        return await asyncio.to_thread(self.generate_many, questions, documents, scores, mode, **kwargs)
-
-    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-             on_token: Callable[[str], None] | None = None) -> Answer:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
-        ids = conversation_ids(self.loaded.tokenizer, messages)
-        if len(ids) + max_new_tokens > self.loaded.max_positions:
-            raise DocumentTooLongError(
-                f"the conversation has {len(ids)} tokens + max_new_tokens={max_new_tokens}, more than the model's "
-                f"window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        sampler = TokenSampler(temperature, top_p, seed)
-        criteria = StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop)
-        loaded, device = self.loaded, self.loaded.device
-        with self._lock:
-            started = time.perf_counter()
-            streams = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=device),
-                                  torch.zeros(1, dtype=torch.long, device=device))
-            first_logits = forward_streams(loaded.model, streams, torch.tensor([ids], device=device))
-            ctx = DecodeContext(self, "", [], sampler, criteria, on_token, started)
-            ctx.timings.update(prefill_s=time.perf_counter() - started, prompt_tokens=float(len(ids)))
-            result = decode_fused(loaded.model, loaded.tokenizer, streams, first_logits, single_stream, sampler,
-                                  criteria, on_token, started)
-            total = time.perf_counter() - started
-        return _answer(ctx, result, CHAT_MODE, {}, total, 0, 0)
-
-    async def achat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Answer:
-        """:meth:`chat` for async callers."""
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
-
-    def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
-        """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
-        return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
-
-    def astream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> AnswerStream:
-        """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
-        sink: dict[str, Any] = {}
-        return AnswerStream(aiter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs), sink),
-                            sink)
-
-    def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
-        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
-
-        Closing the generator early stops decoding at the next token.
-        """
-        if "on_token" in kwargs:
-            raise InvalidOptionError("stream() delivers tokens itself; use generate(on_token=...) for a callback")
-        if not documents:
-            raise EmptyDocumentsError("no documents were given: pass at least one document")
-        return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))

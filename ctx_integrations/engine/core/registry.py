@@ -1,13 +1,16 @@
 """The registry of decoding modes and the context every mode runs in.
 
-A mode is a function ``run(ctx, **options) -> DecodeResult`` registered under a name. Its keyword
-options, with their defaults, are its documented knobs; unknown options are refused here, once,
-with the list of accepted ones, so a typo never silently falls back to a default.
+A mode is a function ``plan(ctx, **options) -> Job`` registered under a name: it declares the
+streams the request needs (cached pieces per row, the prompt after them) and its per-step rule, and
+the scheduler runs the job (``engine/core/jobs.py``). ``plan`` runs on the scheduler's thread, so it
+may compute missing KV caches. Its keyword options, with their defaults, are its documented knobs;
+unknown options are refused here, once, with the list of accepted ones, so a typo never silently
+falls back to a default.
 
-A mode registered with ``many=True`` answers several questions in one decode (IPPD): its function
-is ``run(contexts, **options) -> list[DecodeResult]``, one context per question. The engine calls
-it with one context for ``generate`` and with all of them for ``generate_many``; every other mode
-answers the questions of ``generate_many`` one by one.
+A mode registered with ``many=True`` answers several questions in one job (IPPD): its function is
+``plan(contexts, **options) -> Job``, one context per question. The engine calls it with one context
+for ``generate`` and with all of them for ``generate_many``; every other mode answers the questions
+of ``generate_many`` as concurrent requests, which the scheduler batches.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
-from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler
+from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError, UnknownModeError
 
 
@@ -40,7 +44,7 @@ class EngineParts(Protocol):
     store: KVCacheStore
 
 
-ModeFunction = Callable[..., DecodeResult]
+ModeFunction = Callable[..., Any]  # returns a ``jobs.Job`` (jobs.py imports this module, not the reverse)
 _MODES: dict[str, ModeFunction] = {}
 _MANY_MODES: set[str] = set()
 # Modules whose import registers the built-in modes; a new mode adds its module here.
@@ -107,6 +111,7 @@ class DecodeContext:
     on_token: Callable[[str], None] | None = None
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
+    cache: CacheStats = field(default_factory=CacheStats)  # this request's own cache lookups
 
     def check_window(self, prompt_tokens: int, what: str) -> None:
         """Refuse a prompt that, with the answer budget, would run past the model's positions."""

@@ -1,17 +1,18 @@
-"""N cached streams advancing in lockstep: one forward pass per step for all of them.
+"""The small pieces every decode loop is made of (in the spirit of gpt-fast).
 
-Small composable pieces (in the spirit of gpt-fast): ``forward_streams`` runs one step,
 ``TokenSampler`` picks a token from scores, ``StopCriteria`` says when to stop, ``IncrementalText`` turns
-token ids into streamed text, and ``decode_fused`` ties them into the loop that PCED, Soft-NBCE
-and every other fusion rule share: the rule turns the streams' logits into one score vector, one
-token is chosen and appended to every stream.
+token ids into streamed text, and ``Emitter`` records one answer as it is decoded (trace, streaming,
+stopping, time to first token). The scheduler's pooled jobs use these with the shared row pool
+(``rows.py``); exclusive jobs (APE, RAPID, MapReduce) run their own streams with ``forward_streams``
+and the step generators ``fused_steps`` / ``independent_steps``, which yield after every forward pass.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +33,7 @@ class FusedStep:
 
 
 FusionRule = Callable[[torch.Tensor], FusedStep]
+Result = TypeVar("Result")
 
 
 def single_stream(logits: torch.Tensor) -> FusedStep:
@@ -191,13 +193,15 @@ class Emitter:
                             steps=len(self.trace))
 
 
-def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
-                 rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
-                 on_token: Callable[[str], None] | None = None, started: float | None = None) -> DecodeResult:
+def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,
+                rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
+                on_token: Callable[[str], None] | None = None,
+                started: float | None = None) -> Generator[None, None, DecodeResult]:
     """Decode one answer from B streams: fuse, choose one token, append it to every stream, repeat.
 
-    ``first_logits`` are the streams' logits after the question suffix; the loop makes exactly one
-    forward pass (all streams batched) per generated token after the first.
+    ``first_logits`` are the streams' logits after the prompt; ``forward(ids)`` appends ``ids``
+    ([B, 1]) to every stream and returns the next logits ([B, V]). The generator yields after each
+    forward pass, so a scheduler can run other work between them; its return value is the result.
     """
     emitter = Emitter(tokenizer, stop, on_token, started)
     batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
@@ -208,11 +212,12 @@ def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch
         score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
         if emitter.push(TraceStep(token, winner, score)):
             return emitter.result()
-        logits = forward_streams(model, streams, torch.full((batch, 1), token, device=device))
+        logits = forward(torch.full((batch, 1), token, device=device))
+        yield
 
 
-def decode_independent(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
-                       sampler: TokenSampler, stop: StopCriteria) -> list[DecodeResult]:
+def independent_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,
+                      sampler: TokenSampler, stop: StopCriteria) -> Generator[None, None, list[DecodeResult]]:
     """Decode B independent answers in one batch (each stream picks its own token), e.g. MapReduce's map step."""
     batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
     emitters = [Emitter(tokenizer, stop) for _ in range(batch)]
@@ -222,4 +227,22 @@ def decode_independent(model: torch.nn.Module, tokenizer: object, streams: Strea
             emitter.push(TraceStep(token, None, 0.0))
         if all(e.done for e in emitters):
             return [e.result() for e in emitters]
-        logits = forward_streams(model, streams, torch.tensor(chosen, device=device).unsqueeze(1))
+        logits = forward(torch.tensor(chosen, device=device).unsqueeze(1))
+        yield
+
+
+def run_to_end(steps: Generator[None, None, Result]) -> Result:
+    """Drive a step generator to its end at once (outside the scheduler, e.g. a benchmark's reference run)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
+def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
+                 rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
+                 on_token: Callable[[str], None] | None = None, started: float | None = None) -> DecodeResult:
+    """:func:`fused_steps` over ``streams`` with ``model``, run to the end at once."""
+    return run_to_end(fused_steps(lambda ids: forward_streams(model, streams, ids), tokenizer, first_logits, rule,
+                                  sampler, stop, on_token, started))

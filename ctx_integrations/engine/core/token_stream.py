@@ -97,23 +97,41 @@ async def aiter_tokens(call: TokenCall[Result], sink: dict[str, Result]) -> Asyn
 class AnswerStream:
     """An async stream of one answer: ``async for piece in stream`` yields text pieces; then ``stream.answer``.
 
-    Leaving the loop early (``break``, ``aclose()``, task cancellation) cancels the request, so its
-    decoding stops at the next step instead of running to ``max_new_tokens`` for nobody.
+    ``start(on_token)`` queues the request (when iteration begins) and returns its handle (anything with
+    ``future``, ``cancel()``); ``on_token`` is called on the scheduler's thread and hands each piece to
+    the event loop, so no thread is held per stream. ``pick`` turns the request's result into the
+    answer. Leaving the loop early (``break``, ``aclose()``, task cancellation) cancels the request,
+    so its decoding stops at the next step instead of running to ``max_new_tokens`` for nobody.
     """
 
-    def __init__(self, pieces: AsyncIterator[str], sink: dict[str, Any]):
-        self._pieces, self._sink = pieces, sink
-
-    @property
-    def answer(self) -> Any:
-        """The final :class:`~ctx_integrations.Answer`, once the stream is exhausted (``None`` before)."""
-        return self._sink.get("answer")
+    def __init__(self, start: Callable[[Callable[[str], None]], Any], pick: Callable[[Any], Any]):
+        self._start, self._pick = start, pick
+        self._handle: Any = None
+        self._queue: asyncio.Queue | None = None
+        self.answer: Any = None
 
     def __aiter__(self) -> AnswerStream:
         return self
 
     async def __anext__(self) -> str:
-        return await self._pieces.__anext__()
+        if self._handle is None:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            self._queue = queue
+            self._handle = self._start(lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece))
+            self._handle.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _DONE))
+        assert self._queue is not None
+        try:
+            piece = await self._queue.get()
+        except BaseException:
+            self._handle.cancel()
+            raise
+        if piece is _DONE:
+            self.answer = self._pick(self._handle.future.result())  # re-raises the request's error
+            raise StopAsyncIteration
+        return piece
 
     async def aclose(self) -> None:
-        await self._pieces.aclose()
+        """Stop listening; a request still running is cancelled."""
+        if self._handle is not None and not self._handle.future.done():
+            self._handle.cancel()

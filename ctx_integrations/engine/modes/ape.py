@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,8 +29,9 @@ import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import concatenated_stream
+from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams, single_stream
+from ctx_integrations.engine.core.streams import DecodeResult, forward_streams, fused_steps, single_stream
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -124,32 +125,45 @@ def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-@register_mode("ape")
-def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9) -> DecodeResult:
-    """Adaptive Parallel Encoding over the documents' cached KV.
-
-    attention_temperature: T, divides the question's attention scores over the documents (sharper
-    for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
-    log-sum-exp in the merge (less total weight on the documents for S < 1). Both in (0, 1];
-    T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
-    """
-    check_knobs(attention_temperature, scale)
+def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
     prefix_len, longest = len(layout.prefix_ids), max(len(ids) for ids in token_ids)
     # Documents share positions, so only the longest one (not their sum) counts against the window.
     ctx.check_window(prefix_len + longest + len(suffix), "the longest document with the question")
-    caches = engine.store.documents_tokens(layout, token_ids)
+    model = engine.loaded.model
+    with ape_attention_swapped(model):  # refuse a model that cannot take the swap before any work
+        pass
+    caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
     streams = concatenated_stream(engine.store.prefix(layout), caches, next_position=prefix_len + longest)
     total = sum(c.length for c in caches)
     streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
-    model = engine.loaded.model
-    with ape_attention_swapped(model):
-        first_logits = forward_streams(model, streams, torch.tensor([suffix], device=engine.loaded.device))
-        ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
-        result = decode_fused(model, engine.loaded.tokenizer, streams, first_logits, single_stream, ctx.sampler,
-                              ctx.stop, ctx.on_token, ctx.started)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        # the swap spans one forward only: the scheduler runs other requests' forwards between APE's steps
+        with ape_attention_swapped(model):
+            return forward_streams(model, streams, ids)
+
+    first_logits = forward(torch.tensor([suffix], device=engine.loaded.device))
+    ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
+    yield
+    result = yield from fused_steps(forward, engine.loaded.tokenizer, first_logits, single_stream, ctx.sampler,
+                                    ctx.stop, ctx.on_token, ctx.started)
     result.extra.update(context_tokens=total, query_position=prefix_len + longest)
     return result
+
+
+@register_mode("ape")
+def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9) -> ExclusiveJob:
+    """Adaptive Parallel Encoding over the documents' cached KV.
+
+    attention_temperature: T, divides the question's attention scores over the documents (sharper
+    for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
+    log-sum-exp in the merge (less total weight on the documents for S < 1). Both in (0, 1];
+    T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
+    Runs as an exclusive job (its attention differs from the pooled forward's), one forward per step.
+    """
+    check_knobs(attention_temperature, scale)
+    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale)))

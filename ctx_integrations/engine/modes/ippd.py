@@ -9,12 +9,13 @@ were decoded alone, a context id and a question id (0 = shared), and may see a k
     vpos(q) >= vpos(k)  and  (ctx(q) = ctx(k) or ctx(k) = 0)  and  (qid(q) = qid(k) or qid(k) = 0)
 
 so every answer sees exactly what independent decoding would, while the context's keys are read
-once per step for all of its questions. The mask goes in as a 4D boolean ``attention_mask`` and
-the virtual positions as ``position_ids``, transformers' standard inputs: no model patching.
+once per step for all of its questions. That rule is the scheduler's row pool's own
+(``engine/core/rows.py::visibility``): a stack is a row of the pool like any other stream, so IPPD
+stacks share the batched forward with every other request.
 
 Questions are packed into stacks of at most ``max_stack_tokens`` tokens (prompt plus answer
-budget; default the model's window) and the stacks run as one batch. Each step appends the next
-token of every unfinished answer (rows padded to the longest step); padding has an infinite virtual
+budget; default the model's window), one pool row per stack. Each step appends the next token of
+every unfinished answer (rows padded to the longest step); padding has an infinite virtual
 position, so no real token ever attends to it.
 """
 
@@ -24,15 +25,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from ctx_integrations.engine.core.cache import CachedKV, cache_from_kv
+from ctx_integrations.engine.core.cache import CachedKV
+from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
 from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
-PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
-PAD_ID = -1  # context / question id of padding (matches no real token's ids)
+__all__ = ["PAD_ID", "PAD_POSITION", "StackedJob", "run_ippd", "visibility"]
 
 
 @dataclass
@@ -59,43 +60,6 @@ class _Stack:
     tokens: int = 0  # prompt tokens + answer budget
 
 
-@dataclass
-class StackBatch:
-    """Stacks side by side in one batched cache, with each key column's virtual position and ids."""
-
-    cache: DynamicCache
-    positions: torch.Tensor  # [B, columns] virtual positions (PAD_POSITION for padding)
-    contexts: torch.Tensor  # [B, columns] context ids (0 = prefix, PAD_ID = padding)
-    questions: torch.Tensor  # [B, columns] question ids (0 = prefix / context, PAD_ID = padding)
-
-
-def visibility(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
-               k_ctx: torch.Tensor, k_qid: torch.Tensor) -> torch.Tensor:
-    """IPPD's conjunction mask ``[B, 1, Q, K]`` (True = may attend) from per-token virtual positions and ids."""
-    later = q_pos.unsqueeze(2) >= k_pos.unsqueeze(1)
-    same_context = (q_ctx.unsqueeze(2) == k_ctx.unsqueeze(1)) | (k_ctx.unsqueeze(1) == 0)
-    same_question = (q_qid.unsqueeze(2) == k_qid.unsqueeze(1)) | (k_qid.unsqueeze(1) == 0)
-    return (later & same_context & same_question).unsqueeze(1)
-
-
-@torch.inference_mode()
-def step_forward(model: torch.nn.Module, batch: StackBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-                 contexts: torch.Tensor, questions: torch.Tensor, keep: torch.Tensor | int = 0) -> torch.Tensor:
-    """Append tokens ([B, S], with their virtual positions and ids) to every stack; return their logits (fp32).
-
-    ``keep``: which of the S columns need logits (a 1D index tensor, or 0 for all).
-    """
-    all_positions = torch.cat([batch.positions, positions], dim=1)
-    all_contexts = torch.cat([batch.contexts, contexts], dim=1)
-    all_questions = torch.cat([batch.questions, questions], dim=1)
-    mask = visibility(positions, contexts, questions, all_positions, all_contexts, all_questions)
-    rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=rope_positions, past_key_values=batch.cache,
-                use_cache=True, logits_to_keep=keep)
-    batch.positions, batch.contexts, batch.questions = all_positions, all_contexts, all_questions
-    return out.logits.float()
-
-
 def _pack(ctx_groups: list[tuple[CachedKV, list[_Question]]], prefix_len: int, budget: int,
           max_new_tokens: int) -> list[_Stack]:
     """Fill stacks in order: a context joins a stack with its first question; more follow while they fit."""
@@ -120,30 +84,6 @@ def _pack(ctx_groups: list[tuple[CachedKV, list[_Question]]], prefix_len: int, b
     return stacks
 
 
-def _stack_batch(prefix: CachedKV, stacks: list[_Stack], device: torch.device) -> StackBatch:
-    """The prefix and contexts of every stack in one right-padded batched cache (one copy per context)."""
-    widths = [prefix.length + sum(c.length for c in s.contexts) for s in stacks]
-    layers, _, heads, _, dim = prefix.kv.shape
-    buffer = prefix.kv.new_zeros(layers, 2, len(stacks), heads, max(widths), dim)
-    positions = torch.full((len(stacks), max(widths)), PAD_POSITION, dtype=torch.long)
-    contexts = torch.full_like(positions, PAD_ID)
-    questions = torch.full_like(positions, PAD_ID)
-    for b, stack in enumerate(stacks):
-        buffer[:, :, b, :, : prefix.length] = prefix.kv
-        positions[b, : prefix.length] = torch.arange(prefix.length)
-        contexts[b, : prefix.length] = 0
-        questions[b, : prefix.length] = 0
-        column = prefix.length
-        for context_id, entry in enumerate(stack.contexts, start=1):
-            span = slice(column, column + entry.length)
-            buffer[:, :, b, :, span] = entry.kv
-            positions[b, span] = torch.arange(prefix.length, prefix.length + entry.length)
-            contexts[b, span] = context_id
-            questions[b, span] = 0
-            column += entry.length
-    return StackBatch(cache_from_kv(buffer), positions.to(device), contexts.to(device), questions.to(device))
-
-
 def _check_devices(model_device: torch.device, entries: list[CachedKV]) -> None:
     devices = {str(e.kv.device) for e in entries}
     if len(devices) > 1 or torch.device(devices.pop()) != model_device:
@@ -152,27 +92,65 @@ def _check_devices(model_device: torch.device, entries: list[CachedKV]) -> None:
                                  "them to the model's device) instead of mixing engines or devices")
 
 
-def _row_inputs(rows: list[list[tuple[list[int], int, int, int]]], device: torch.device,
-                pad_token: int) -> tuple[torch.Tensor, ...]:
-    """Pad per-stack token runs ``(ids, first virtual position, context id, question id)`` into [B, S] tensors."""
-    width = max(sum(len(ids) for ids, *_ in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_token, dtype=torch.long)
-    positions = torch.full((len(rows), width), PAD_POSITION, dtype=torch.long)
-    contexts = torch.full_like(positions, PAD_ID)
-    questions = torch.full_like(positions, PAD_ID)
-    for b, row in enumerate(rows):
-        column = 0
-        for tokens, first, context_id, qid in row:
-            span = slice(column, column + len(tokens))
-            ids[b, span] = torch.tensor(tokens)
-            positions[b, span] = torch.arange(first, first + len(tokens))
-            contexts[b, span], questions[b, span] = context_id, qid
-            column += len(tokens)
-    return tuple(t.to(device) for t in (ids, positions, contexts, questions))
+class StackedJob(PooledJob):
+    """IPPD's job: one row per stack; each step appends the next token of every unfinished answer of a stack.
+
+    Each question has its own sampler and emitter; its tokens carry its virtual positions, its
+    context id and its question id, so the pool's visibility rule gives it exactly its own view.
+    """
+
+    def __init__(self, contexts: list[DecodeContext], stacks: list[_Stack], prefix: CachedKV, prefix_len: int):
+        super().__init__(contexts)
+        self.stacks, self.prefix, self.prefix_len = stacks, prefix, prefix_len
+        self._next = [[Run(tuple(q.suffix), q.next_position - len(q.suffix), q.context, q.qid) for q in s.questions]
+                      for s in stacks]
+        self._waiting: list[list[_Question]] = [list(s.questions) for s in stacks]
+
+    @property
+    def done(self) -> bool:
+        return not any(self._waiting)
+
+    def rows(self) -> list[list[Piece]]:
+        return [[Piece(self.prefix.kv, 0)] + [Piece(entry.kv, self.prefix_len, context)
+                                              for context, entry in enumerate(stack.contexts, start=1)]
+                for stack in self.stacks]
+
+    def runs(self) -> list[list[Run]]:
+        return self._next
+
+    def consume(self, logits: list[torch.Tensor]) -> None:
+        first_step = "prefill_s" not in self.contexts[0].timings
+        if first_step:
+            prefill = time.perf_counter() - self.contexts[0].started
+            for ctx in self.contexts:
+                ctx.timings["prefill_s"] = prefill
+        growing: list[list[_Question]] = []
+        for questions, row in zip(self._waiting, logits):
+            still = []
+            for question, scores in zip(questions, row):
+                token = question.ctx.sampler(scores)
+                if not question.emitter.push(TraceStep(token, None, float(torch.log_softmax(scores, -1)[token]))):
+                    still.append(question)
+            growing.append(still)
+        self._waiting = growing
+        self._next = []
+        for row in growing:
+            self._next.append([Run((q.emitter.trace[-1].token_id,), q.next_position, q.context, q.qid) for q in row])
+            for question in row:
+                question.next_position += 1
+
+    def results(self) -> list[DecodeResult]:
+        results: list[DecodeResult | None] = [None] * len(self.contexts)
+        for stack in self.stacks:
+            for question in stack.questions:
+                result = question.emitter.result()
+                result.extra.update(stack=question.stack, stacked_questions=len(stack.questions))
+                results[question.index] = result
+        return results  # type: ignore[return-value]
 
 
 @register_mode("ippd", many=True)
-def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = None) -> list[DecodeResult]:
+def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = None) -> StackedJob:
     """Intra-prompt parallel decoding: every question answered in one stacked decode.
 
     Questions with the same documents (same texts, same order) share one context: the
@@ -200,7 +178,11 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
         position = prefix_len + len(group_ids[texts]) + len(suffix)
         emitter = Emitter(loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
         groups.setdefault(texts, []).append(_Question(index, ctx, 0, 0, 0, suffix, emitter, position))
-    entries = engine.store.documents_tokens(layout, list(group_ids.values()))
+    # a concatenation of several documents serves this question group only: memory tier, not the disk
+    entries = engine.store.documents_tokens(layout, list(group_ids.values()), stats=first.cache,
+                                            persist=all(len(group) == 1 for group in groups))
+    for ctx in contexts[1:]:
+        ctx.cache = first.cache  # one lookup serves every question of the call
     _check_devices(loaded.device, entries)
     for questions, entry in zip(groups.values(), entries):
         need = prefix_len + entry.length + max(len(q.suffix) for q in questions) + max_new
@@ -211,40 +193,7 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
                 f"even one of its {len(questions)} questions fits. Raise max_stack_tokens, retrieve fewer or shorter "
                 "documents, or lower max_new_tokens.")
     stacks = _pack(list(zip(entries, groups.values())), prefix_len, budget, max_new)
-    batch = _stack_batch(engine.store.prefix(layout), stacks, loaded.device)
-    timings = {"cache_s": time.perf_counter() - first.started, "stacks": float(len(stacks)),
-               "questions_per_stack": len(contexts) / len(stacks)}
-
-    pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
-    rows = [[(q.suffix, q.next_position - len(q.suffix), q.context, q.qid) for q in s.questions] for s in stacks]
-    ends = [torch.tensor([len(q.suffix) for q in s.questions]).cumsum(0).sub(1).tolist() for s in stacks]
-    keep = sorted({column for row in ends for column in row})
-    logits = step_forward(loaded.model, batch, *_row_inputs(rows, loaded.device, pad_token),
-                          keep=torch.tensor(keep, device=loaded.device))
-    timings["prefill_s"] = time.perf_counter() - first.started
-    pending = [(q, logits[q.stack, keep.index(column)]) for s, row in zip(stacks, ends)
-               for q, column in zip(s.questions, row)]
-    while pending:
-        growing: list[list[_Question]] = [[] for _ in stacks]
-        for question, scores in pending:
-            token = question.ctx.sampler(scores)
-            if not question.emitter.push(TraceStep(token, None, float(torch.log_softmax(scores, -1)[token]))):
-                growing[question.stack].append(question)
-        if not any(growing):
-            break
-        rows = [[([q.emitter.trace[-1].token_id], q.next_position, q.context, q.qid) for q in row] for row in growing]
-        logits = step_forward(loaded.model, batch, *_row_inputs(rows, loaded.device, pad_token))
-        pending = []
-        for row in growing:
-            for column, question in enumerate(row):
-                question.next_position += 1
-                pending.append((question, logits[question.stack, column]))
-    results: list[DecodeResult | None] = [None] * len(contexts)
-    for stack in stacks:
-        for question in stack.questions:
-            question.ctx.timings.update(timings)
-            result = question.emitter.result()
-            result.extra.update(stack=question.stack, stacked_questions=len(stack.questions))
-            results[question.index] = result
-    return results  # type: ignore[return-value]
-
+    cache_s = time.perf_counter() - first.started
+    for ctx in contexts:
+        ctx.timings.update(cache_s=cache_s, stacks=float(len(stacks)), questions_per_stack=len(contexts) / len(stacks))
+    return StackedJob(contexts, stacks, engine.store.prefix(layout), prefix_len)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ctx_integrations.engine.core.experts import run_expert_streams
+from ctx_integrations.engine.core.experts import expert_streams_job
+from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, FusedStep
 from ctx_integrations.errors import InvalidOptionError
@@ -90,7 +91,7 @@ class PCEDFusion:
 
 @register_mode("pced")
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.5, score_space: str = "logprobs",
-             aggregation: str = "max") -> DecodeResult:
+             aggregation: str = "max") -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
     beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float >= 0.
@@ -100,6 +101,9 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
     """
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation)
-    result = run_expert_streams(ctx, rule)
-    result.extra["beta"] = [round(float(b), 6) for b in rule.beta] if rule.beta is not None else None
-    return result
+
+    def finish(result: DecodeResult) -> DecodeResult:
+        result.extra["beta"] = [round(float(b), 6) for b in rule.beta] if rule.beta is not None else None
+        return result
+
+    return expert_streams_job(ctx, rule, finish=finish)

@@ -13,11 +13,13 @@ accepts a prefix, and both caches are rewound to the accepted sequence.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
 from ctx_integrations.engine.core.cache import CachedKV, StreamBatch, batch_streams
+from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
 from ctx_integrations.engine.core.streams import (
     DecodeResult,
@@ -160,13 +162,17 @@ class _Stats:
 
 
 def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSampler,
-           eos: frozenset[int], stats: _Stats) -> tuple[list[int], torch.Tensor | None]:
-    """Propose up to ``gamma`` tokens (stopping after an EOS); return them and the distributions they came from."""
+           eos: frozenset[int], stats: _Stats) -> Generator[None, None, tuple[list[int], torch.Tensor | None]]:
+    """Propose up to ``gamma`` tokens (stopping after an EOS); return them and the distributions they came from.
+
+    Yields after each of the drafter's forward passes (the scheduler runs other requests in between).
+    """
     drafts, dists = [], []
     for _ in range(gamma):
         q = torch.softmax(scaled_logits(drafter.forward(sequence + drafts, 1)[0], sampler.temperature, sampler.top_p),
                           dim=-1)
         stats.draft_passes += 1
+        yield
         token = int(q.argmax()) if sampler.temperature == 0 else int(
             torch.multinomial(q.cpu(), 1, generator=sampler.generator))
         drafts.append(token)
@@ -177,15 +183,20 @@ def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSample
 
 
 def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: list[int], draft_prompt: list[int],
-              gamma: int, eta: float) -> DecodeResult:
-    """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text."""
+              gamma: int, eta: float) -> Generator[None, None, DecodeResult]:
+    """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text.
+
+    A generator that yields after every forward pass (drafter or target) and returns the result.
+    """
     sampler, stats, generated, drafted_flags = ctx.sampler, _Stats(), [], []
     emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
     while not emitter.done:
         g = min(gamma, ctx.stop.max_new_tokens - len(emitter.trace) - 1)
-        drafts, dists = _draft(drafter, draft_prompt + generated, g, sampler, ctx.stop.eos_token_ids, stats)
+        drafts, dists = yield from _draft(drafter, draft_prompt + generated, g, sampler, ctx.stop.eos_token_ids,
+                                          stats)
         logits = target.forward(target_prompt + generated + drafts, len(drafts) + 1)
         stats.target_passes += 1
+        yield
         if dists is None:
             verdict_accepted, token = 0, sampler(logits[0])
         else:
@@ -229,7 +240,7 @@ def _target_alone_rate(ctx: DecodeContext, prefix: CachedKV, long_kv: CachedKV, 
 @register_mode("rapid")
 def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
               draft_context_tokens: int = 1024, chunk_tokens: int = 512, min_similarity: float = 0.3,
-              ranking: str = "auto", compare_target: bool = False) -> DecodeResult:
+              ranking: str = "auto", compare_target: bool = False) -> ExclusiveJob:
     """Retrieval-augmented speculative decoding.
 
     gamma: tokens drafted per round (10, the paper's). eta: how strongly the drafter's distribution
@@ -240,10 +251,18 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     "auto"; normalised relevance >= min_similarity, the best chunk always kept; original order).
     compare_target: also decode with the target alone and report the measured speedup (adds that run's
     time to ``total_s``). temperature / top_p / seed are the engine's; temperature 0 is the greedy variant.
+    Runs as an exclusive job (two caches rewound every round), one forward per scheduler step.
     """
     _check_options(gamma, eta, draft_context_tokens, chunk_tokens, min_similarity, ranking)
+    draft_engine = check_drafter(ctx.engine, drafter)
+    return ExclusiveJob([ctx], single_result(_rapid_steps(ctx, draft_engine, gamma, eta, draft_context_tokens,
+                                                          chunk_tokens, min_similarity, ranking, compare_target)))
+
+
+def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, gamma: int, eta: float, draft_context_tokens: int,
+                 chunk_tokens: int, min_similarity: float, ranking: str,
+                 compare_target: bool) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
-    draft_engine = check_drafter(engine, drafter)
     context_ids = [layout.context_ids(d.text) for d in ctx.documents]
     long_ids = [t for ids in context_ids for t in ids]
     suffix = layout.suffix_ids(ctx.query)
@@ -252,7 +271,9 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     kept = select_chunks(chunks, draft_context_tokens, min_similarity)
     short_ids = [t for c in kept for t in c.token_ids]
 
-    prefix, long_kv = engine.store.prefix(layout), engine.store.document_tokens(layout, long_ids)
+    # the long context serves this request (and the next on the same documents): memory tier only
+    prefix = engine.store.prefix(layout)
+    long_kv = engine.store.document_tokens(layout, long_ids, stats=ctx.cache, persist=False)
     ctx.timings["long_context_s"] = time.perf_counter() - ctx.started
     width = min(engine.loaded.model.get_output_embeddings().weight.shape[0],
                 draft_engine.loaded.model.get_output_embeddings().weight.shape[0])
@@ -260,10 +281,12 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     drafter_side = _Side(draft_engine.loaded.model, batch_streams(draft_engine.store.prefix(layout), [None]), width)
     target.forward(suffix[:-1], 1)
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
+    yield
     decode_start = time.perf_counter()
     drafter_side.forward(short_ids + suffix[:-1], 1)
     ctx.timings["draft_prefill_s"] = time.perf_counter() - decode_start
-    result = speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta)
+    yield
+    result = yield from speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta)
     rapid_s = time.perf_counter() - decode_start
     n = len(result.token_ids)
     ctx.timings.update(rapid_decode_s=rapid_s, rapid_tokens_per_s=n / rapid_s,

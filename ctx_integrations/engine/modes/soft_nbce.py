@@ -1,7 +1,7 @@
 """Soft-NBCE mode and its named limits, hard NBCE and PCW (METHODS.md "Soft-NBCE").
 
 One stream per chunk (``prefix + chunk + question``) plus a query-only prior (row 0), decoded in
-lockstep by the same streams engine as PCED (:func:`run_expert_streams`); only the per-step rule
+lockstep by the same job shape as PCED (:func:`expert_streams_job`); only the per-step rule
 differs (:class:`SoftNBCEFusion`, :class:`NBCEFusion`, :class:`PCWFusion` in ``fusion.py``).
 
 Chunks: every document is split on its own into pieces of at most ``chunk_tokens`` tokens, so one
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.experts import run_expert_streams
+from ctx_integrations.engine.core.experts import expert_streams_job
+from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, FusedStep, TraceStep
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
@@ -186,22 +187,25 @@ def fitting_chunk_tokens(ctx: DecodeContext, chunk_tokens: int | None) -> int | 
     return min(chunk_tokens, room)
 
 
-def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int | None) -> DecodeResult:
-    """Decode with ``rule`` over the prior plus one stream per chunk; the trace names source documents."""
+def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int | None) -> FusedJob:
+    """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents."""
     size = fitting_chunk_tokens(ctx, chunk_tokens)
     chunks = split_documents(ctx.engine.loaded.tokenizer, [d.text for d in ctx.documents], size)
-    result = run_expert_streams(ctx, rule, contexts=[c.text for c in chunks], with_context_free=True)
     sources = [c.document for c in chunks]
-    result.extra["trace_chunks"] = [step.document for step in result.trace]
-    result.trace = [TraceStep(step.token_id, None if step.document is None else sources[step.document], step.score)
-                    for step in result.trace]
-    result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
-    return result
+
+    def finish(result: DecodeResult) -> DecodeResult:
+        result.extra["trace_chunks"] = [step.document for step in result.trace]
+        result.trace = [TraceStep(step.token_id, None if step.document is None else sources[step.document],
+                                  step.score) for step in result.trace]
+        result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
+        return result
+
+    return expert_streams_job(ctx, rule, contexts=[c.text for c in chunks], with_context_free=True, finish=finish)
 
 
 @register_mode("soft_nbce")
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9,
-                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
+                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
@@ -214,13 +218,13 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
 
 @register_mode("nbce")
 def run_nbce(ctx: DecodeContext, *, beta: float = 0.25, rho: float = 0.9,
-             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
+             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> FusedJob:
     """Hard NBCE (Soft-NBCE's tau -> 0 limit): each token comes from the lowest-entropy chunk."""
     return run_chunk_fusion(ctx, NBCEFusion(beta=beta, rho=rho), chunk_tokens)
 
 
 @register_mode("pcw")
 def run_pcw(ctx: DecodeContext, *, beta: float = 0.25, rho: float = 0.9,
-            chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
+            chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> FusedJob:
     """Uniform chunk average (Soft-NBCE's tau -> infinity limit, the paper's PCW-style baseline)."""
     return run_chunk_fusion(ctx, PCWFusion(beta=beta, rho=rho), chunk_tokens)

@@ -1,0 +1,147 @@
+"""What the scheduler runs: one job per request, pooled (its streams share the batched forward) or exclusive.
+
+A *pooled* job declares its streams as rows of cached pieces (:class:`~ctx_integrations.engine.core.rows.Piece`)
+and, at every step, the tokens each row takes (:class:`~ctx_integrations.engine.core.rows.Run`); the
+scheduler runs ONE forward over the rows of all pooled jobs and hands each job the logits of its own
+rows, which it turns into tokens with its own per-step rule. :class:`FusedJob` is the shape most modes
+take (PCED, Soft-NBCE and its limits, ``single``, ``concat``, chat): K streams, one rule over their K
+logit rows, one chosen token appended to all K. IPPD's stacked questions are their own pooled job.
+
+An *exclusive* job (APE's attention, RAPID's draft/verify with cache rewinds, MapReduce's two
+phases) runs its own forward passes on the model between the pooled steps: it is a generator that
+yields after each forward, so a long APE answer never holds the other requests for more than a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.rows import Piece, Run
+from ctx_integrations.engine.core.streams import DecodeResult, Emitter, FusionRule, TraceStep
+
+
+class Job:
+    """One request's work: the contexts it answers (several only for IPPD) and their results when done."""
+
+    exclusive = False
+
+    def __init__(self, contexts: list[DecodeContext]):
+        self.contexts = contexts
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def results(self) -> list[DecodeResult]:
+        raise NotImplementedError
+
+
+class PooledJob(Job):
+    """A job whose streams are rows of the scheduler's shared batched cache."""
+
+    def rows(self) -> list[list[Piece]]:
+        """The cached pieces of each of the job's rows, laid out once when the job joins."""
+        raise NotImplementedError
+
+    def runs(self) -> list[list[Run]]:
+        """The tokens each row takes this step (the first step: the prompt's uncached suffix)."""
+        raise NotImplementedError
+
+    def consume(self, logits: list[torch.Tensor]) -> None:
+        """Per row, the logits after each of its runs (``[runs, V]``): choose tokens, emit, decide the next runs."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One stream of a :class:`FusedJob`: its cached pieces and the prompt tokens after them."""
+
+    pieces: tuple[Piece, ...]
+    prompt: tuple[int, ...]
+    first_position: int  # virtual position of ``prompt[0]``
+
+
+class FusedJob(PooledJob):
+    """K streams decoded in lockstep: ``rule`` fuses their logits, one token is chosen and appended to all.
+
+    ``finish`` may decorate the result (e.g. map a chunk's trace back to its document).
+    """
+
+    def __init__(self, ctx: DecodeContext, streams: list[Stream], rule: FusionRule,
+                 finish: Callable[[DecodeResult], DecodeResult] | None = None):
+        super().__init__([ctx])
+        if not streams:
+            raise ValueError("a fused job needs at least one stream")
+        self.ctx, self.streams, self.rule, self.finish = ctx, streams, rule, finish
+        self.emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
+        self._next: list[list[Run]] = [[Run(s.prompt, s.first_position)] for s in streams]
+        self._positions = [s.first_position + len(s.prompt) for s in streams]
+
+    @property
+    def done(self) -> bool:
+        return self.emitter.done
+
+    def rows(self) -> list[list[Piece]]:
+        return [list(s.pieces) for s in self.streams]
+
+    def runs(self) -> list[list[Run]]:
+        return self._next
+
+    def consume(self, logits: list[torch.Tensor]) -> None:
+        if "prefill_s" not in self.ctx.timings:
+            self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
+        fused = self.rule(torch.stack([row[-1] for row in logits]))
+        token = self.ctx.sampler(fused.scores)
+        winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
+        score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
+        if self.emitter.push(TraceStep(token, winner, score)):
+            self._next = [[] for _ in self.streams]
+            return
+        self._next = [[Run((token,), position)] for position in self._positions]
+        self._positions = [p + 1 for p in self._positions]
+
+    def results(self) -> list[DecodeResult]:
+        result = self.emitter.result()
+        return [self.finish(result) if self.finish is not None else result]
+
+
+class ExclusiveJob(Job):
+    """A job that runs its own forward passes between pooled steps: ``steps`` yields after each one.
+
+    The generator returns one :class:`DecodeResult` per context when it is finished.
+    """
+
+    exclusive = True
+
+    def __init__(self, contexts: list[DecodeContext], steps: Generator[None, None, list[DecodeResult]]):
+        super().__init__(contexts)
+        self._steps, self._results = steps, None
+
+    @property
+    def done(self) -> bool:
+        return self._results is not None
+
+    def step(self) -> None:
+        """Run the job until its next forward pass is done (or it finishes)."""
+        try:
+            next(self._steps)
+        except StopIteration as finished:
+            self._results = list(finished.value)
+
+    def close(self) -> None:
+        """Stop a cancelled job (runs its ``finally`` blocks, e.g. restoring the model's attention)."""
+        self._steps.close()
+
+    def results(self) -> list[DecodeResult]:
+        assert self._results is not None
+        return self._results
+
+
+def single_result(steps: Generator[None, None, DecodeResult]) -> Generator[None, None, list[DecodeResult]]:
+    """Adapt a generator that decodes one answer to the list an :class:`ExclusiveJob` returns."""
+    return [(yield from steps)]

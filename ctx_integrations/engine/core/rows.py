@@ -1,0 +1,215 @@
+"""The row pool: every active stream of every request in one batched KV cache, advanced by one forward per step.
+
+A *row* is one stream: a KV cache (a shared prefix, then the stream's own cached context, then the
+tokens it has been fed) plus, per key column, a virtual position, a context id and a question id.
+Rows of different requests have different lengths; they sit side by side in one right-padded
+``DynamicCache``, and padding columns get an infinite virtual position so nothing attends to them.
+
+Which key a new token may see is IPPD's rule (METHODS.md "IPPD"), which also covers every plain stream:
+
+    vpos(q) >= vpos(k)  and  (ctx(q) = ctx(k) or ctx(k) = 0)  and  (qid(q) = qid(k) or qid(k) = 0)
+
+A plain stream has context and question id 0 everywhere, so the rule reduces to "causal, padding
+hidden". Keys are stored after RoPE, so a key's column in the buffer does not matter: rows can be
+merged, dropped and left-packed freely, and every new token gets its position through ``position_ids``.
+The mask goes in as a 4D boolean ``attention_mask`` — transformers' standard input, no model patching.
+
+transformers' cache classes batch sequences of one request; merging and splitting rows of many
+requests at step boundaries (continuous batching) is what this module adds, by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
+PAD_ID = -1  # context / question id of padding (matches no real token's ids)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Cached keys/values placed in a row: ``kv`` is ``[layers, 2, kv_heads, tokens, head_dim]``.
+
+    Its tokens get virtual positions ``first_position ..`` and context id ``context`` (0 = shared).
+    """
+
+    kv: torch.Tensor
+    first_position: int
+    context: int = 0
+
+
+@dataclass(frozen=True)
+class Run:
+    """Tokens appended to a row in one step: consecutive virtual positions from ``first_position``.
+
+    The logits of a run's last token are returned (the next-token distribution after it).
+    """
+
+    ids: tuple[int, ...]
+    first_position: int
+    context: int = 0
+    question: int = 0
+
+
+def visibility(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
+               k_ctx: torch.Tensor, k_qid: torch.Tensor) -> torch.Tensor:
+    """The conjunction mask ``[B, 1, Q, K]`` (True = may attend) from per-token virtual positions and ids."""
+    later = q_pos.unsqueeze(2) >= k_pos.unsqueeze(1)
+    same_context = (q_ctx.unsqueeze(2) == k_ctx.unsqueeze(1)) | (k_ctx.unsqueeze(1) == 0)
+    same_question = (q_qid.unsqueeze(2) == k_qid.unsqueeze(1)) | (k_qid.unsqueeze(1) == 0)
+    return (later & same_context & same_question).unsqueeze(1)
+
+
+@dataclass
+class RowPool:
+    """Rows side by side in one batched cache, with each key column's virtual position and ids.
+
+    ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, columns, head_dim]``;
+    ``positions`` / ``contexts`` / ``questions`` are ``[rows, columns]``.
+    """
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    positions: torch.Tensor
+    contexts: torch.Tensor
+    questions: torch.Tensor
+    forwards: int = field(default=0)
+
+    @property
+    def rows(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.positions.shape[1]
+
+    @classmethod
+    def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
+              dtype: torch.dtype) -> RowPool:
+        """Lay out ``rows`` (each a list of pieces) in one right-padded buffer: one copy per piece.
+
+        ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece.
+        """
+        layers, heads, dim = shape
+        widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
+        width = max(widths, default=0)
+        buffer = torch.zeros(layers, 2, len(rows), heads, width, dim, device=device, dtype=dtype)
+        positions = torch.full((len(rows), width), PAD_POSITION, dtype=torch.long)
+        contexts = torch.full_like(positions, PAD_ID)
+        questions = torch.full_like(positions, PAD_ID)
+        for b, pieces in enumerate(rows):
+            column = 0
+            for piece in pieces:
+                length = piece.kv.shape[3]
+                span = slice(column, column + length)
+                buffer[:, :, b, :, span] = piece.kv
+                positions[b, span] = torch.arange(piece.first_position, piece.first_position + length)
+                contexts[b, span] = piece.context
+                questions[b, span] = 0
+                column += length
+        return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
+                   questions.to(device))
+
+    def merge(self, other: RowPool) -> None:
+        """Append ``other``'s rows after this pool's rows (the narrower side is padded on the right)."""
+        width = max(self.width, other.width)
+        self.layers = [(torch.cat([_pad(k, width), _pad(ok, width)]), torch.cat([_pad(v, width), _pad(ov, width)]))
+                       for (k, v), (ok, ov) in zip(self.layers, other.layers)]
+        self.positions = torch.cat([_pad_ids(self.positions, width, PAD_POSITION),
+                                    _pad_ids(other.positions, width, PAD_POSITION)])
+        self.contexts = torch.cat([_pad_ids(self.contexts, width, PAD_ID), _pad_ids(other.contexts, width, PAD_ID)])
+        self.questions = torch.cat([_pad_ids(self.questions, width, PAD_ID),
+                                    _pad_ids(other.questions, width, PAD_ID)])
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drop every row not in ``keep`` (finished or cancelled requests), then left-pack what remains."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
+        self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
+        self.positions = self.positions.index_select(0, index)
+        self.contexts = self.contexts.index_select(0, index)
+        self.questions = self.questions.index_select(0, index)
+        self.pack()
+
+    def padding_share(self) -> float:
+        """The share of key columns that are padding (attention reads them for nothing)."""
+        if self.positions.numel() == 0:
+            return 0.0
+        return float((self.positions == PAD_POSITION).float().mean())
+
+    def pack(self) -> None:
+        """Move each row's real columns to the left (order kept) and cut the all-padding columns off the end.
+
+        Rows that joined next to a much longer row, and rows that got padding while another row took
+        several tokens per step (IPPD), otherwise keep making every later step attend over padding.
+        """
+        real = self.positions != PAD_POSITION
+        counts = real.sum(1)
+        width = int(counts.max()) if counts.numel() else 0
+        packed = torch.arange(self.width, device=real.device) < counts.unsqueeze(1)
+        if width == self.width and torch.equal(real, packed):
+            return
+        # stable order: real columns first, in their order; then padding
+        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        self.positions = self.positions.gather(1, order)
+        self.contexts = self.contexts.gather(1, order)
+        self.questions = self.questions.gather(1, order)
+        gather = order[:, None, :, None]
+        self.layers = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
+                        v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int) -> list[torch.Tensor]:
+        """Append every row's runs in ONE forward pass; return per row the logits after each run ([runs, V], fp32).
+
+        Rows are padded to the longest step; padding tokens have an infinite virtual position, so no
+        real token sees them, and only the columns that end a run are sent through the LM head.
+        """
+        device = self.positions.device
+        width = max((sum(len(r.ids) for r in row) for row in runs), default=0)
+        if width == 0:
+            return [torch.empty(0) for _ in runs]
+        ids = torch.full((self.rows, width), pad_token, dtype=torch.long)
+        positions = torch.full((self.rows, width), PAD_POSITION, dtype=torch.long)
+        contexts = torch.full_like(positions, PAD_ID)
+        questions = torch.full_like(positions, PAD_ID)
+        ends: list[list[int]] = []
+        for b, row in enumerate(runs):
+            column, row_ends = 0, []
+            for run in row:
+                span = slice(column, column + len(run.ids))
+                ids[b, span] = torch.tensor(run.ids)
+                positions[b, span] = torch.arange(run.first_position, run.first_position + len(run.ids))
+                contexts[b, span], questions[b, span] = run.context, run.question
+                column += len(run.ids)
+                row_ends.append(column - 1)
+            ends.append(row_ends)
+        ids, positions, contexts, questions = (t.to(device) for t in (ids, positions, contexts, questions))
+        all_positions = torch.cat([self.positions, positions], dim=1)
+        all_contexts = torch.cat([self.contexts, contexts], dim=1)
+        all_questions = torch.cat([self.questions, questions], dim=1)
+        mask = visibility(positions, contexts, questions, all_positions, all_contexts, all_questions)
+        keep = sorted({c for row in ends for c in row})
+        cache = DynamicCache(ddp_cache_data=self.layers)
+        rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
+        keep_all = keep == list(range(width))
+        out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
+        self.layers = [(layer.keys, layer.values) for layer in cache.layers]
+        self.positions, self.contexts, self.questions = all_positions, all_contexts, all_questions
+        self.forwards += 1
+        logits = out.logits.float()
+        column_of = {c: i for i, c in enumerate(keep)}
+        return [logits[b, [column_of[c] for c in row_ends]] for b, row_ends in enumerate(ends)]
+
+
+def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a ``[rows, heads, columns, dim]`` tensor with zeros to ``width`` columns."""
+    missing = width - tensor.shape[2]
+    return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, 0, missing))
+
+
+def _pad_ids(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    missing = width - tensor.shape[1]
+    return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, missing), value=value)

@@ -1,0 +1,411 @@
+"""The step scheduler: one background thread owns the model and feeds it one batched forward per step.
+
+Shaped like vLLM v1's engine core, on top of transformers: requests enter a queue; a loader thread
+reads their documents' KV caches from disk into the memory tier (so disk reads overlap with the
+model's work); at every step the scheduler thread
+
+1. retires cancelled and timed-out requests (their rows leave the pool),
+2. runs ONE forward over the rows of every running pooled job (PCED / Soft-NBCE experts and their
+   context-free rows, ``single`` / ``concat`` / chat sequences, IPPD stacks) and hands each job the
+   logits of its own rows, which it turns into tokens with its own per-step rule,
+3. admits waiting requests: builds their jobs (cache misses are computed here, on the model's
+   thread), prefills their uncached suffixes together in one forward of their own, and merges their
+   rows into the pool (continuous batching: requests join and leave at step boundaries),
+4. advances each exclusive job (APE, RAPID, MapReduce) by one forward of its own,
+5. hands finished answers back to their callers.
+
+Why a new request's prefill runs in its own forward rather than inside the decode step: the pool is
+a padded batch, so a 40-token suffix in the same forward would make every decoding row take 40
+columns of padding (40x the compute and cache growth for one step); a separate forward costs each
+running request one step of latency, once.
+
+Exactness: each request's rows see exactly their own keys (the mask), so a greedy answer is the
+same token for token whether the request runs alone or batched (tests/test_scheduler.py).
+
+One scheduler per loaded model, shared by every :class:`~ctx_integrations.Engine` built on it, so two
+engines on one model never run forward passes at the same time. The thread exits after a short
+idle time and starts again with the next request; nothing needs closing for the process to exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
+from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.core.rows import RowPool
+from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, RequestTimeoutError
+
+IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work, and restarts on demand
+PACK_AT_PADDING = 0.5  # left-pack the pool when more than this share of its key columns is padding
+
+
+class RequestCancelledError(CtxIntegrationsError, RuntimeError):
+    """The request was cancelled by its caller (a closed stream, a cancelled task) before it finished."""
+
+
+@dataclass
+class Submission:
+    """One request on its way through the scheduler.
+
+    ``plan`` builds the job on the scheduler thread (it may run the model: cache misses);
+    ``prefetch`` runs first on the loader thread (disk reads only); ``finish`` turns the job's
+    results into what the caller's future receives.
+    """
+
+    plan: Callable[[], Job]
+    finish: Callable[[Job], Any]
+    owner: object
+    prefetch: Callable[[], None] | None = None
+    deadline: float | None = None
+    rows_hint: int = 1
+    future: Future = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    error: BaseException | None = None  # set during a step, handed to the caller when the step retires it
+
+    @property
+    def over(self) -> bool:
+        """Failed during this step, or already handed back (its caller cancelled the future)."""
+        return self.error is not None or self.future.done()
+
+
+class RequestHandle:
+    """The caller's side of a submission: wait for it (sync or async) or cancel it."""
+
+    def __init__(self, submission: Submission, scheduler: Scheduler):
+        self._submission, self._scheduler = submission, scheduler
+
+    @property
+    def future(self) -> Future:
+        return self._submission.future
+
+    def cancel(self) -> None:
+        """Stop the request at the next step boundary and free its rows (a no-op once it finished)."""
+        self._submission.cancelled.set()
+        self._scheduler.wake()
+
+    def result(self) -> Any:
+        """Block until the request is done; re-raises its error."""
+        try:
+            return self.future.result()
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def wait(self) -> Any:
+        """Await the request without blocking the event loop (no thread per request); cancelling the await
+        cancels the request."""
+        waiting = asyncio.wrap_future(self.future)
+        try:
+            return await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            self.cancel()
+            waiting.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: no log noise
+            raise
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler was created (``Engine.stats()`` adds the cache tiers)."""
+
+    answered: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    steps: int = 0
+    forwards: int = 0
+    forward_s: float = 0.0
+    busy_s: float = 0.0
+    peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete a future once; a future its caller already cancelled is left alone."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+class Scheduler:
+    """The owner of one model: a queue, a loader thread, and the step loop on its own thread."""
+
+    def __init__(self, loaded: LoadedModel, max_rows: int = 1024):
+        # weak: the engines (and the requests in flight) keep the model alive, not its scheduler
+        self._loaded, self.max_rows = weakref.ref(loaded), max_rows
+        self.stats = SchedulerStats()
+        self._cond = threading.Condition()
+        self._loading: list[Submission] = []  # on the loader thread
+        self._ready: deque[Submission] = deque()  # prefetched, waiting for admission
+        self._pooled: list[tuple[PooledJob, Submission, int]] = []  # in pool row order, with row counts
+        self._exclusive: list[tuple[ExclusiveJob, Submission]] = []
+        self._pool: RowPool | None = None
+        self._dropped: list[Submission] = []  # failed this step, settled when the step retires them
+        self._thread: threading.Thread | None = None
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-kv-loader")
+        self._pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
+
+    # -- the caller's side ---------------------------------------------------------------------------
+    def submit(self, submission: Submission, max_queued: int | None = None) -> RequestHandle:
+        """Queue a request; refuse it at once with :class:`EngineOverloadedError` when its owner's queue is full."""
+        with self._cond:
+            waiting = sum(1 for s in (*self._loading, *self._ready) if s.owner is submission.owner)
+            if max_queued is not None and waiting >= max_queued:
+                raise EngineOverloadedError(
+                    f"{waiting} requests are already waiting (max_queued_requests={max_queued}): retry later, or "
+                    "raise Engine(max_queued_requests=...)")
+            self._loading.append(submission)
+            self._ensure_thread()
+        self._loader.submit(self._prefetch, submission)
+        return RequestHandle(submission, self)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def queue_depth(self, owner: object | None = None) -> int:
+        with self._cond:
+            return sum(1 for s in (*self._loading, *self._ready) if owner is None or s.owner is owner)
+
+    def active(self, owner: object | None = None) -> tuple[int, int]:
+        """Running requests and their pooled rows (of ``owner``'s requests, or of all)."""
+        with self._cond:
+            pooled = [(s, rows) for _, s, rows in self._pooled if owner is None or s.owner is owner]
+            exclusive = [s for _, s in self._exclusive if owner is None or s.owner is owner]
+            return len(pooled) + len(exclusive), sum(rows for _, rows in pooled)
+
+    def _prefetch(self, submission: Submission) -> None:
+        try:
+            if submission.prefetch is not None and not submission.cancelled.is_set():
+                submission.prefetch()
+        except Exception:  # noqa: BLE001 - a failed read is retried (and reported) by the job's own lookup
+            pass
+        with self._cond:
+            if submission in self._loading:
+                self._loading.remove(submission)
+                self._ready.append(submission)
+            self._cond.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="ctx-scheduler", daemon=True)
+            self._thread.start()
+
+    # -- the model's side ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._ready or self._pooled or self._exclusive):
+                    if not self._cond.wait(timeout=IDLE_EXIT_S) and not (self._ready or self._loading):
+                        self._thread = None
+                        return
+                admit = self._take_ready()
+            started = time.perf_counter()
+            self._step(admit)
+            self.stats.busy_s += time.perf_counter() - started
+            self.stats.steps += 1
+
+    def _take_ready(self) -> list[Submission]:
+        """Waiting requests that fit under ``max_rows`` (one is always admitted when nothing runs)."""
+        rows = sum(r for _, _, r in self._pooled)
+        admit: list[Submission] = []
+        while self._ready:
+            hint = self._ready[0].rows_hint
+            if admit or self._pooled:
+                if rows + hint > self.max_rows:
+                    break
+            admit.append(self._ready.popleft())
+            rows += hint
+        return admit
+
+    def _step(self, admit: list[Submission]) -> None:
+        self._expire()
+        self._decode()
+        self._admit(admit)
+        for job, submission in list(self._exclusive):
+            if not self._expired(submission):
+                self._guard(submission, job.step)
+        self._retire()
+
+    @property
+    def loaded(self) -> LoadedModel:
+        loaded = self._loaded()
+        assert loaded is not None, "a scheduler runs only while an engine holds its model"
+        return loaded
+
+    def _forward(self, pool: RowPool, runs: list) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        logits = pool.forward(self.loaded.model, runs, self._pad_token)
+        self.stats.forward_s += time.perf_counter() - started
+        self.stats.forwards += 1
+        self.stats.peak_rows = max(self.stats.peak_rows, pool.rows)
+        return logits
+
+    def _decode(self) -> None:
+        """One forward over the rows of every running pooled job; each consumes its own rows' logits."""
+        if self._pool is None or not self._pooled:
+            return
+        runs = [row for job, _, _ in self._pooled for row in job.runs()]
+        try:
+            logits = self._forward(self._pool, runs)
+        except Exception as error:  # noqa: BLE001 - a failed batched forward fails every request in it
+            for _, submission, _ in self._pooled:
+                self._fail(submission, error)
+            return
+        offset = 0
+        for job, submission, rows in self._pooled:
+            if not submission.over:
+                self._guard(submission, job.consume, logits[offset:offset + rows])
+            offset += rows
+        if self._pool.padding_share() > PACK_AT_PADDING:
+            self._pool.pack()
+
+    def _admit(self, admit: list[Submission]) -> None:
+        """Build the new jobs, prefill the pooled ones together in one forward, and merge them into the pool."""
+        incoming: list[tuple[PooledJob, Submission, int]] = []
+        for submission in admit:
+            if self._expired(submission):
+                continue
+            try:
+                job = submission.plan()
+            except Exception as error:  # noqa: BLE001 - a request that cannot be planned fails alone
+                self._fail(submission, error)
+                continue
+            if isinstance(job, ExclusiveJob):
+                with self._cond:
+                    self._exclusive.append((job, submission))
+            else:
+                incoming.append((job, submission, len(job.rows())))
+        if not incoming:
+            return
+        loaded = self.loaded
+        config = loaded.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        try:
+            pool = RowPool.build([row for job, _, _ in incoming for row in job.rows()],
+                                 (config.num_hidden_layers, heads, dim), loaded.device, loaded.dtype)
+            logits = self._forward(pool, [row for job, _, _ in incoming for row in job.runs()])
+        except Exception as error:  # noqa: BLE001 - the joint prefill failed: fail the requests it held
+            for _, submission, _ in incoming:
+                self._fail(submission, error)
+            return
+        offset = 0
+        for job, submission, rows in incoming:
+            self._guard(submission, job.consume, logits[offset:offset + rows])
+            offset += rows
+        with self._cond:
+            if self._pool is None or not self._pooled:
+                self._pool = pool
+            else:
+                self._pool.merge(pool)
+            self._pooled.extend(incoming)
+
+    def _guard(self, submission: Submission, call: Callable[..., None], *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as error:  # noqa: BLE001 - a request's own failure (e.g. its on_token raised)
+            self._fail(submission, error)
+
+    def _expired(self, submission: Submission) -> bool:
+        """Whether the request must not run on: over already, or cancelled / timed out (then failed now)."""
+        if submission.over:
+            return True
+        if submission.cancelled.is_set():
+            self.stats.cancelled += 1
+            self._fail(submission, RequestCancelledError("the request was cancelled by its caller"), count=False)
+        elif submission.deadline is not None and time.perf_counter() > submission.deadline:
+            self.stats.timed_out += 1
+            self._fail(submission, RequestTimeoutError(
+                f"the request ran past its timeout ({submission.deadline - submission.submitted:.3g} s) and was "
+                "cancelled: raise timeout=..., lower max_new_tokens, or send fewer concurrent requests"), count=False)
+        return submission.over
+
+    def _expire(self) -> None:
+        for _, submission, _ in self._pooled:
+            self._expired(submission)
+        for _, submission in self._exclusive:
+            self._expired(submission)
+
+    def _fail(self, submission: Submission, error: BaseException, count: bool = True) -> None:
+        """Mark a request failed; its caller gets the error when the step retires it (never before its rows left).
+
+        ``count``: an error of the request itself (not a cancellation or a timeout, counted apart).
+        """
+        if not submission.over:
+            submission.error = error
+            self.stats.failed += count
+            self._dropped.append(submission)
+
+    def _retire(self) -> None:
+        """Hand back finished answers and errors; drop the rows of every request that is over.
+
+        The bookkeeping is updated before any caller is woken, so a caller that reads ``stats()`` right
+        after its answer arrives no longer sees its own request running.
+        """
+        keep_jobs, keep_rows, offset, finished = [], [], 0, []
+        for job, submission, rows in self._pooled:
+            if submission.over or job.done:
+                finished.append((job, submission))
+            else:
+                keep_jobs.append((job, submission, rows))
+                keep_rows.extend(range(offset, offset + rows))
+            offset += rows
+        still = []
+        for job, submission in self._exclusive:
+            if submission.over or job.done:
+                finished.append((job, submission))
+                job.close()
+            else:
+                still.append((job, submission))
+        with self._cond:
+            if len(keep_jobs) != len(self._pooled):
+                self._pooled = keep_jobs
+                if not keep_jobs:
+                    self._pool = None
+                elif self._pool is not None:
+                    self._pool.keep_rows(keep_rows)
+            self._exclusive = still
+        for job, submission in finished:
+            if not submission.over:
+                self._finish(job, submission)
+        dropped, self._dropped = self._dropped, []
+        for submission in dropped:
+            _settle(submission.future, error=submission.error)
+
+    def _finish(self, job: Job, submission: Submission) -> None:
+        try:
+            result = submission.finish(job)
+        except Exception as error:  # noqa: BLE001 - e.g. a mode's result hook failed: this request alone
+            self.stats.failed += 1
+            _settle(submission.future, error=error)
+            return
+        self.stats.answered += 1
+        _settle(submission.future, result)
+
+
+_SCHEDULERS: weakref.WeakKeyDictionary[torch.nn.Module, Scheduler] = weakref.WeakKeyDictionary()
+_SCHEDULERS_LOCK = threading.Lock()
+
+
+def scheduler_for(loaded: LoadedModel) -> Scheduler:
+    """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it)."""
+    with _SCHEDULERS_LOCK:
+        scheduler = _SCHEDULERS.get(loaded.model)
+        if scheduler is None:
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(loaded)
+        return scheduler

@@ -1,0 +1,247 @@
+"""The step scheduler: concurrent requests batched into one forward per step, answers unchanged.
+
+Exactness is the contract: with greedy decoding every answer equals the answer the same request gets
+alone, token for token (fp32), whatever else runs beside it. A bug in the row pool (a row seeing
+another request's keys, a wrong position after a merge or a pack, logits handed to the wrong job)
+changes some of these answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core import scheduler as scheduler_module
+from ctx_integrations.engine.core.scheduler import RequestCancelledError
+from ctx_integrations.errors import EngineOverloadedError, InvalidOptionError, RequestTimeoutError
+from tests.helpers import loop_ticks, tiny_loaded
+
+DOCS = [
+    "Marrowgate is the capital of Veloria and lies on the river Ast.",
+    "The mayor of Marrowgate is Ilsa Brenn, elected in 2019. She grew up in the harbour district.",
+    "The Lantern Fair is held every October; smoked eel with plums is served there.",
+    "Quillby is a fishing town north of Marrowgate whose harbour master is Aled Venn.",
+    "The secret code of the vault is 4721.",
+]
+
+# mixed modes, document counts and lengths, answer budgets (APE and RAPID run as exclusive jobs beside them)
+REQUESTS = [
+    dict(query="Who is the mayor?", documents=DOCS[:2], mode="pced", max_new_tokens=12),
+    dict(query="What is the secret code?", documents=DOCS, mode="pced", max_new_tokens=20, gamma=0.0),
+    dict(query="Where is Quillby?", documents=DOCS[2:4], mode="concat", max_new_tokens=9),
+    dict(query="When is the fair?", documents=DOCS[1:], mode="single", max_new_tokens=15),
+    dict(query="Who is the harbour master?", documents=DOCS[3:], mode="soft_nbce", max_new_tokens=7, chunk_tokens=8),
+    dict(query="What river?", documents=DOCS[:3], mode="nbce", max_new_tokens=11),
+    dict(query="Tell me about the city.", documents=DOCS[:3], mode="ape", max_new_tokens=10),
+    dict(query="What is served at the fair?", documents=[DOCS[2]] * 2 + DOCS[:1], mode="rapid", max_new_tokens=14,
+         draft_context_tokens=16, chunk_tokens=8),
+]
+
+
+def _call(request: dict) -> dict:
+    request = dict(request)
+    return dict(query=request.pop("query"), documents=request.pop("documents"), **request)
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(tiny_loaded("llama", seed=3))
+
+
+def test_concurrent_mixed_requests_equal_their_answers_alone(engine):
+    alone = [engine.generate(**_call(r)).token_ids for r in REQUESTS]
+    assert all(len(ids) >= 5 for ids in alone) and len({tuple(ids) for ids in alone}) == len(alone)
+    engine.store.clear_memory()  # the concurrent run also meets cold caches, computed on the model's thread
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(**_call(r)) for r in REQUESTS))
+
+    peak = engine.scheduler.stats.peak_rows
+    answers = asyncio.run(together())
+    assert [a.token_ids for a in answers] == alone
+    assert engine.scheduler.stats.peak_rows > peak  # several requests really shared a forward
+    assert engine.stats()["active_requests"] == 0
+
+
+def test_threads_calling_generate_at_once_get_their_answers_alone(engine):
+    alone = [engine.generate(**_call(r)).token_ids for r in REQUESTS[:6]]
+    results: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        results[i] = engine.generate(**_call(REQUESTS[i])).token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [results[i] for i in range(6)] == alone
+
+
+def test_a_stream_closed_midway_frees_its_rows_and_disturbs_nobody(engine):
+    long_request = dict(query="Describe everything.", documents=DOCS, mode="pced", max_new_tokens=48)
+    alone_long = engine.generate(**_call(long_request)).token_ids
+    assert len(alone_long) > 10
+    others = REQUESTS[:4]
+    alone = [engine.generate(**_call(r)).token_ids for r in others]
+
+    async def run():
+        stream = engine.astream(**_call(long_request))
+        pieces = []
+
+        async def read_two():
+            async for piece in stream:
+                pieces.append(piece)
+                if len(pieces) == 2:
+                    break
+            await stream.aclose()
+
+        results = await asyncio.gather(read_two(), *(engine.agenerate(**_call(r)) for r in others))
+        return pieces, results[1:]
+
+    forwards = engine.scheduler.stats.forwards
+    pieces, answers = asyncio.run(run())
+    assert len(pieces) == 2
+    assert [a.token_ids for a in answers] == alone
+    assert engine.scheduler.stats.forwards - forwards < len(alone_long) + max(len(a) for a in alone) + 4
+    deadline = time.time() + 5
+    while engine.stats()["active_requests"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["active_requests"] == 0 and engine.stats()["active_rows"] == 0
+
+
+def test_cancelling_an_agenerate_task_cancels_the_request(engine):
+    async def run():
+        task = asyncio.create_task(engine.agenerate("Describe everything.", DOCS, max_new_tokens=200))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ok = await engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=5)
+        return ok
+
+    assert len(asyncio.run(run()).token_ids) > 0
+    assert engine.scheduler.stats.cancelled >= 1
+    assert engine.stats()["active_requests"] == 0
+
+
+def test_a_timeout_fails_only_its_own_request(engine):
+    async def run():
+        slow = engine.agenerate("Describe everything.", DOCS, max_new_tokens=400, timeout=0.05)
+        fine = engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=6)
+        return await asyncio.gather(slow, fine, return_exceptions=True)
+
+    slow, fine = asyncio.run(run())
+    assert isinstance(slow, RequestTimeoutError) and isinstance(slow, TimeoutError)
+    assert fine.token_ids == engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=6).token_ids
+    with pytest.raises(InvalidOptionError, match="timeout"):
+        engine.generate("Who?", DOCS, timeout=float("nan"))
+
+
+def test_a_full_queue_refuses_at_once_with_a_typed_error(monkeypatch):
+    engine = Engine(tiny_loaded("llama", seed=3), max_queued_requests=1)
+    release = threading.Event()
+    monkeypatch.setattr(engine.store, "prefetch", lambda layout, ids: release.wait(10))  # hold the queue
+    first = engine._request("Who?", DOCS[:1], None, "pced", None, None, 4, 0.0, 1.0, None, (), {})
+    with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
+        engine.generate("Who else?", DOCS[:1], max_new_tokens=4)
+    release.set()
+    assert len(first.result()[0].token_ids) > 0
+
+
+def test_async_calls_keep_the_loop_free_and_take_no_thread_each(engine):
+    async def run():
+        before = threading.active_count()
+        async with loop_ticks() as ticks:
+            answers = await asyncio.gather(*(engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=8)
+                                             for _ in range(12)))
+        return answers, ticks, threading.active_count() - before
+
+    answers, ticks, new_threads = asyncio.run(run())
+    assert len(answers) == 12 and len({tuple(a.token_ids) for a in answers}) == 1
+    assert new_threads <= 2  # the scheduler and its loader thread, not one per request
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert len(ticks) > 5 and max(gaps) < 0.5
+
+
+def test_generate_many_in_any_mode_equals_one_by_one(engine):
+    questions = ["Who is the mayor?", "What is the code?", "Where is Quillby?"]
+    alone = [engine.generate(q, DOCS, mode="single", max_new_tokens=8).token_ids for q in questions]
+    assert [a.token_ids for a in engine.generate_many(questions, DOCS, mode="single", max_new_tokens=8)] == alone
+
+
+def test_two_engines_on_one_model_run_ape_and_pced_side_by_side():
+    loaded = tiny_loaded("llama", seed=3)
+    first, second = Engine(loaded), Engine(loaded)
+    assert first.scheduler is second.scheduler
+    ape_alone = first.generate("Who is the mayor?", DOCS, mode="ape", max_new_tokens=10).token_ids
+    pced_alone = second.generate("Who is the mayor?", DOCS, mode="pced", max_new_tokens=10).token_ids
+    results: dict[str, list[int]] = {}
+
+    def ape() -> None:
+        results["ape"] = [first.generate("Who is the mayor?", DOCS, mode="ape", max_new_tokens=10).token_ids
+                          for _ in range(3)][-1]
+
+    def pced() -> None:
+        results["pced"] = [second.generate("Who is the mayor?", DOCS, mode="pced", max_new_tokens=10).token_ids
+                           for _ in range(3)][-1]
+
+    threads = [threading.Thread(target=ape), threading.Thread(target=pced)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {"ape": ape_alone, "pced": pced_alone}
+
+
+def test_an_error_in_one_request_fails_it_alone(engine):
+    def explode(piece: str) -> None:
+        raise RuntimeError("the caller's callback broke")
+
+    async def run():
+        bad = asyncio.to_thread(engine.generate, "Who?", DOCS[:2], max_new_tokens=6, on_token=explode)
+        good = engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=6)
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, RuntimeError) and "callback" in str(bad)
+    assert len(good.token_ids) == 6
+
+
+def test_the_scheduler_thread_exits_when_idle_and_comes_back(engine, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "IDLE_EXIT_S", 0.05)
+    engine.generate("Who?", DOCS[:1], max_new_tokens=2)
+    deadline = time.time() + 5
+    while engine.scheduler._thread is not None and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine.scheduler._thread is None
+    assert len(engine.generate("Who?", DOCS[:1], max_new_tokens=2).token_ids) > 0
+
+
+def test_stats_report_tiers_bytes_and_answers(engine, tmp_path):
+    disk_engine = Engine(engine.loaded, cache_dir=tmp_path)
+    first = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
+    assert (first.cache_hits, first.cache_misses) == (0, 2)
+    again = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
+    assert again.cache_hits_by_tier == {"memory": 2, "disk": 0}
+    disk_engine.store.clear_memory()
+    from_disk = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
+    assert from_disk.cache_hits_by_tier == {"memory": 0, "disk": 2} and from_disk.cache_misses == 0
+    stats = disk_engine.stats()
+    assert stats["bytes"]["disk"] > 0 and stats["bytes"]["memory"] > 0 and stats["answered"] >= 3
+    assert stats["cache"]["hits_by_tier"]["disk"] >= 2
+
+
+def test_close_refuses_new_requests(engine):
+    engine.generate("Who?", DOCS[:1], max_new_tokens=2)
+    engine.close()
+    with pytest.raises(InvalidOptionError, match="closed"):
+        engine.generate("Who?", DOCS[:1], max_new_tokens=2)
+
+
+def test_cancelled_error_is_typed():
+    assert issubclass(RequestCancelledError, RuntimeError)
