@@ -347,6 +347,8 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
                         help="KV cache folder (default: the store's kv/ folder; memory only without a store)")
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="requests admitted at once; more get 503 with Retry-After (default: no limit)")
+    parser.add_argument("--max-queued", type=int, default=None,
+                        help="requests the engine queues beyond those it runs; more get 503 (default: the engine's)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before closing (default 30)")
     parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")

@@ -11,18 +11,15 @@ A job: ``{"query", "documents": [{"text", "id", "score", "scores", "metadata"}],
 (shared list, or one list per query).
 
 Every answer is produced through the engine's async stream, even when the caller wants it whole:
-cancelling the awaiting task closes the stream, which cancels the request inside the engine (its
-rows are freed), whichever engine implementation is underneath.
+cancelling the awaiting task closes the stream, which cancels the request inside the engine's
+scheduler (its rows are freed). Timeouts are the engine's own (``timeout=``, ``RequestTimeoutError``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
-
-from ctx_integrations.errors import RequestTimeoutError
 
 
 class Backend(Protocol):
@@ -41,53 +38,26 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def answer_dict(answer: Any) -> dict[str, Any]:
-    """``Answer.to_dict()`` plus cache hits per tier when the engine reports them."""
-    payload = answer.to_dict()
-    by_tier = getattr(answer, "cache_hits_by_tier", None)
-    if by_tier is not None:
-        payload["cache"]["hits_by_tier"] = dict(by_tier)
-    return payload
-
-
-def _deadline(job: dict[str, Any]) -> float | None:
-    timeout = job.get("timeout")
-    return None if timeout is None else asyncio.get_running_loop().time() + float(timeout)
-
-
 class LocalBackend:
-    """One :class:`~ctx_integrations.Engine` in this process, shared by every request."""
+    """One :class:`~ctx_integrations.Engine` in this process, shared by every request (its scheduler batches them)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
 
     def _open(self, job: dict[str, Any]) -> Any:
         if "messages" in job:
-            return self.engine.astream_chat(job["messages"], **job["sampling"])
+            return self.engine.astream_chat(job["messages"], **job["sampling"], timeout=job.get("timeout"))
         return self.engine.astream(job["query"], job["documents"], mode=job["mode"], **job["sampling"],
-                                   **job["options"])
+                                   timeout=job.get("timeout"), **job["options"])
 
     async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        deadline = _deadline(job)
         pieces = self._open(job)
         try:
-            iterator = pieces.__aiter__()
-            while True:
-                remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
-                if remaining is not None and remaining <= 0:
-                    raise RequestTimeoutError(f"the request ran past its timeout of {job['timeout']} s and was "
-                                              "cancelled: raise timeout or lower max_new_tokens")
-                try:
-                    piece = await asyncio.wait_for(iterator.__anext__(), remaining)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    continue  # the check above raises the typed error
+            async for piece in pieces:
                 yield {"token": piece}
         finally:
-            with contextlib.suppress(Exception):
-                await pieces.aclose()  # cancels the request in the engine if it is still running
-        yield {"answer": answer_dict(pieces.answer)}
+            await pieces.aclose()  # cancels the request in the engine if it is still running
+        yield {"answer": pieces.answer.to_dict()}
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
         events = self.stream(job)
@@ -100,25 +70,14 @@ class LocalBackend:
         raise RuntimeError("the engine's stream ended without an answer")  # pragma: no cover (engine contract)
 
     async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
-        work = self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"], **job["sampling"],
-                                          **job["options"])
-        try:
-            answers = await (work if job.get("timeout") is None else asyncio.wait_for(work, job["timeout"]))
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"the batch ran past its timeout of {job['timeout']} s and was cancelled: "
-                                      "raise timeout, send fewer queries or lower max_new_tokens") from None
-        return [answer_dict(a) for a in answers]
+        answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
+                                                   **job["sampling"], timeout=job.get("timeout"), **job["options"])
+        return [a.to_dict() for a in answers]
 
     def stats(self) -> dict[str, Any]:
-        """``engine.stats()`` when the engine has it; else the KV store's counters (older engines)."""
-        stats = getattr(self.engine, "stats", None)
-        if callable(stats):
-            return dict(stats())
-        return {"cache": self.engine.store.stats.as_dict()}
+        """``engine.stats()``: queue depth, active requests and rows, cache hits and bytes per tier."""
+        return dict(self.engine.stats())
 
     async def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        """Refuse new work and wait for the engine's requests in flight (off the event loop)."""
+        await asyncio.to_thread(self.engine.close)
