@@ -217,3 +217,37 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
             events = sse_events([*head, *lines])
         assert process.wait(timeout=60) == 0
     assert events[-1][0] == "answer" and len(json.loads(events[-1][1])["token_ids"]) == 60
+
+
+@pytest.mark.slow
+def test_the_ctx_experts_serve_command_answers_like_the_embedded_engine(tmp_path, embedded_engine):
+    """End to end on the embedded model: the real console command, its argument wiring, and the answer.
+
+    Bug caught: `ctx-experts serve` loading another model or dropping a setting on the way to the engine.
+    """
+    import os
+    import subprocess
+    import sys
+
+    from tests.serve_support import ROOT, free_port, wait_healthy
+
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "ctx_integrations.cli", "--threads", "1", "serve",
+                                    "--port", str(port), "--cache-dir", str(tmp_path / "kv")],
+                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log)
+        body = {"query": "When was the bridge finished?", "documents": DOCS, "max_new_tokens": 8}
+        answer = post(url, "/v1/answer", body).json()
+        expected = embedded_engine.generate(body["query"], DOCS, max_new_tokens=8)
+        assert answer["token_ids"] == expected.token_ids and answer["text"] == expected.text
+        assert httpx.get(f"{url}/healthz").json()["model"] == embedded_engine.loaded.name
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
