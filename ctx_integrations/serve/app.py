@@ -102,8 +102,8 @@ class _Server:
     # -- documents -------------------------------------------------------------------------------------
     async def retrieve(self, query: str, top_k: int, field: str = "top_k") -> list[dict[str, Any]]:
         if self.retriever is None:
-            raise RequestFieldError(field, f"{field} asks for retrieval but this server has no store: send documents "
-                              "inline, or start it with `ctx-experts serve --store DIR`")
+            raise RequestFieldError(field, f"{field} asks for retrieval but this server has no store: send "
+                                    "documents inline, or start it with `ctx-experts serve --store DIR`")
         docs = await asyncio.to_thread(self.retriever.retrieve, query, top_k)
         return [d.to_dict() for d in docs]
 
@@ -111,8 +111,8 @@ class _Server:
         if documents is not None:
             return [d.to_dict() for d in to_documents(documents)]
         if top_k is None and self.retriever is None:
-            raise RequestFieldError("documents", "no documents: send them inline (documents), or start the server "
-                              "with --store DIR and send top_k to retrieve them")
+            raise RequestFieldError("documents", "no documents: send them inline (documents), or start the "
+                                    "server with --store DIR and send top_k to retrieve them")
         return await self.retrieve(query, top_k or 4)
 
     # -- running work ----------------------------------------------------------------------------------
@@ -321,8 +321,8 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             try:
                 query = body.last_user_message()
             except ValueError as error:
-                raise RequestFieldError("messages", f"{error}: a retrieval-augmented chat answers the last user "
-                                  "message") from None
+                raise RequestFieldError("messages", f"{error}: a retrieval-augmented chat answers the last "
+                                        "user message") from None
             documents = await server.retrieve(query, body.ctx.top_k, field="ctx.store")
             job = _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
         else:
