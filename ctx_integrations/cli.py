@@ -335,5 +335,35 @@ def run_distill(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+# -- serve ---------------------------------------------------------------------------------------------
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None,
+                        help="store folder or Chroma server URL to retrieve from (default: none; documents inline)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    _add_model_arguments(parser)
+    _add_retriever_arguments(parser)
+    parser.add_argument("--cache-dir", default=None,
+                        help="KV cache folder (default: the store's kv/ folder; memory only without a store)")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="requests admitted at once; more get 503 with Retry-After (default: no limit)")
+    parser.add_argument("--max-queued", type=int, default=None,
+                        help="requests the engine queues beyond those it runs; more get 503 (default: the engine's)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for requests in flight before closing (default 30)")
+    parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray (default 2)")
+    parser.add_argument("--ray-cpus", type=int, default=None,
+                        help="CPUs of the local Ray cluster with --ray (default: replicas + 1)")
+
+
+@register_command("serve", help="serve the engine over HTTP (FastAPI; --ray: replicas on Ray Serve)",
+                  configure=_configure_serve)
+def run_serve(args: argparse.Namespace) -> int:
+    from ctx_integrations.serve.cli import serve
+
+    return serve(args, _open_store)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -100,3 +100,14 @@ def test_llama_index_warm(tmp_path):
     by_query = {r["query"]: r for r in rows}
     assert by_query["cold"]["cache_misses"] > 0
     assert by_query["repeat"]["cache_misses"] == 0 and by_query["ingested"]["cache_misses"] == 0
+
+
+def test_serving(tmp_path):
+    """Every row has the same requests timed concurrently and one at a time, and consistent percentiles."""
+    rows = run_benchmark("serving", ["--quick"], tmp_path)
+    assert {r["corpus"] for r in rows} == {"demo", "synthetic"} and {r["mode"] for r in rows} == {"pced", "mix"}
+    assert {r["load"] for r in rows} == {"K=1", "K=2", "4/s"}
+    for r in rows:
+        assert r["requests"] == 3 and r["answers_per_s"] > 0 and r["serial_answers_per_s"] > 0
+        assert r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["latency_p95_s"]
+        assert r["speedup_vs_serial"] == pytest.approx(r["answers_per_s"] / r["serial_answers_per_s"])

@@ -1,0 +1,363 @@
+"""The HTTP API: FastAPI routes over a :class:`~ctx_integrations.serve.backend.Backend`.
+
+``create_app(engine, store)`` serves one engine in this process; ``ray_app`` passes a backend that
+forwards jobs to Ray Serve replicas. This layer validates requests (pydantic), retrieves documents
+from the store with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After,
+like the engine's own ``EngineOverloadedError``), streams server-sent events, cancels work whose
+client went away, and counts everything for ``/metrics``. FastAPI, Starlette and uvicorn do the
+HTTP; what is written here is only the mapping from HTTP to the engine's async API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
+from ctx_integrations.serve.backend import Backend, LocalBackend
+from ctx_integrations.serve.errors import error_body, headers_of, status_of, validation_field
+from ctx_integrations.serve.metrics import ServerMetrics
+from ctx_integrations.serve.schemas import AnswerRequest, BatchRequest, ChatCompletionRequest, to_documents
+
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection"; nobody reads it
+_DISCONNECT_POLL_S = 0.05
+
+
+class RequestFieldError(InvalidOptionError):
+    """A request that is well-formed but cannot be served as asked (e.g. top_k on a server without a store)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class RequestClosed(Exception):
+    """The client disconnected before its answer was ready; the work was cancelled."""
+
+
+class CancellingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always closes its body iterator, so a disconnect cancels the request.
+
+    With ASGI spec 2.4 Starlette notices a disconnect only when a send fails, and then leaves the
+    body generator suspended for the garbage collector; closing it here runs its ``finally`` now,
+    which closes the engine's stream and frees the request's rows.
+    """
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class _Server:
+    """State of one app: the backend, the optional store and retriever, the admission limit, the metrics."""
+
+    def __init__(self, backend: Backend, store: Any, retriever: Any, max_in_flight: int | None, model_name: str):
+        if max_in_flight is not None and max_in_flight < 1:
+            raise InvalidOptionError("max_in_flight must be >= 1 (or None for no limit)")
+        self.backend, self.store, self.max_in_flight, self.model_name = backend, store, max_in_flight, model_name
+        if retriever is None and store is not None:
+            from ctx_integrations.retrieval.retriever import ScoredRetriever
+
+            retriever = ScoredRetriever(store)
+        self.retriever = retriever
+        self.metrics = ServerMetrics(self._stats)
+        self.in_flight = 0
+
+    def _stats(self) -> dict[str, Any]:
+        try:
+            return self.backend.stats()
+        except Exception:  # a scrape must not fail because a replica is busy or gone
+            return {}
+
+    # -- admission -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def admitted(self) -> Any:
+        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
+            raise EngineOverloadedError(f"the server already has {self.in_flight} requests in flight (limit "
+                                        f"{self.max_in_flight}, --max-in-flight): retry after the Retry-After delay")
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    # -- documents -------------------------------------------------------------------------------------
+    async def retrieve(self, query: str, top_k: int, field: str = "top_k") -> list[dict[str, Any]]:
+        if self.retriever is None:
+            raise RequestFieldError(field, f"{field} asks for retrieval but this server has no store: send "
+                                    "documents inline, or start it with `ctx-experts serve --store DIR`")
+        docs = await asyncio.to_thread(self.retriever.retrieve, query, top_k)
+        return [d.to_dict() for d in docs]
+
+    async def documents_for(self, query: str, documents: list[Any] | None, top_k: int | None) -> list[dict[str, Any]]:
+        if documents is not None:
+            return [d.to_dict() for d in to_documents(documents)]
+        if top_k is None and self.retriever is None:
+            raise RequestFieldError("documents", "no documents: send them inline (documents), or start the "
+                                    "server with --store DIR and send top_k to retrieve them")
+        return await self.retrieve(query, top_k or 4)
+
+    # -- running work ----------------------------------------------------------------------------------
+    async def until_disconnect(self, request: Request, work: Awaitable[Any]) -> Any:
+        """Await ``work``; if the client disconnects first, cancel it (the engine frees the request)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise RequestClosed()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def answered(self, endpoint: str, request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one non-streaming request: admission, cancellation on disconnect, metrics."""
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            with self.admitted():
+                self.metrics.waiting.inc()
+                try:
+                    result = await self.until_disconnect(request, work())
+                finally:
+                    self.metrics.waiting.dec()
+            outcome = "ok"
+            return result
+        except RequestClosed:
+            outcome = "cancelled"
+            return Response(status_code=CLIENT_CLOSED)
+        except EngineOverloadedError:
+            outcome = "overloaded"
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def streamed(self, endpoint: str, request: Request, job: dict[str, Any],
+                       render: Callable[[dict[str, Any]], list[str]], closing: list[str]) -> Response:
+        """Open a stream; errors before the first event become normal 4xx/5xx responses, later ones an SSE event."""
+        started = time.perf_counter()
+        admission = self.admitted()
+        try:
+            admission.__enter__()
+        except EngineOverloadedError:
+            self.metrics.requests.labels(endpoint, "overloaded").inc()
+            raise
+        events = self.backend.stream(job)
+        self.metrics.waiting.inc()
+        try:
+            first = await self.until_disconnect(request, events.__anext__())
+        except BaseException as error:
+            await events.aclose()
+            outcome = {EngineOverloadedError: "overloaded", RequestClosed: "cancelled"}.get(type(error), "error")
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            admission.__exit__(None, None, None)
+            if isinstance(error, RequestClosed):
+                return Response(status_code=CLIENT_CLOSED)
+            raise
+        finally:
+            self.metrics.waiting.dec()
+        self.metrics.active_streams.inc()
+
+        async def body() -> AsyncIterator[str]:
+            outcome = "cancelled"
+            try:
+                event: dict[str, Any] | None = first
+                while event is not None:
+                    if "answer" in event:
+                        self.metrics.observe_answer(event["answer"])
+                    for chunk in render(event):
+                        yield chunk
+                    event = await anext(events, None)
+                for chunk in closing:
+                    yield chunk
+                outcome = "ok"
+            except CtxIntegrationsError as error:
+                status, param = status_of(error)
+                outcome = "error"
+                yield _sse(error_body(str(error), type(error).__name__, param, status), "error")
+            finally:
+                await events.aclose()
+                self.metrics.active_streams.dec()
+                self.metrics.requests.labels(endpoint, outcome).inc()
+                self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+                admission.__exit__(None, None, None)
+
+        return CancellingStreamingResponse(body(), media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _engine_job(query: str, documents: list[dict[str, Any]], mode: str, options: dict[str, Any],
+                sampling: Any) -> dict[str, Any]:
+    return {"query": query, "documents": documents, "mode": mode, "options": dict(options),
+            "sampling": sampling.engine_kwargs(), "timeout": sampling.timeout}
+
+
+def _finish_reason(answer: dict[str, Any]) -> str:
+    return "length" if answer.get("finish_reason") == "length" else "stop"
+
+
+def _answer_events(event: dict[str, Any]) -> list[str]:
+    if "token" in event:
+        return [_sse({"text": event["token"]}, "token")]
+    return [_sse(event["answer"], "answer")]
+
+
+def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None = None, retriever: Any = None,
+               max_in_flight: int | None = None, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (or ``backend``), retrieving from ``store`` when given.
+
+    ``store``: a :class:`~ctx_integrations.retrieval.DocumentStore` (a folder or a Chroma server URL);
+    requests without inline documents get the ``top_k`` best of it, every score kept.
+    ``max_in_flight``: requests admitted at once; beyond it the server answers 503 with Retry-After.
+    The engine is closed (``engine.close()``, when it has one) when the server shuts down, after
+    uvicorn has drained the requests in flight.
+    """
+    if backend is None:
+        if engine is None:
+            raise InvalidOptionError("create_app needs an engine (or a backend)")
+        backend = LocalBackend(engine)
+    name = model_name or getattr(getattr(engine, "loaded", None), "name", None) or "ctx-integrations"
+    server = _Server(backend, store, retriever, max_in_flight, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await server.backend.close()
+
+    app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(CtxIntegrationsError)
+    async def library_error(_: Request, error: CtxIntegrationsError) -> JSONResponse:
+        status, param = status_of(error)
+        param = getattr(error, "field", None) or param
+        return JSONResponse(error_body(str(error), type(error).__name__, param, status), status_code=status,
+                            headers=headers_of(status))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        # of a union's alternatives (a document as text or as an object), the deepest error is the useful one
+        first = max(problems, key=lambda p: len(validation_field(p.get("loc", ()))), default={"loc": ("body",),
+                                                                                             "msg": "invalid"})
+        field = validation_field(first.get("loc", ("body",)))
+        message = f"{field}: {first.get('msg', 'invalid')}"
+        body = error_body(message, "invalid_request_error", field, 422)
+        body["error"]["details"] = [{"field": validation_field(p.get("loc", ())), "message": p.get("msg", "")}
+                                    for p in problems]
+        return JSONResponse(body, status_code=422)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "model": server.model_name, "in_flight": server.in_flight,
+                "store": None if store is None else str(store.location)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    @app.post("/v1/answer", response_model=None)
+    async def answer(body: AnswerRequest, request: Request) -> Any:
+        documents = await server.documents_for(body.query, body.documents, body.top_k)
+        job = _engine_job(body.query, documents, body.mode, body.options, body)
+        if body.stream:
+            return await server.streamed("answer", request, job, _answer_events, [])
+
+        async def work() -> dict[str, Any]:
+            result = await server.backend.answer(job)
+            server.metrics.observe_answer(result)
+            return result
+
+        return await server.answered("answer", request, work)
+
+    @app.post("/v1/answer/batch", response_model=None)
+    async def batch(body: BatchRequest, request: Request) -> Any:
+        if body.documents is not None:
+            shared: list[dict[str, Any]] | None = [d.to_dict() for d in to_documents(body.documents)]
+            documents: Any = shared
+        else:
+            per_query = await asyncio.gather(*(server.documents_for(q, None, body.top_k) for q in body.queries))
+            ids = {tuple(d["id"] for d in docs) for docs in per_query}
+            shared = per_query[0] if len(ids) == 1 else None
+            documents = shared if shared is not None else list(per_query)
+        mode = body.mode or ("ippd" if shared is not None else "pced")
+        job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
+               "sampling": body.engine_kwargs(), "timeout": body.timeout}
+
+        async def work() -> dict[str, Any]:
+            answers = await server.backend.batch(job)
+            for item in answers:
+                server.metrics.observe_answer(item)
+            return {"mode": mode, "shared_documents": shared is not None, "answers": answers}
+
+        return await server.answered("batch", request, work)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        sampling = body.sampling()
+        if body.ctx is not None and body.ctx.store:
+            try:
+                query = body.last_user_message()
+            except ValueError as error:
+                raise RequestFieldError("messages", f"{error}: a retrieval-augmented chat answers the last "
+                                        "user message") from None
+            documents = await server.retrieve(query, body.ctx.top_k, field="ctx.store")
+            job = _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
+        else:
+            job = {"messages": body.conversation(), "sampling": sampling.engine_kwargs(), "timeout": None}
+        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = body.model or server.model_name
+
+        if body.stream:
+            def chunk(delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None) -> str:
+                payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **(extra or {})}
+                return _sse(payload)
+
+            def render(event: dict[str, Any]) -> list[str]:
+                if "token" in event:
+                    return [chunk({"content": event["token"]}, None)]
+                answer = event["answer"]
+                return [chunk({}, _finish_reason(answer), {"usage": _usage(answer), "ctx": answer})]
+
+            return await server.streamed("chat", request, job, render, [_sse("[DONE]")])
+
+        async def work() -> dict[str, Any]:
+            answer = await server.backend.answer(job)
+            server.metrics.observe_answer(answer)
+            return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
+                                 "finish_reason": _finish_reason(answer), "logprobs": None}],
+                    "usage": _usage(answer), "ctx": answer}
+
+        return await server.answered("chat", request, work)
+
+    return app
+
+
+def _usage(answer: dict[str, Any]) -> dict[str, int]:
+    prompt = int(answer.get("timings", {}).get("prompt_tokens", 0))
+    completion = len(answer.get("token_ids", []))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

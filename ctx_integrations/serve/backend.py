@@ -1,0 +1,83 @@
+"""Where answers are computed: one engine in this process (:class:`LocalBackend`), or Ray Serve replicas.
+
+The HTTP layer (:mod:`ctx_integrations.serve.app`) validates, retrieves and counts; it hands a backend
+plain-dict *jobs* (documents already inline, so a router can see them) and gets plain dicts back
+(``Answer.to_dict()``). Plain dicts cross a process boundary unchanged, which is what lets the same
+app front a Ray Serve deployment (:mod:`ctx_integrations.serve.ray_app`).
+
+A job: ``{"query", "documents": [{"text", "id", "score", "scores", "metadata"}], "mode", "options",
+"sampling": {max_new_tokens, temperature, top_p, seed, stop}, "timeout"}``; a chat job has
+``"messages"`` instead of query/documents/mode; a batch job has ``"queries"`` and ``"documents"``
+(shared list, or one list per query).
+
+Every answer is produced through the engine's async stream, even when the caller wants it whole:
+cancelling the awaiting task closes the stream, which cancels the request inside the engine's
+scheduler (its rows are freed). Timeouts are the engine's own (``timeout=``, ``RequestTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+
+class Backend(Protocol):
+    """What the HTTP layer needs from whatever computes answers."""
+
+    async def answer(self, job: dict[str, Any]) -> dict[str, Any]: ...
+
+    def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Events ``{"token": piece}`` as they are decoded, then one ``{"answer": Answer.to_dict()}``."""
+        ...
+
+    async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalBackend:
+    """One :class:`~ctx_integrations.Engine` in this process, shared by every request (its scheduler batches them)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def _open(self, job: dict[str, Any]) -> Any:
+        if "messages" in job:
+            return self.engine.astream_chat(job["messages"], **job["sampling"], timeout=job.get("timeout"))
+        return self.engine.astream(job["query"], job["documents"], mode=job["mode"], **job["sampling"],
+                                   timeout=job.get("timeout"), **job["options"])
+
+    async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        pieces = self._open(job)
+        try:
+            async for piece in pieces:
+                yield {"token": piece}
+        finally:
+            await pieces.aclose()  # cancels the request in the engine if it is still running
+        yield {"answer": pieces.answer.to_dict()}
+
+    async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
+        events = self.stream(job)
+        try:
+            async for event in events:
+                if "answer" in event:
+                    return event["answer"]
+        finally:
+            await events.aclose()
+        raise RuntimeError("the engine's stream ended without an answer")  # pragma: no cover (engine contract)
+
+    async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
+                                                   **job["sampling"], timeout=job.get("timeout"), **job["options"])
+        return [a.to_dict() for a in answers]
+
+    def stats(self) -> dict[str, Any]:
+        """``engine.stats()``: queue depth, active requests and rows, cache hits and bytes per tier."""
+        return dict(self.engine.stats())
+
+    async def close(self) -> None:
+        """Refuse new work and wait for the engine's requests in flight (off the event loop)."""
+        await asyncio.to_thread(self.engine.close)

@@ -1,0 +1,167 @@
+"""Real server processes for the serving tests: a tiny random-weight engine behind uvicorn on 127.0.0.1.
+
+``python -c "from tests.serve_support import main; main()" PORT [--store DIR] [--max-in-flight N]``
+runs the app from :func:`ctx_integrations.serve.app.create_app` on the same tiny model the tests
+build in-process (same seed, same weights), so an HTTP answer can be compared token for token with
+``engine.generate``. :func:`start_server` launches it and waits for ``/healthz``; the process is
+killed after ``deadline_s`` at the latest, so a hung test never leaves a server behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_POSITIONS = 8192
+
+
+def tiny_engine(cache_dir=None):
+    from ctx_integrations import Engine
+    from tests.helpers import tiny_loaded
+
+    return Engine(tiny_loaded("llama", max_position_embeddings=TINY_POSITIONS), cache_dir=cache_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    import torch
+    import uvicorn
+
+    from ctx_integrations.serve.app import create_app
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("--store", default=None)
+    parser.add_argument("--max-in-flight", type=int, default=None)
+    parser.add_argument("--lifetime", type=float, default=600.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    store = None
+    engine = tiny_engine()
+    if args.store:
+        from ctx_integrations.cli import load_demo_corpus
+        from ctx_integrations.retrieval.store import DocumentStore
+
+        store = DocumentStore(args.store)
+        if store.count() == 0:
+            store.add(load_demo_corpus()[0], warm=False)
+    signal.alarm(int(args.lifetime))  # never outlive the test session
+    uvicorn.run(create_app(engine, store, max_in_flight=args.max_in_flight), host="127.0.0.1", port=args.port,
+                log_level="warning", timeout_graceful_shutdown=30)
+
+
+@contextmanager
+def start_server(*extra: str, log: Path, deadline_s: float = 600.0):
+    """Start a server process; yield ``(base_url, process)``; stop it (SIGTERM, then SIGKILL) afterwards."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-c", "from tests.serve_support import main; main()", str(port),
+                                    "--lifetime", str(deadline_s), *extra], cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def sse_events(lines) -> list[tuple[str | None, str]]:
+    """Parse server-sent events from an iterator of lines into ``(event, data)`` pairs."""
+    events, event, data = [], None, []
+    for line in lines:
+        if line == "":
+            if data:
+                events.append((event, "\n".join(data)))
+            event, data = None, []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+    if data:
+        events.append((event, "\n".join(data)))
+    return events
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample in ``/metrics`` text (0.0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == (f"{name}{{{wanted}}}" if labels else name) or (
+                labels and key.startswith(name + "{") and set(key[len(name) + 1:-1].split(",")) == set(
+                    wanted.split(","))):
+            return float(value)
+    return 0.0
+
+
+_RUN_CHROMA = ("import sys; from chromadb.cli.cli import app; "
+               "sys.argv = ['chroma', 'run', '--host', '127.0.0.1', '--path', sys.argv[1], '--port', sys.argv[2]]; "
+               "app()")
+
+
+@contextmanager
+def chroma_server(data: Path, timeout_s: float = 90.0):
+    """A real ``chroma run`` server on a free 127.0.0.1 port; yields its URL; stopped afterwards."""
+    import chromadb
+
+    port = free_port()
+    with (data / "chroma.log").open("w") as log:
+        server = subprocess.Popen([sys.executable, "-c", _RUN_CHROMA, str(data / "db"), str(port)], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                chromadb.HttpClient(host="127.0.0.1", port=port).heartbeat()
+                break
+            except Exception:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log = (data / "chroma.log").read_text()[-2000:]
+                    raise RuntimeError(f"chroma run did not start: {log}") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
