@@ -25,12 +25,14 @@ from ctx_integrations.engine.core.streams import (
     forward_streams,
     single_stream,
 )
+from ctx_integrations.engine.core.validation import whole_number
 
 
 def _decode_concatenated(ctx: DecodeContext, texts: list[str]) -> DecodeResult:
     layout, loaded = ctx.engine.layout, ctx.engine.loaded
     ids = layout.prefix_ids + [t for text in texts for t in layout.context_ids(text)] + layout.suffix_ids(ctx.query)
     ctx.check_window(len(ids), f"the concatenation of {len(texts)} documents")
+    ctx.check_streams(1, len(ids) + ctx.stop.max_new_tokens, "the concatenated prompt")
     device = loaded.device
     streams = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=device),
                           torch.zeros(1, dtype=torch.long, device=device))
@@ -58,6 +60,7 @@ def run_single(ctx: DecodeContext) -> DecodeResult:
     top = top_document(ctx.documents)
     context_ids, suffix = layout.context_ids(ctx.documents[top].text), layout.suffix_ids(ctx.query)
     ctx.check_window(len(layout.prefix_ids) + len(context_ids) + len(suffix), f"document {top}")
+    ctx.check_streams(1, len(layout.prefix_ids) + len(context_ids) + len(suffix) + ctx.stop.max_new_tokens, "single")
     streams = batch_streams(engine.store.prefix(layout), [engine.store.document_tokens(layout, context_ids)])
     first_logits = forward_streams(engine.loaded.model, streams, torch.tensor([suffix], device=engine.loaded.device))
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
@@ -70,10 +73,14 @@ def run_single(ctx: DecodeContext) -> DecodeResult:
 @register_mode("map_reduce")
 def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> DecodeResult:
     """MapReduce: summarise each document (one batch, from cached KV), then answer from the summaries."""
+    summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
     engine = ctx.engine
     summary_layout = PromptLayout(engine.loaded.tokenizer, SUMMARY_SYSTEM_PROMPT, SUMMARY_QUESTION_TEMPLATE)
     suffix = summary_layout.suffix_ids("")
     context_ids = [summary_layout.context_ids(d.text) for d in ctx.documents]
+    longest = len(summary_layout.prefix_ids) + max(map(len, context_ids)) + len(suffix)
+    ctx.check_window(longest, "map_reduce's map step (the longest document)", summary_tokens, "summary_tokens")
+    ctx.check_streams(len(context_ids), longest + summary_tokens, "map_reduce's map step (one stream per document)")
     prefix = engine.store.prefix(summary_layout)
     streams = batch_streams(prefix, [engine.store.document_tokens(summary_layout, ids) for ids in context_ids])
     suffix_batch = torch.tensor([suffix], device=engine.loaded.device).expand(len(context_ids), -1)
