@@ -76,3 +76,7 @@ class CacheStoreError(CtxIntegrationsError, OSError):
 
 class TrustRemoteCodeError(ModelLoadError):
     """A model folder that needs its own Python code; loading it runs that code, so it is an explicit opt-in."""
+
+
+class CacheStoreWarning(UserWarning):
+    """The KV-cache folder could not be written; the entry (or every entry from now on) is kept in memory only."""

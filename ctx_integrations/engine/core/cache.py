@@ -67,13 +67,14 @@ class KVCacheStore:
     memory_entries: int = 256
     batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
+    disk_bytes: int | None = None  # the disk tier's budget (least recently used entries evicted); None: unbounded
 
     def __post_init__(self) -> None:
         if self.memory_entries < 0:
             raise InvalidOptionError("memory_entries must be >= 0")
         self.disk: DiskTier | None = None
         if self.directory is not None:
-            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats)
+            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats, self.disk_bytes)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
 
     # -- keys ------------------------------------------------------------------------------------

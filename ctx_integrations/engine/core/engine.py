@@ -86,12 +86,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
-                        **engine_options: Any) -> Engine:
+                        trust_remote_code: bool = False, **engine_options: Any) -> Engine:
         """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file.
 
         ``adapter``: a LoRA folder from ``ctx-experts distill``, merged into the weights.
+        ``trust_remote_code``: run the model folder's own Python code (opt-in, only for folders you trust).
         """
-        return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter), **engine_options)
+        return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter,
+                              trust_remote_code=trust_remote_code), **engine_options)
 
     @property
     def modes(self) -> list[str]:
