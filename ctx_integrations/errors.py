@@ -80,3 +80,7 @@ class TrustRemoteCodeError(ModelLoadError):
 
 class CacheStoreWarning(UserWarning):
     """The KV-cache folder could not be written; the entry (or every entry from now on) is kept in memory only."""
+
+
+class StoreConnectionError(CtxIntegrationsError, ConnectionError):
+    """A document store server (a Chroma URL) that cannot be reached."""
