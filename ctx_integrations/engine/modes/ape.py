@@ -56,7 +56,7 @@ class ApeLayout:
 def check_knobs(temperature: float, scale: float) -> None:
     for name, value in (("attention_temperature", temperature), ("scale", scale)):
         real_number(f"APE's {name}", value, minimum=0.0, maximum=1.0, min_inclusive=False,
-                    hint=" (the authors use 0.6-1.0; 1 = no correction)")
+                    hint=" (a number in (0, 1]; the authors use 0.6-1.0; 1 = no correction)")
 
 
 def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
