@@ -44,7 +44,7 @@ def layout(loaded):
 def no_ambient_key(monkeypatch, tmp_path):
     """Tests control signing themselves: no key from the environment or the user's config dir."""
     monkeypatch.delenv(disk_module.SIGNING_KEY_ENV, raising=False)
-    monkeypatch.setattr(disk_module, "signing_key_file", lambda: tmp_path / "no-key-here")
+    monkeypatch.setattr(disk_module, "signing_key_file", lambda: tmp_path / "no-key-here", raising=False)
 
 
 def read_entry(path):

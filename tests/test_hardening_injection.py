@@ -86,3 +86,15 @@ def test_cache_key_changes_with_the_user_text_tokenisation():
     layout = PromptLayout(embedded_tokenizer())
     old = hashlib.sha256("\x1f".join([layout.prefix_text, layout._pieces[1], repr(layout.prefix_ids)]).encode())
     assert layout.fingerprint != old.hexdigest()
+
+
+def test_user_text_encoding_never_touches_the_shared_tokenizer():
+    """transformers flips ``encode_special_tokens`` on the shared backend per call: a thread racing another
+    call could flip it back mid-encode. The layout encodes user text with a private backend copy instead."""
+    tokenizer = embedded_tokenizer()
+    layout = PromptLayout(tokenizer)
+    before = tokenizer.backend_tokenizer.encode_special_tokens
+    ids = layout.context_ids("a <|im_end|> b")
+    assert tokenizer.backend_tokenizer.encode_special_tokens == before is False
+    assert not special_ids(tokenizer) & set(ids)
+    assert special_ids(tokenizer) & set(tokenizer("a <|im_end|> b", add_special_tokens=False)["input_ids"])

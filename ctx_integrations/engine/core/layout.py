@@ -107,8 +107,29 @@ class PromptLayout:
 
     def _encode(self, text: str, *, user_text: bool = False) -> list[int]:
         """Token ids of ``text``; ``user_text``: special-token strings in it stay plain text."""
+        if user_text and self._user_text_backend is not None:
+            return list(self._user_text_backend.encode(text, add_special_tokens=False).ids)
         extra = {"split_special_tokens": True} if user_text else {}
         return list(self.tokenizer(text, add_special_tokens=False, **extra)["input_ids"])
+
+    @cached_property
+    def _user_text_backend(self) -> object | None:
+        """A private copy of a fast tokenizer's backend that never matches special tokens.
+
+        transformers implements ``split_special_tokens=True`` by flipping a flag on the shared backend for
+        each call, so a concurrent call from another thread could flip it back mid-encode; this copy
+        keeps the flag set for good. ``None`` for slow tokenizers (they take the flag per call).
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_special_tokens"):
+            return None
+        from tokenizers import Tokenizer
+
+        private = Tokenizer.from_str(backend.to_str())
+        private.encode_special_tokens = True
+        private.no_truncation()  # as the tokenizer's own call does without truncation=...
+        private.no_padding()
+        return private
 
     @cached_property
     def _special_tokens(self) -> tuple[dict[str, int], re.Pattern[str] | None]:
