@@ -62,18 +62,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ctx-experts`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
-    if args.threads is not None:
-        import torch
+    """Entry point of the ``ctx-experts`` console script; returns the exit status.
 
-        torch.set_num_threads(max(1, args.threads))
+    Bad input of any kind (a typed library error, an argument that is not valid text, a file or server
+    that cannot be reached) prints one ``error: ...`` line and exits with status 2, never a traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        for arg in argv:
+            _check_argument_text(arg)
+        args = build_parser().parse_args(argv)
+        _quiet_libraries()
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(max(1, args.threads))
         return int(args._run(args) or 0)
-    except CtxIntegrationsError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (CtxIntegrationsError, OSError, UnicodeError) as error:  # OSError: files, folders, servers
+        _print_error(error)
         return 2
+
+
+def _check_argument_text(arg: str) -> None:
+    """Refuse an argument with bytes that are not UTF-8 (Python hands them over as lone surrogates)."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidOptionError(f"the argument {arg!r} holds bytes that are not valid UTF-8 text: pass it in "
+                                 "UTF-8 (check the terminal's or the calling program's encoding)") from None
+
+
+def _print_error(error: BaseException) -> None:
+    message = f"error: {error}"
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    print(message.encode(encoding, "backslashreplace").decode(encoding), file=sys.stderr)
 
 
 def _quiet_libraries() -> None:
@@ -270,16 +292,33 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs; values are JSON (else a plain string); NaN and infinities are refused."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise InvalidOptionError(f"--option {pair!r} is not KEY=VALUE")
+        if key in options:
+            raise InvalidOptionError(f"--option {key} is given twice: give each option once")
         try:
-            options[key] = json.loads(value)
+            options[key] = json.loads(value, parse_constant=_refuse_constant, parse_float=_finite_float)
         except json.JSONDecodeError:
             options[key] = value
+        except ValueError as error:
+            raise InvalidOptionError(f"--option {pair!r}: {error}") from None
     return options
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid value: give a finite number")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if number in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} overflows to infinity: give a finite number")
+    return number
 
 
 @register_command("ask", help="answer a question from a store, listing sources with scores and timings",

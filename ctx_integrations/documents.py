@@ -9,7 +9,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctx_integrations.errors import EmptyDocumentsError, InvalidScoresError
+from ctx_integrations.errors import EmptyDocumentsError, InvalidDocumentError, InvalidScoresError
+
+
+def _text(value: Any, where: str) -> str:
+    """``value`` when it is text a tokenizer can encode; ``None``, numbers, bytes and lone surrogates are refused.
+
+    ``str(None)`` would silently become the document "None", so nothing is coerced.
+    """
+    if isinstance(value, bytes):
+        raise InvalidDocumentError(f"{where} is bytes: decode it first (e.g. value.decode('utf-8', errors='replace'))")
+    if not isinstance(value, str):
+        raise InvalidDocumentError(f"{where} must be a str, got {type(value).__name__} {value!r:.60}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidDocumentError(
+            f"{where} holds {value[error.start:error.end]!r} at character {error.start}, which is not valid Unicode "
+            "text (a lone surrogate): decode the source with errors='replace' first") from None
+    return value
 
 
 @dataclass
@@ -34,18 +52,30 @@ class Document:
 def as_document(item: Any) -> Document:
     """Accept a str, a :class:`Document`, a mapping, or any object with ``text``/``score`` attributes."""
     if isinstance(item, Document):
-        return Document(item.text, item.id, item.score, dict(item.scores), dict(item.metadata))
+        return Document(_text(item.text, "a Document's text"), item.id, item.score, dict(item.scores),
+                        dict(item.metadata))
     if isinstance(item, str):
-        return Document(item)
+        return Document(_text(item, "a document"))
     if isinstance(item, Mapping):
-        return Document(str(item["text"]), item.get("id"), item.get("score"), dict(item.get("scores") or {}),
-                        dict(item.get("metadata") or {}))
+        if "text" not in item:
+            raise InvalidDocumentError(f"a document mapping needs a 'text' key, got keys {sorted(map(str, item))}")
+        return Document(_text(item["text"], "a document mapping's 'text'"), item.get("id"), item.get("score"),
+                        _mapping(item.get("scores"), "scores"), _mapping(item.get("metadata"), "metadata"))
     text = getattr(item, "text", None)
     if text is None:
-        raise EmptyDocumentsError(f"cannot use {type(item).__name__} as a document: give a str, a Document, "
-                                  "a mapping with 'text', or an object with a .text attribute")
-    return Document(str(text), getattr(item, "id", None), getattr(item, "score", None),
-                    dict(getattr(item, "scores", None) or {}), dict(getattr(item, "metadata", None) or {}))
+        raise InvalidDocumentError(f"cannot use {type(item).__name__} as a document: give a str, a Document, "
+                                   "a mapping with 'text', or an object with a .text attribute")
+    return Document(_text(text, f"the .text of a {type(item).__name__}"), getattr(item, "id", None),
+                    getattr(item, "score", None), _mapping(getattr(item, "scores", None), "scores"),
+                    _mapping(getattr(item, "metadata", None), "metadata"))
+
+
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidDocumentError(f"a document's {name} must be a mapping, got {type(value).__name__}")
+    return dict(value)
 
 
 def prepare_documents(documents: Sequence[Any], scores: Sequence[float] | None = None) -> list[Document]:
@@ -56,14 +86,32 @@ def prepare_documents(documents: Sequence[Any], scores: Sequence[float] | None =
     """
     if isinstance(documents, (str, bytes)) or documents is None:
         raise EmptyDocumentsError("documents must be a list of texts or Document objects, not a single string")
-    docs = [as_document(d) for d in documents]
+    if isinstance(documents, (Mapping, Document)):  # iterating a dict would give its keys as documents
+        raise InvalidDocumentError(f"documents must be a list of documents, got one {type(documents).__name__}: "
+                                   "wrap it in a list ([document])")
+    try:
+        items = list(documents)
+    except TypeError:
+        raise InvalidDocumentError(f"documents must be a list of texts or Document objects, got "
+                                   f"{type(documents).__name__}") from None
+    docs = []
+    for i, item in enumerate(items):
+        try:
+            docs.append(as_document(item))
+        except InvalidDocumentError as error:
+            raise InvalidDocumentError(f"document {i}: {error}") from None
     if not docs:
         raise EmptyDocumentsError("no documents were given: pass at least one document (did retrieval return nothing?)")
     for i, doc in enumerate(docs):
         if not doc.text.strip():
             raise EmptyDocumentsError(f"document {i} (id={doc.id!r}) has empty text: drop it before decoding")
     if scores is not None:
-        scores = list(scores)
+        if isinstance(scores, (str, bytes, Mapping)):
+            raise InvalidScoresError(f"scores must be a list of numbers, got {type(scores).__name__}")
+        try:
+            scores = list(scores)
+        except TypeError:
+            raise InvalidScoresError(f"scores must be a list of numbers, got {type(scores).__name__}") from None
         if len(scores) != len(docs):
             raise InvalidScoresError(f"got {len(scores)} scores for {len(docs)} documents: give one score per document")
         for doc, s in zip(docs, scores):
@@ -71,9 +119,11 @@ def prepare_documents(documents: Sequence[Any], scores: Sequence[float] | None =
     for i, doc in enumerate(docs):
         if doc.score is None:
             doc.score = 1.0
+        if isinstance(doc.score, (bool, str, bytes)):
+            raise InvalidScoresError(f"score of document {i} is {doc.score!r}, not a number")
         try:
             doc.score = float(doc.score)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise InvalidScoresError(f"score of document {i} is {doc.score!r}, not a number") from None
         if not 0.0 <= doc.score <= 1.0 or doc.score != doc.score:
             raise InvalidScoresError(

@@ -60,3 +60,27 @@ class EngineOverloadedError(CtxIntegrationsError, RuntimeError):
 
 class RequestTimeoutError(CtxIntegrationsError, TimeoutError):
     """A request ran past its ``timeout``; it was cancelled and its rows freed."""
+
+
+class InvalidDocumentError(CtxIntegrationsError, ValueError):
+    """A document (or query) that is not text a tokenizer can encode: ``None``, a number, a lone surrogate."""
+
+
+class RequestTooLargeError(CtxIntegrationsError, ValueError):
+    """A request whose KV caches would exceed the per-request memory budget (``Engine(max_request_bytes=...)``)."""
+
+
+class CacheStoreError(CtxIntegrationsError, OSError):
+    """The KV-cache folder cannot be written or read (read-only, full, or a directory where an entry belongs)."""
+
+
+class TrustRemoteCodeError(ModelLoadError):
+    """A model folder that needs its own Python code; loading it runs that code, so it is an explicit opt-in."""
+
+
+class CacheStoreWarning(UserWarning):
+    """The KV-cache folder could not be written; the entry (or every entry from now on) is kept in memory only."""
+
+
+class StoreConnectionError(CtxIntegrationsError, ConnectionError):
+    """A document store server (a Chroma URL) that cannot be reached."""

@@ -65,6 +65,17 @@ def main_weights(folder: Path) -> Path | None:
     return next(iter(sorted(folder.glob("*.safetensors"))), None) or next(iter(sorted(folder.glob("*.bin"))), None)
 
 
+def remote_code_error(name: str, error: ValueError) -> Exception:
+    """transformers' refusal to run a folder's own code as a typed error (custom code is never run here)."""
+    from ctx_integrations.errors import TrustRemoteCodeError
+
+    if "trust_remote_code" in str(error):
+        return TrustRemoteCodeError(f"{name} needs its own Python code (trust_remote_code=True), which this "
+                                    "library never runs for embedders and rerankers: use a model that transformers "
+                                    "supports natively")
+    return ModelLoadError(f"cannot load {name}: {error}")
+
+
 def files_fingerprint(files: Sequence[Path], *extra: str) -> str:
     """A short hash of ``extra`` and each file's size and first megabyte: cheap, and it changes with the weights."""
     digest = hashlib.sha256("".join(extra).encode())
@@ -118,10 +129,13 @@ class TransformerEmbedder:
                 from transformers import AutoModel, AutoTokenizer
 
                 try:
-                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-                    self._model = AutoModel.from_pretrained(str(self.model_dir)).to(self.device).eval()
+                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+                    self._model = AutoModel.from_pretrained(str(self.model_dir), trust_remote_code=False
+                                                            ).to(self.device).eval()
                 except OSError as error:
                     raise ModelLoadError(f"cannot load the embedding model from {self.model_dir}: {error}") from error
+                except ValueError as error:
+                    raise remote_code_error(str(self.model_dir), error) from error
         return self._model, self._tokenizer
 
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:

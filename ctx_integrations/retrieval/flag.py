@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError, missing_dependency
-from ctx_integrations.retrieval.embedders import files_fingerprint, main_weights
+from ctx_integrations.retrieval.embedders import files_fingerprint, main_weights, remote_code_error
 
 M3_HEADS = ("colbert_linear.pt", "sparse_linear.pt")
 # What FlagEmbedding itself skips, plus the ONNX export and README images of the BGE-M3 repository.
@@ -169,9 +169,11 @@ class BGEM3Embedder:
                     self._model = self._flag.BGEM3FlagModel(
                         str(self.folder), devices=self.device, use_fp16=self.use_fp16, normalize_embeddings=True,
                         batch_size=self.batch_size, query_max_length=self.max_length,
-                        passage_max_length=self.max_length)
+                        passage_max_length=self.max_length, trust_remote_code=False)
                 except OSError as error:
                     raise ModelLoadError(f"cannot load BGE-M3 from {self.folder}: {error}") from error
+                except ValueError as error:
+                    raise remote_code_error(str(self.folder), error) from error
         return self._model
 
     def _encode(self, texts: Sequence[str], *, query: bool, dense: bool) -> dict[str, Any]:
@@ -250,10 +252,13 @@ class FlagRerankerModel:
                 cls = self._flag.FlagReranker if self.kind == "encoder" else self._flag.FlagLLMReranker
                 try:
                     self._model = cls(str(self.folder), devices=self.device, use_fp16=self.use_fp16,
-                                      batch_size=self.batch_size, max_length=self.max_length, normalize=False)
+                                      batch_size=self.batch_size, max_length=self.max_length, normalize=False,
+                                      trust_remote_code=False)
                 except OSError as error:
                     raise ModelLoadError(f"cannot load reranker {self.model_ref!r} from {self.folder}: {error}"
                                          ) from error
+                except ValueError as error:
+                    raise remote_code_error(str(self.folder), error) from error
         return self._model
 
     def rerank(self, query: str, texts: Sequence[str]) -> list[float]:

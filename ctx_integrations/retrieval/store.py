@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ctx_integrations.documents import Document, as_document
-from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError
+from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, StoreConnectionError
 from ctx_integrations.paths import cache_root
 from ctx_integrations.retrieval.embedders import Embedder
 
@@ -102,9 +102,16 @@ class DocumentStore:
                                      "digits, '.', '_' or '-', starting and ending with a letter or digit")
         self.location = str(location) if is_url(location or "") else Path(location or cache_root() / "store")
         self.collection_name = collection
-        self._client = client if client is not None else self._connect()
-        # embedding_function=None also when reopening: get_collection's default would attach Chroma's own
-        self._collection = self._client.get_collection(collection, embedding_function=None) if self._exists() else None
+        try:
+            self._client = client if client is not None else self._connect()
+            # embedding_function=None also when reopening: get_collection's default would attach Chroma's own
+            exists = self._exists()
+        except (ValueError, ConnectionError, OSError) as error:
+            if not isinstance(self.location, str) or isinstance(error, CtxIntegrationsError):
+                raise
+            raise StoreConnectionError(f"cannot reach the Chroma server at {self.location} ({error}): start it "
+                                       "(`chroma run --path DIR`), check the URL, or give a folder instead") from None
+        self._collection = self._client.get_collection(collection, embedding_function=None) if exists else None
         self.embedder = self._check_embedder(embedder)
         self.kv_dir = Path(kv_dir) if kv_dir is not None else self._default_kv_dir()
         self.engine = engine
@@ -313,14 +320,41 @@ class DocumentStore:
         return report
 
     def delete(self, ids: Sequence[str]) -> int:
-        """Remove documents and their KV caches; returns how many existed."""
+        """Remove documents and their KV caches; returns how many existed.
+
+        Deleting the last document also empties ``kv_dir``: every entry there derives from documents of this
+        store (or from the prompt prefix, recomputed in milliseconds), including stale entries of documents
+        deleted earlier without an engine attached, so nothing computed from deleted text stays on disk.
+        """
+        if isinstance(ids, str):
+            raise InvalidOptionError("delete() takes a list of ids, not a single string: delete([id])")
         docs = self.get(list(ids))
         if docs:
             for batch in _batches([d.id for d in docs], self.max_batch_size):
                 self._collection.delete(ids=list(batch))
             self._forget_unreferenced([d.text for d in docs])
             self._lexical = None
+            if self.count() == 0:
+                self._clear_kv_dir()
         return len(docs)
+
+    def _clear_kv_dir(self) -> None:
+        """Delete every KV entry and temp file under ``kv_dir`` (and the engine's in-memory copies)."""
+        if self.engine is not None:
+            self.engine.store.clear_memory()
+        if not self.kv_dir.is_dir():
+            return
+        for path in [*self.kv_dir.glob("*/*.safetensors"), *self.kv_dir.glob("*/.tmp-*")]:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # read-only or racing another process: the entries are unreachable by key anyway
+        for folder in self.kv_dir.iterdir():
+            if folder.is_dir():
+                try:
+                    folder.rmdir()  # only empty shard folders
+                except OSError:
+                    pass
 
     def _forget_unreferenced(self, texts: Iterable[str]) -> None:
         """Drop the KV caches of texts that no stored document has any more.

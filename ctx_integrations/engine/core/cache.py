@@ -81,13 +81,14 @@ class KVCacheStore:
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
+    disk_bytes: int | None = None  # the disk tier's budget (least recently used entries evicted); None: unbounded
 
     def __post_init__(self) -> None:
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise InvalidOptionError(f"memory_bytes must be an int >= 0 (0: no memory tier), got {self.memory_bytes!r}")
         self.disk: DiskTier | None = None
         if self.directory is not None:
-            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats)
+            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats, self.disk_bytes)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
         self._prefetched: set[str] = set()  # read from disk ahead of use: their first use is a disk hit

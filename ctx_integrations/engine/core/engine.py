@@ -34,6 +34,7 @@ from ctx_integrations.engine.core.registry import (
 from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
 from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler, single_stream
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
+from ctx_integrations.engine.core.validation import optional_whole_number
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -74,9 +75,11 @@ def _check_timeout(timeout: float | None) -> float | None:
 class Engine:
     """A local decoder with per-document KV caches and every decoding mode, serving concurrent requests.
 
-    ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only).
+    ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only), at most
+    ``disk_bytes`` of them (``None``: unbounded; least recently used entries are evicted).
     ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
-    used entries are evicted). ``max_queued_requests``: requests waiting for admission beyond this are
+    used entries are evicted). ``max_request_bytes``: the most KV one request may allocate, checked
+    before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA). ``max_queued_requests``: requests waiting for admission beyond this are
     refused with :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the
     default per-request timeout (``None``: none); ``timeout=`` on a call overrides it.
 
@@ -85,7 +88,8 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
-                 half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int | None = None,
+                 max_request_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
@@ -94,7 +98,8 @@ class Engine:
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
-                                  memory_bytes)
+                                  memory_bytes, disk_bytes=disk_bytes)
+        self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded)
@@ -103,12 +108,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
-                        **engine_options: Any) -> Engine:
+                        trust_remote_code: bool = False, **engine_options: Any) -> Engine:
         """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file.
 
         ``adapter``: a LoRA folder from ``ctx-experts distill``, merged into the weights.
+        ``trust_remote_code``: run the model folder's own Python code (opt-in, only for folders you trust).
         """
-        return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter), **engine_options)
+        return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter,
+                              trust_remote_code=trust_remote_code), **engine_options)
 
     @property
     def modes(self) -> list[str]:
@@ -342,7 +349,7 @@ class Engine:
                 "forward_s": scheduler.forward_s, "busy_s": scheduler.busy_s,
                 "cache": {**cache, "hits_by_tier": {"memory": cache["memory_hits"], "disk": cache["disk_hits"]}},
                 "bytes": {"memory": self.store.memory_used, "disk": self.store.disk_used()},
-                "budgets": {"memory": self.store.memory_bytes}}
+                "budgets": {"memory": self.store.memory_bytes, "disk": self.store.disk_bytes}}
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new requests and wait (up to ``timeout`` seconds) for this engine's requests in flight."""

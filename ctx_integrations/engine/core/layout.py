@@ -4,15 +4,23 @@ The rendered prompt is ``prefix + doc_1 + ... + doc_N + suffix(question)``. Each
 on its own with ``add_special_tokens=False``; piece boundaries sit right after a newline and right
 before a non-space character, where byte-level BPE pre-tokenisers always split, so a cached
 document holds exactly the tokens the concatenated prompt would contain (``check`` verifies it).
+
+Documents and questions are user data: a chat control token written in them (``<|im_start|>``,
+``<|im_end|>``, any added special token) must stay text, or a document could close the user turn and
+open a forged one. User text is therefore tokenised with ``split_special_tokens=True``; only the
+template's own control tokens become control ids. Fast tokenizers cut the input at special tokens
+before pre-tokenising, so tokenising each stretch between the template's control tokens on its own
+gives the same ids as tokenising the whole prompt whenever the user text holds no control token.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from ctx_integrations.errors import ChatTemplateError
+from ctx_integrations.errors import ChatTemplateError, InvalidDocumentError
 
 # PCED paper, appendix A.
 PCED_SYSTEM_PROMPT = (
@@ -27,6 +35,23 @@ SUMMARY_QUESTION_TEMPLATE = "Summarize the document above."
 
 _CONTEXT_MARK = "\x00CTX\x00"
 _QUESTION_MARK = "\x00QUESTION\x00"
+# Joins the layout fingerprint (so the cache key): caches written before user text was tokenised with
+# special-token splitting hold control ids where the text had control-token strings, and must not be reused.
+USER_TEXT_TOKENISATION = "user-text:split-special-tokens"
+
+
+def check_user_text(text: object, what: str) -> str:
+    """``text`` if it is a ``str`` a tokenizer can encode (UTF-8: no lone surrogates), else a typed error."""
+    if not isinstance(text, str):
+        raise InvalidDocumentError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidDocumentError(
+            f"{what} holds {text[error.start:error.end]!r} at character {error.start}, which is not valid Unicode "
+            "text (a lone surrogate, e.g. from decoding bytes with errors='surrogateescape'): decode it with "
+            "errors='replace' first") from None
+    return text
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,14 @@ class PromptLayout:
     def suffix_text(self, question: str) -> str:
         return self._pieces[1].replace(_QUESTION_MARK, question.strip())
 
+    def _suffix_parts(self, question: str) -> list[tuple[str, bool]]:
+        """The suffix as (text, is_user_text) parts: template text around the question."""
+        before, mark, after = self._pieces[1].partition(_QUESTION_MARK)
+        parts = [(before, False)]
+        if mark:
+            parts.append((check_user_text(question, "the query").strip(), True))
+        return parts + [(after, False)]
+
     @staticmethod
     def context_text(document: str) -> str:
         """A document as it appears in the prompt: stripped, ending in one newline."""
@@ -72,23 +105,80 @@ class PromptLayout:
     def render(self, documents: list[str], question: str) -> str:
         return self.prefix_text + "".join(self.context_text(d) for d in documents) + self.suffix_text(question)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str, *, user_text: bool = False) -> list[int]:
+        """Token ids of ``text``; ``user_text``: special-token strings in it stay plain text."""
+        if user_text and self._user_text_backend is not None:
+            return list(self._user_text_backend.encode(text, add_special_tokens=False).ids)
+        extra = {"split_special_tokens": True} if user_text else {}
+        return list(self.tokenizer(text, add_special_tokens=False, **extra)["input_ids"])
+
+    @cached_property
+    def _user_text_backend(self) -> object | None:
+        """A private copy of a fast tokenizer's backend that never matches special tokens.
+
+        transformers implements ``split_special_tokens=True`` by flipping a flag on the shared backend for
+        each call, so a concurrent call from another thread could flip it back mid-encode; this copy
+        keeps the flag set for good. ``None`` for slow tokenizers (they take the flag per call).
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_special_tokens"):
+            return None
+        from tokenizers import Tokenizer
+
+        private = Tokenizer.from_str(backend.to_str())
+        private.encode_special_tokens = True
+        private.no_truncation()  # as the tokenizer's own call does without truncation=...
+        private.no_padding()
+        return private
+
+    @cached_property
+    def _special_tokens(self) -> tuple[dict[str, int], re.Pattern[str] | None]:
+        """The tokenizer's added special tokens (text -> id) and a pattern finding them, longest first."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        tokens = {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+        for text in getattr(self.tokenizer, "all_special_tokens", ()):
+            tokens.setdefault(text, self.tokenizer.convert_tokens_to_ids(text))
+        longest_first = sorted(tokens, key=len, reverse=True)
+        return tokens, re.compile("|".join(map(re.escape, longest_first))) if tokens else None
+
+    def _encode_mixed(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Token ids of template text and user text joined, with control ids only from the template's own tokens.
+
+        The joined text is cut at the template's control tokens; each stretch between them (which may mix
+        template text and user text, e.g. ``"query: " + question``) is tokenised with special-token splitting.
+        """
+        tokens, pattern = self._special_tokens
+        ids: list[int] = []
+        stretch = ""
+        for text, is_user in parts:
+            if is_user or pattern is None:
+                stretch += text
+                continue
+            position = 0
+            for match in pattern.finditer(text):
+                stretch += text[position:match.start()]
+                ids += self._encode(stretch, user_text=True) if stretch else []
+                ids.append(tokens[match.group()])
+                stretch, position = "", match.end()
+            stretch += text[position:]
+        return ids + (self._encode(stretch, user_text=True) if stretch else [])
 
     @cached_property
     def prefix_ids(self) -> list[int]:
         return self._encode(self.prefix_text)
 
     def context_ids(self, document: str) -> list[int]:
-        return self._encode(self.context_text(document))
+        """A document's tokens; control-token strings written in it are tokenised as plain text."""
+        return self._encode(self.context_text(check_user_text(document, "a document's text")), user_text=True)
 
     def suffix_ids(self, question: str) -> list[int]:
-        return self._encode(self.suffix_text(question))
+        """The question suffix's tokens; only the template's own control tokens become control ids."""
+        return self._encode_mixed(self._suffix_parts(question))
 
     @cached_property
     def fingerprint(self) -> str:
         """Identifies the layout in cache keys: a new system prompt or template is a cache miss."""
-        text = "\x1f".join([self.prefix_text, self._pieces[1], repr(self.prefix_ids)])
+        text = "\x1f".join([self.prefix_text, self._pieces[1], repr(self.prefix_ids), USER_TEXT_TOKENISATION])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def check(self, documents: list[str], question: str) -> None:

@@ -37,7 +37,7 @@ def merge_adapter(model: torch.nn.Module, adapter: str | Path) -> tuple[torch.nn
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\x1f" + file.read_bytes())
-    try:
+    try:  # PEFT has no trust_remote_code: an adapter folder is a config and weights, it never runs its own code
         merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"the adapter in {folder} does not fit this model: {error}") from error

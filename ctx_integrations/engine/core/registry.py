@@ -28,7 +28,34 @@ from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
-from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError, UnknownModeError
+from ctx_integrations.errors import (
+    DocumentTooLongError,
+    InvalidOptionError,
+    RequestTooLargeError,
+    UnknownModeError,
+)
+
+# Per-request KV budget when the engine sets none (``Engine(max_request_bytes=...)``): 2 GiB on CPU, half the
+# accelerator's memory elsewhere. 2000 tiny documents with the embedded model would otherwise allocate 6.4 GB.
+DEFAULT_CPU_REQUEST_BYTES = 2 * 1024**3
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """Bytes one token's keys and values take in every layer (layers x 2 x kv_heads x head_dim x dtype bytes)."""
+    config = loaded.model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(config.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim) * loaded.dtype.itemsize
+
+
+def default_request_bytes(loaded: LoadedModel) -> int:
+    if loaded.device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(loaded.device).total_memory // 2
+    return DEFAULT_CPU_REQUEST_BYTES
 
 
 @runtime_checkable
@@ -113,12 +140,36 @@ class DecodeContext:
     timings: dict[str, float] = field(default_factory=dict)
     cache: CacheStats = field(default_factory=CacheStats)  # this request's own cache lookups
 
-    def check_window(self, prompt_tokens: int, what: str) -> None:
-        """Refuse a prompt that, with the answer budget, would run past the model's positions."""
+    def check_window(self, prompt_tokens: int, what: str, new_tokens: int | None = None,
+                     new_tokens_name: str = "max_new_tokens") -> None:
+        """Refuse a prompt that, with the answer budget (``new_tokens``, default max_new_tokens), would run
+        past the model's positions."""
         window = self.engine.loaded.max_positions
-        needed = prompt_tokens + self.stop.max_new_tokens
+        new = self.stop.max_new_tokens if new_tokens is None else new_tokens
+        needed = prompt_tokens + new
         if needed > window:
             raise DocumentTooLongError(
-                f"{what} needs {prompt_tokens} prompt tokens + max_new_tokens={self.stop.max_new_tokens} = {needed} "
+                f"{what} needs {prompt_tokens} prompt tokens + {new_tokens_name}={new} = {needed} "
                 f"positions, but the model's window is {window}. Split long documents into chunks "
-                "(`ctx-experts ingest` chunks by tokens), retrieve fewer documents, or lower max_new_tokens.")
+                f"(`ctx-experts ingest` chunks by tokens), retrieve fewer documents, or lower {new_tokens_name}.")
+
+    def stream_tokens(self, texts: list[str]) -> int:
+        """Tokens of the longest ``prefix + text + suffix + answer`` stream over ``texts`` (0 texts: no context)."""
+        layout = self.engine.layout
+        longest = max((len(layout.context_ids(text)) for text in texts), default=0)
+        return len(layout.prefix_ids) + longest + len(layout.suffix_ids(self.query)) + self.stop.max_new_tokens
+
+    def check_streams(self, streams: int, tokens_per_stream: int, what: str) -> None:
+        """Refuse, before anything is allocated, a request whose KV caches would exceed the per-request budget.
+
+        The budget is ``engine.max_request_bytes`` (bytes; default 2 GiB on CPU, half the GPU's memory on CUDA);
+        the request needs layers x 2 x kv_heads x head_dim x dtype bytes x tokens_per_stream x streams.
+        """
+        loaded = self.engine.loaded
+        budget = getattr(self.engine, "max_request_bytes", None) or default_request_bytes(loaded)
+        needed = kv_bytes_per_token(loaded) * int(tokens_per_stream) * int(streams)
+        if needed > budget:
+            raise RequestTooLargeError(
+                f"{what}: {streams} stream(s) of up to {tokens_per_stream} tokens need {needed / 2**20:.0f} MiB of KV "
+                f"cache, more than this engine's per-request budget of {budget / 2**20:.0f} MiB. Retrieve fewer "
+                "documents (top_k), split the question into several requests, or raise Engine(max_request_bytes=...).")

@@ -77,10 +77,13 @@ class TokenSampler:
     """Greedy (temperature 0) or temperature + nucleus sampling with its own seeded generator."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0:
-            raise InvalidOptionError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise InvalidOptionError(f"top_p must be in (0, 1], got {top_p}")
+        from ctx_integrations.engine.core.validation import optional_whole_number, real_number
+
+        temperature = real_number("temperature", temperature, minimum=0.0, hint=" (0 = greedy)")
+        if 0 < temperature < 1e-4:  # scores / temperature would overflow to inf, and softmax give NaN
+            raise InvalidOptionError(f"temperature must be 0 (greedy) or >= 1e-4, got {temperature}")
+        top_p = real_number("top_p", top_p, minimum=0.0, maximum=1.0, min_inclusive=False)
+        seed = optional_whole_number("seed", seed, minimum=0, maximum=2**64 - 1, hint=" (None = a fresh random seed)")
         self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator()
         if seed is not None:
@@ -126,10 +129,19 @@ class StopCriteria:
     stop_strings: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidOptionError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        from ctx_integrations.engine.core.validation import whole_number
+
+        self.max_new_tokens = whole_number("max_new_tokens", self.max_new_tokens, minimum=1)
         if isinstance(self.stop_strings, str):
             self.stop_strings = (self.stop_strings,)
+        if self.stop_strings is None:
+            self.stop_strings = ()
+        try:
+            self.stop_strings = tuple(self.stop_strings)
+        except TypeError:
+            raise InvalidOptionError(f"stop must be a string or a list of strings, got {self.stop_strings!r}") from None
+        if not all(isinstance(s, str) for s in self.stop_strings):
+            raise InvalidOptionError(f"stop must be a string or a list of strings, got {self.stop_strings!r}")
 
     def cut(self, text: str) -> tuple[str, bool]:
         """Return the text up to the first stop string and whether one was found."""

@@ -32,6 +32,7 @@ from ctx_integrations.engine.core.cache import concatenated_stream
 from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, forward_streams, fused_steps, single_stream
+from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -55,9 +56,8 @@ class ApeLayout:
 
 def check_knobs(temperature: float, scale: float) -> None:
     for name, value in (("attention_temperature", temperature), ("scale", scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise InvalidOptionError(f"APE's {name} must be in (0, 1] (the authors use 0.6-1.0; 1 = no correction), "
-                                     f"got {value!r}")
+        real_number(f"APE's {name}", value, minimum=0.0, maximum=1.0, min_inclusive=False,
+                    hint=" (a number in (0, 1]; the authors use 0.6-1.0; 1 = no correction)")
 
 
 def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -135,6 +135,7 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float) -
     model = engine.loaded.model
     with ape_attention_swapped(model):  # refuse a model that cannot take the swap before any work
         pass
+    ctx.check_streams(1, prefix_len + sum(map(len, token_ids)) + len(suffix) + ctx.stop.max_new_tokens, "APE's caches")
     caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
     streams = concatenated_stream(engine.store.prefix(layout), caches, next_position=prefix_len + longest)
     total = sum(c.length for c in caches)

@@ -29,6 +29,7 @@ from ctx_integrations.engine.core.streams import (
     independent_steps,
     single_stream,
 )
+from ctx_integrations.engine.core.validation import whole_number
 
 
 def concatenated_job(ctx: DecodeContext, texts: list[str]) -> FusedJob:
@@ -36,6 +37,7 @@ def concatenated_job(ctx: DecodeContext, texts: list[str]) -> FusedJob:
     layout = ctx.engine.layout
     ids = layout.prefix_ids + [t for text in texts for t in layout.context_ids(text)] + layout.suffix_ids(ctx.query)
     ctx.check_window(len(ids), f"the concatenation of {len(texts)} documents")
+    ctx.check_streams(1, len(ids) + ctx.stop.max_new_tokens, "the concatenated prompt")
     return FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream)
 
 
@@ -58,6 +60,7 @@ def run_single(ctx: DecodeContext) -> FusedJob:
     context_ids, suffix = layout.context_ids(ctx.documents[top].text), layout.suffix_ids(ctx.query)
     prefix_len = len(layout.prefix_ids)
     ctx.check_window(prefix_len + len(context_ids) + len(suffix), f"document {top}")
+    ctx.check_streams(1, prefix_len + len(context_ids) + len(suffix) + ctx.stop.max_new_tokens, "single")
     prefix = engine.store.prefix(layout)
     document = engine.store.document_tokens(layout, context_ids, stats=ctx.cache)
     stream = Stream((Piece(prefix.kv, 0), Piece(document.kv, prefix_len)), tuple(suffix), prefix_len + document.length)
@@ -74,6 +77,9 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int) -> Generator[None
     summary_layout = PromptLayout(loaded.tokenizer, SUMMARY_SYSTEM_PROMPT, SUMMARY_QUESTION_TEMPLATE)
     suffix = summary_layout.suffix_ids("")
     context_ids = [summary_layout.context_ids(d.text) for d in ctx.documents]
+    longest = len(summary_layout.prefix_ids) + max(map(len, context_ids)) + len(suffix)
+    ctx.check_window(longest, "map_reduce's map step (the longest document)", summary_tokens, "summary_tokens")
+    ctx.check_streams(len(context_ids), longest + summary_tokens, "map_reduce's map step (one stream per document)")
     prefix = engine.store.prefix(summary_layout)
     # the summary prompt's caches serve MapReduce only: memory tier, not the disk
     caches = engine.store.documents_tokens(summary_layout, context_ids, stats=ctx.cache, persist=False)
@@ -106,4 +112,5 @@ def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> Exclusive
 
     Runs as an exclusive job (two phases with their own streams), one forward per scheduler step.
     """
+    summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
     return ExclusiveJob([ctx], single_result(_map_reduce_steps(ctx, summary_tokens)))

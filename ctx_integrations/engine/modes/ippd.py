@@ -178,6 +178,8 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
         position = prefix_len + len(group_ids[texts]) + len(suffix)
         emitter = Emitter(loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
         groups.setdefault(texts, []).append(_Question(index, ctx, 0, 0, 0, suffix, emitter, position))
+    first.check_streams(1, prefix_len + sum(map(len, group_ids.values())) + sum(
+        len(q.suffix) + max_new for qs in groups.values() for q in qs), "IPPD's stacked prompts (all questions)")
     # a concatenation of several documents serves this question group only: memory tier, not the disk
     entries = engine.store.documents_tokens(layout, list(group_ids.values()), stats=first.cache,
                                             persist=all(len(group) == 1 for group in groups))

@@ -15,6 +15,7 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, FusedStep
+from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.errors import InvalidOptionError
 
 SCORE_SPACES = ("logprobs", "logits")
@@ -52,14 +53,11 @@ class PCEDFusion:
                  score_space: str = "logprobs", aggregation: str = "max"):
         if len(relevance) == 0:
             raise InvalidOptionError("PCED needs at least one expert")
-        if score_space not in SCORE_SPACES:
-            raise InvalidOptionError(f"score_space must be one of {SCORE_SPACES}, got {score_space!r}")
-        if aggregation not in AGGREGATIONS:
-            raise InvalidOptionError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if beta is not None and (not math.isfinite(beta) or beta < 0):
-            raise InvalidOptionError(f"beta must be None (dynamic) or a float >= 0, got {beta!r}")
-        if not math.isfinite(gamma) or gamma < 0:
-            raise InvalidOptionError(f"gamma must be a float >= 0, got {gamma!r}")
+        choice("score_space", score_space, SCORE_SPACES)
+        choice("aggregation", aggregation, AGGREGATIONS)
+        if beta is not None:
+            real_number("beta", beta, minimum=0.0, hint=" (or None: dynamic)")
+        real_number("gamma", gamma, minimum=0.0)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
         self.fixed_beta = beta
@@ -101,6 +99,7 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
     """
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation)
+    ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens([d.text for d in ctx.documents]), "PCED's streams")
 
     def finish(result: DecodeResult) -> DecodeResult:
         result.extra["beta"] = [round(float(b), 6) for b in rule.beta] if rule.beta is not None else None

@@ -32,6 +32,7 @@ from ctx_integrations.engine.core.streams import (
     forward_streams_keep,
     single_stream,
 )
+from ctx_integrations.engine.core.validation import choice, real_number, whole_number
 from ctx_integrations.engine.modes.speculative import scaled_logits, verify
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
@@ -267,6 +268,8 @@ def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, gamma: int, eta:
     long_ids = [t for ids in context_ids for t in ids]
     suffix = layout.suffix_ids(ctx.query)
     ctx.check_window(len(layout.prefix_ids) + len(long_ids) + len(suffix), "the long context (all documents)")
+    ctx.check_streams(2, len(layout.prefix_ids) + len(long_ids) + len(suffix) + ctx.stop.max_new_tokens + gamma,
+                      "RAPID's target and drafter streams")
     chunks, used_ranking = rank_chunks(ctx, split_chunks(context_ids, chunk_tokens), ranking)
     kept = select_chunks(chunks, draft_context_tokens, min_similarity)
     short_ids = [t for c in kept for t in c.token_ids]
@@ -305,14 +308,12 @@ def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, gamma: int, eta:
 
 def _check_options(gamma: int, eta: float, draft_context_tokens: int, chunk_tokens: int, min_similarity: float,
                    ranking: str) -> None:
-    if not isinstance(gamma, int) or gamma < 1:
-        raise InvalidOptionError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
-    if eta < 0:
-        raise InvalidOptionError(f"eta must be >= 0 (0 = plain speculative decoding), got {eta}")
-    if chunk_tokens < 1 or draft_context_tokens < chunk_tokens:
+    whole_number("gamma", gamma, minimum=1, hint=" (tokens drafted per round)")
+    real_number("eta", eta, minimum=0.0, hint=" (0 = plain speculative decoding)")
+    whole_number("chunk_tokens", chunk_tokens, minimum=1)
+    whole_number("draft_context_tokens", draft_context_tokens, minimum=1)
+    if draft_context_tokens < chunk_tokens:
         raise InvalidOptionError(f"need 1 <= chunk_tokens <= draft_context_tokens, got chunk_tokens={chunk_tokens}, "
                                  f"draft_context_tokens={draft_context_tokens}")
-    if not 0 <= min_similarity <= 1:
-        raise InvalidOptionError(f"min_similarity is a normalised relevance in [0, 1], got {min_similarity}")
-    if ranking not in RANKINGS:
-        raise InvalidOptionError(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")
+    real_number("min_similarity", min_similarity, minimum=0.0, maximum=1.0, hint=" (a normalised relevance)")
+    choice("ranking", ranking, RANKINGS)

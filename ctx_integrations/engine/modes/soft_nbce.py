@@ -26,6 +26,7 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, FusedStep, TraceStep
+from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -89,13 +90,10 @@ class SoftNBCEFusion:
     """
 
     def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9):
-        if not (tau > 0):  # also refuses NaN
-            raise InvalidOptionError(f"tau must be > 0 (math.inf = uniform average), got {tau!r}")
+        real_number("tau", tau, minimum=0.0, min_inclusive=False, allow_inf=True, hint=" (math.inf = uniform average)")
         self.tau = tau
-        if not math.isfinite(beta) or beta < 0:
-            raise InvalidOptionError(f"beta must be a float >= 0, got {beta!r}")
-        if not 0 < rho <= 1:
-            raise InvalidOptionError(f"rho (each chunk's top-p) must be in (0, 1], got {rho!r}")
+        real_number("beta", beta, minimum=0.0)
+        real_number("rho", rho, minimum=0.0, maximum=1.0, min_inclusive=False, hint=" (each chunk's top-p)")
         self.beta, self.rho = beta, rho
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
@@ -191,6 +189,7 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
     """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents."""
     size = fitting_chunk_tokens(ctx, chunk_tokens)
     chunks = split_documents(ctx.engine.loaded.tokenizer, [d.text for d in ctx.documents], size)
+    ctx.check_streams(len(chunks) + 1, ctx.stream_tokens([c.text for c in chunks]), "the chunk streams")
     sources = [c.document for c in chunks]
 
     def finish(result: DecodeResult) -> DecodeResult:

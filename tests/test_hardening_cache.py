@@ -1,0 +1,309 @@
+"""Issue 18, items 6, 7, 8 and 11 (disk): cache entries validated against the model, optional signing,
+unwritable folders, a disk budget, orphan temp files, and no document-derived files after deleting a store.
+
+Forged entries get a recomputed checksum, as an attacker (or a buggy writer) would: the bug each row
+catches is an entry that passes the checksum but does not fit the model, and was served anyway.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core import disk as disk_module
+from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.disk import DiskTier, checksum
+from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning
+from tests.helpers import tiny_loaded
+
+DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 1621."
+OTHER = "Velden sits on the Ost, a river the same length as the Ast, with four ferries."
+DOCS = [DOC, OTHER, "The third passage is about the harbour of Lisk.", "A fourth one, on the mills of Tarn."]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_loaded("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def layout(loaded):
+    return PromptLayout(loaded.tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_key(monkeypatch, tmp_path):
+    """Tests control signing themselves: no key from the environment or the user's config dir."""
+    monkeypatch.delenv(disk_module.SIGNING_KEY_ENV, raising=False)
+    monkeypatch.setattr(disk_module, "signing_key_file", lambda: tmp_path / "no-key-here", raising=False)
+
+
+def read_entry(path):
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata(), {name: handle.get_tensor(name) for name in ("kv", "token_ids")}
+
+
+def forge(path, change):
+    """Rewrite an entry with ``change(tensors)`` applied and a recomputed checksum (the signature, if any, kept)."""
+    metadata, tensors = read_entry(path)
+    tensors = change(dict(tensors))
+    metadata["checksum"] = checksum(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def _kv(change):
+    return lambda t: {**t, "kv": change(t["kv"])}
+
+
+FORGERIES = {
+    "int8": _kv(lambda kv: kv.to(torch.int8)),
+    "int64": _kv(lambda kv: kv.to(torch.int64)),
+    "all_zero": _kv(torch.zeros_like),
+    "nan": _kv(lambda kv: torch.where(torch.rand_like(kv) < 0.01, torch.nan, kv)),
+    "inf": _kv(lambda kv: kv.index_put((torch.tensor([0]),), torch.tensor(float("inf")))),
+    "one_layer_missing": _kv(lambda kv: kv[:-1]),
+    "extra_layer": _kv(lambda kv: torch.cat([kv, kv[:1]])),
+    "one_kv_head_missing": _kv(lambda kv: kv[:, :, :1]),
+    "head_dim_halved": _kv(lambda kv: kv[..., : kv.shape[-1] // 2]),
+    "token_missing": _kv(lambda kv: kv[:, :, :, :-1]),
+    "keys_only": _kv(lambda kv: kv[:, :1]),
+    "four_dims": _kv(lambda kv: kv[0]),
+    "token_ids_float": lambda t: {**t, "token_ids": t["token_ids"].double()},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_entry_that_does_not_fit_the_model_is_discarded_and_recomputed(loaded, layout, tmp_path, name):
+    first = KVCacheStore(loaded, tmp_path)
+    original = first.document(layout, DOC)
+    forge(first.disk.path(original.key), FORGERIES[name])
+    second = KVCacheStore(loaded, tmp_path)
+    with pytest.warns(CorruptCacheWarning):
+        entry = second.document(layout, DOC)
+    assert second.stats.corrupt == 1 and second.stats.misses == 1 and second.stats.hits == 0
+    assert torch.equal(entry.kv, original.kv)  # recomputed, not served
+    third = KVCacheStore(loaded, tmp_path)  # and the rewritten file is valid again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCacheWarning)
+        assert torch.equal(third.document(layout, DOC).kv, original.kv)
+
+
+def test_entry_from_a_model_with_other_kv_heads_is_recomputed_not_a_runtime_error(layout, tmp_path):
+    """Another model's entry relabelled with this key: the bug was a permanent RuntimeError when batching it."""
+    small, other = tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=0, num_key_value_heads=4)
+    store = KVCacheStore(small, tmp_path)
+    entry = store.document(layout, DOC)
+    foreign = KVCacheStore(other).document(layout, DOC)
+    forge(store.disk.path(entry.key), lambda t: {**t, "kv": foreign.kv.clone()})
+    fresh = KVCacheStore(small, tmp_path)
+    with pytest.warns(CorruptCacheWarning, match="does not fit this model"):
+        assert torch.equal(fresh.document(layout, DOC).kv, entry.kv)
+
+
+# -- item 7: signing ---------------------------------------------------------------------------------------
+def test_signed_entries_round_trip(loaded, layout, tmp_path):
+    first = KVCacheStore(loaded, tmp_path)
+    first.disk.signing_key = b"k" * 32
+    entry = first.document(layout, DOC)
+    assert "signature" in read_entry(first.disk.path(entry.key))[0]
+    second = KVCacheStore(loaded, tmp_path)
+    second.disk.signing_key = b"k" * 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCacheWarning)
+        assert torch.equal(second.document(layout, DOC).kv, entry.kv)
+    assert second.stats.hits == 1
+
+
+SIGNING_ATTACKS = {
+    # another document's keys/values under this document's key, token ids and a recomputed checksum:
+    # the checksum and every shape check pass, only the signature can tell
+    "other_document": "other",
+    "values_nudged": "nudge",
+    "unsigned": "unsigned",
+    "signed_with_another_key": "other_key",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(SIGNING_ATTACKS))
+def test_entry_whose_signature_fails_is_not_served(loaded, layout, tmp_path, attack):
+    key = b"shared-store-key"
+    writer = KVCacheStore(loaded, tmp_path)
+    writer.disk.signing_key = None if SIGNING_ATTACKS[attack] == "unsigned" else key
+    if SIGNING_ATTACKS[attack] == "other_key":
+        writer.disk.signing_key = b"someone else"
+    entry = writer.document(layout, DOC)
+    path = writer.disk.path(entry.key)
+    if SIGNING_ATTACKS[attack] == "other":
+        other_ids = tuple(layout.context_ids(OTHER))[: entry.length]
+        other_ids += (other_ids[-1],) * (entry.length - len(other_ids))
+        other_kv = KVCacheStore(loaded).document_tokens(layout, other_ids).kv
+        forge(path, lambda t: {**t, "kv": other_kv.clone()})
+    elif SIGNING_ATTACKS[attack] == "nudge":
+        forge(path, _kv(lambda kv: kv * 1.01))
+    reader = KVCacheStore(loaded, tmp_path)
+    reader.disk.signing_key = key
+    with pytest.warns(CorruptCacheWarning, match="signature|unsigned"):
+        served = reader.document(layout, DOC)
+    assert torch.equal(served.kv, KVCacheStore(loaded).document(layout, DOC).kv)
+    # the shared prefix entry was written by the same writer: it is refused too when unsigned or signed otherwise
+    assert reader.stats.corrupt == (2 if SIGNING_ATTACKS[attack] in ("unsigned", "other_key") else 1)
+
+
+def test_signing_key_comes_from_the_environment_or_the_config_file(loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("CTX_CACHE_KEY", "from-env")
+    assert DiskTier(tmp_path / "a", loaded).signing_key == b"from-env"
+    monkeypatch.delenv("CTX_CACHE_KEY")
+    key_file = tmp_path / "config" / "cache-signing.key"
+    key_file.parent.mkdir()
+    key_file.write_bytes(b"from-file\n")
+    monkeypatch.setattr(disk_module, "signing_key_file", lambda: key_file)
+    assert DiskTier(tmp_path / "b", loaded).signing_key == b"from-file"
+    key_file.unlink()
+    assert DiskTier(tmp_path / "c", loaded).signing_key is None
+
+
+# -- item 8: folders that cannot be written ----------------------------------------------------------------
+def _raise(code):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT])
+@pytest.mark.parametrize("where", ["save_file", "mkstemp"])
+def test_full_or_read_only_folder_falls_back_to_memory_with_one_warning(tmp_path, monkeypatch, code, where):
+    """The bug: ENOSPC/EROFS from the write escaped mid-answer as an untyped OSError."""
+    import tempfile
+
+    import safetensors.torch
+
+    engine = Engine(tiny_loaded("llama"), cache_dir=tmp_path / "kv")
+    target = (safetensors.torch, "save_file") if where == "save_file" else (tempfile, "mkstemp")
+    monkeypatch.setattr(*target, _raise(code))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answer = engine.generate("How many bridges?", DOCS, mode="pced", max_new_tokens=3)
+        engine.generate("And the ferries?", DOCS[:2], mode="concat", max_new_tokens=2)
+    assert answer.text is not None and len(answer.token_ids) >= 1
+    assert [w.category for w in caught if issubclass(w.category, CacheStoreWarning)] == [CacheStoreWarning]
+    assert engine.store.disk.writable is False
+    assert not list((tmp_path / "kv").rglob(".tmp-*"))
+
+
+def test_directory_at_an_entry_path_is_a_miss_and_one_warning(loaded, layout, tmp_path):
+    store = KVCacheStore(loaded, tmp_path)
+    key = store.entry_key(layout, layout.context_ids(DOC))
+    store.disk.path(key).mkdir(parents=True)
+    (store.disk.path(key) / "keep.txt").write_text("not ours")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = store.document(layout, DOC)
+        store.document(layout, OTHER)  # other entries still go to disk
+        store.forget(layout, DOC)  # deleting it is not an untyped IsADirectoryError either
+    assert [w.category for w in caught] == [CacheStoreWarning]
+    assert first.length > 0 and store.disk.contains(store.entry_key(layout, layout.context_ids(OTHER)))
+    assert (store.disk.path(key) / "keep.txt").read_text() == "not ours"  # never deletes a user's folder
+
+
+def test_cache_dir_that_is_a_file_is_a_typed_error(tmp_path):
+    blocker = tmp_path / "kv"
+    blocker.write_text("a file")
+    with pytest.raises(CacheStoreError, match="is a file"):
+        Engine(tiny_loaded("llama"), cache_dir=blocker)
+
+
+def test_cache_dir_that_cannot_be_created_is_a_typed_error(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setattr(Path, "mkdir", _raise(errno.EACCES))
+    with pytest.raises(CacheStoreError, match="cannot be created"):
+        DiskTier(tmp_path / "new" / "kv", tiny_loaded("llama"))
+
+
+def test_corrupt_entry_in_a_read_only_folder_is_never_served(loaded, layout, tmp_path, monkeypatch):
+    store = KVCacheStore(loaded, tmp_path)
+    entry = store.document(layout, DOC)
+    forge(store.disk.path(entry.key), _kv(torch.zeros_like))
+    reader = KVCacheStore(loaded, tmp_path)
+    from pathlib import Path
+
+    monkeypatch.setattr(Path, "unlink", _raise(errno.EROFS))
+    monkeypatch.setattr(os, "utime", _raise(errno.EROFS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(reader.document(layout, DOC).kv, entry.kv)
+    assert {w.category for w in caught} == {CorruptCacheWarning, CacheStoreWarning}
+
+
+# -- item 11: disk budget, orphans, deleting a store -------------------------------------------------------
+def test_disk_budget_evicts_least_recently_used_entries(loaded, layout, tmp_path):
+    probe = KVCacheStore(loaded, tmp_path / "probe")
+    probe.documents(layout, DOCS)
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "probe").rglob("*.safetensors")}
+    budget = sum(sizes.values()) - min(sizes.values())  # everything minus (at least) one document
+    store = KVCacheStore(loaded, tmp_path / "kv", disk_bytes=budget)
+    keys = [store.entry_key(layout, layout.context_ids(text)) for text in DOCS]
+    store.documents(layout, DOCS[:3])
+    for age, key in enumerate(keys[:3]):  # explicit ages: DOCS[0] oldest, then 1, then 2
+        os.utime(store.disk.path(key), (time.time() - 1000 + age, time.time() - 1000 + age))
+    os.utime(store.disk.path(store.prefix(layout).key), (time.time() - 500,) * 2)
+    store.clear_memory()
+    store.document(layout, DOCS[0])  # a load touches it: now the most recently used
+    store.document(layout, DOCS[3])  # does not fit: the least recently used (DOCS[1]) goes
+    assert store.disk.used_bytes() <= budget
+    assert store.disk.contains(keys[0]) and store.disk.contains(keys[3])
+    assert not store.disk.contains(keys[1])
+    assert store.disk.evicted >= 1
+
+
+def test_entry_larger_than_the_whole_budget_stays_in_memory(loaded, layout, tmp_path):
+    store = KVCacheStore(loaded, tmp_path, disk_bytes=1000)
+    entry = store.document(layout, DOC)
+    assert store.disk.used_bytes() == 0 and store.document(layout, DOC) is entry
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, float("nan"), "1GB", True])
+def test_bad_disk_budget_is_a_typed_error(loaded, tmp_path, budget):
+    from ctx_integrations.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="disk_bytes"):
+        KVCacheStore(loaded, tmp_path, disk_bytes=budget)
+
+
+def test_orphan_temp_files_older_than_a_minute_are_removed_at_open(loaded, tmp_path):
+    shard = tmp_path / "ab"
+    shard.mkdir(parents=True)
+    old, fresh = shard / ".tmp-old.safetensors", shard / ".tmp-fresh.safetensors"
+    old.write_bytes(b"half an entry")
+    fresh.write_bytes(b"being written right now")
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    DiskTier(tmp_path, loaded)
+    assert not old.exists() and fresh.exists()
+
+
+@pytest.mark.parametrize("attached", [True, False])
+def test_deleting_every_document_leaves_no_cache_files(tmp_path, attached):
+    """The bug: without an engine attached, a deleted document's entry stayed on disk for good."""
+    from ctx_integrations.retrieval import DocumentStore
+
+    location = tmp_path / "store"
+    store = DocumentStore(location)
+    store.engine = Engine(tiny_loaded("llama"), cache_dir=store.kv_dir)
+    store.add([{"id": f"d{i}", "text": text} for i, text in enumerate(DOCS)])
+    assert list(store.kv_dir.rglob("*.safetensors"))
+    store.delete(["d0"])
+    if not attached:
+        store = DocumentStore(location)  # reopened without an engine
+    store.delete(["d1", "d2", "d3"])
+    assert store.count() == 0
+    assert not [p for p in store.kv_dir.rglob("*") if p.is_file()]
