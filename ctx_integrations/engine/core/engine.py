@@ -80,8 +80,9 @@ class Engine:
     ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
     used entries are evicted). ``max_request_bytes``: the most KV one request may allocate, checked
     before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
-    ``max_queued_requests``: requests waiting for admission beyond this are refused with :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the
-    default per-request timeout (``None``: none); ``timeout=`` on a call overrides it.
+    ``max_queued_requests``: requests waiting for admission beyond this are refused with
+    :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
+    per-request timeout (``None``: none); ``timeout=`` on a call overrides it.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
     never run forward passes at the same time.
