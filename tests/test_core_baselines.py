@@ -63,7 +63,8 @@ def test_map_reduce_refuses_what_cannot_fit_with_a_typed_error(small_window_engi
     with pytest.raises(DocumentTooLongError, match="summary_tokens"):  # the summary prompt alone is too long
         small_window_engine.generate("What is the code?", docs, mode="map_reduce", summary_tokens=250,
                                      max_new_tokens=2)
-    with pytest.raises(DocumentTooLongError, match="concatenation of 3"):  # three summaries of ~100 tokens do not fit one 256 prompt
+    # three summaries of ~100 tokens do not fit one 256-position reduce prompt
+    with pytest.raises(DocumentTooLongError, match="concatenation of 3"):
         small_window_engine.generate("What is the code?", docs, mode="map_reduce", summary_tokens=100,
                                      max_new_tokens=2)
 
