@@ -1,8 +1,9 @@
-"""Soft-NBCE mode and its named limits, hard NBCE and PCW (METHODS.md "Soft-NBCE").
+"""Soft-NBCE mode and its named limits, hard NBCE and PCW (the Soft-NBCE paper, Algorithm 1).
 
 One stream per chunk (``prefix + chunk + question``) plus a query-only prior (row 0), decoded in
 lockstep by the same streams engine as PCED (:func:`run_expert_streams`); only the per-step rule
-differs (:class:`SoftNBCEFusion`, :class:`NBCEFusion`, :class:`PCWFusion` in ``fusion.py``).
+differs (:class:`SoftNBCEFusion`, :class:`NBCEFusion`, :class:`PCWFusion` below). The default rule is the
+paper's Algorithm 1 (``rule="paper"``); NBCE's reference-code behaviour is the named variant ``rule="nbce_code"``.
 
 Chunks: every document is split on its own into pieces of at most ``chunk_tokens`` tokens, so one
 long document beyond the model's window becomes many chunk streams, and a chunk never spans two

@@ -1,4 +1,4 @@
-"""The pure math of RAPID's speculative step (METHODS.md "RAPID"), as small tensor functions.
+"""The pure math of RAPID's speculative step (the RAPID paper, Algorithm 1 and Eq. 6-10), as small tensor functions.
 
 Kept apart from the decode loop so every rule can be checked against its closed form:
 
