@@ -384,7 +384,7 @@ class VectorEmbedder:
         self.vectors, self.query = vectors, query
 
     def embed_documents(self, texts):
-        return [next(v for k, v in self.vectors.items() if k in t) for t in texts]
+        return [next((v for k, v in self.vectors.items() if k in t), [0.0, 1.0]) for t in texts]
 
     def embed_query(self, text):
         return self.query
@@ -409,10 +409,19 @@ def test_dense_ranking_uses_the_given_embedder_and_the_default_minilm(tiny_engin
     assert used == "dense" and [round(c.score, 4) for c in ranked] == [0.0995, 0.995, 0.0]
     ranked, _ = rank_chunks(ctx, chunks, "dense")  # the embedded MiniLM: the mayor's document is the most similar
     assert max(ranked, key=lambda c: c.score).document == 1
-    answer = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, draft_embedder=embedder,
-                                  chunk_tokens=512)
-    assert answer.extra["ranking"] == "dense" and answer.extra["draft_budget"] == (
-        answer.extra["long_context_tokens"],) * 2  # shorter than 4096 tokens: the whole context
+    mayor = VectorEmbedder({"mayor": [1.0, 0.0]}, [1.0, 0.0])  # other chunks: [0, 1], similarity 0
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, draft_embedder=mayor,
+                                  chunk_tokens=8, draft_context_tokens=16)
+    assert answer.extra["ranking"] == "dense" and answer.extra["draft_budget"] == (0, 16)
+    assert [(c["document"], c["score"]) for c in answer.extra["chunks"]] == [(1, 1.0)]  # threshold 0.3 drops the rest
+    # the paper's bounds on a context shorter than 4096 tokens: the whole context, nothing to rank
+    class Unused(VectorEmbedder):
+        def embed_documents(self, texts):
+            raise AssertionError("nothing to rank: the embedder must not run")
+
+    whole = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, draft_embedder=Unused({}, [1.0]))
+    assert whole.extra["ranking"] == "none" and whole.extra["draft_budget"] == (whole.extra["long_context_tokens"],) * 2
+    assert whole.extra["draft_context_tokens"] == whole.extra["long_context_tokens"]
 
 
 def test_ranking_by_bm25_and_by_document_scores(tiny_engine):

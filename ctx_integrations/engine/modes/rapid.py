@@ -100,11 +100,17 @@ def resolve_embedder(embedder: object) -> object:
         from ctx_integrations.retrieval.embedders import default_embedder
 
         return default_embedder()
-    if not all(callable(getattr(embedder, name, None)) for name in ("embed_documents", "embed_query")):
+    check_embedder(embedder)
+    return embedder
+
+
+def check_embedder(embedder: object) -> None:
+    """Refuse a ``draft_embedder`` that cannot embed (``None`` is the default MiniLM)."""
+    if embedder is not None and not all(callable(getattr(embedder, name, None))
+                                        for name in ("embed_documents", "embed_query")):
         raise InvalidOptionError(f"draft_embedder must have embed_documents(texts) and embed_query(text) "
                                  f"(e.g. ctx_integrations.retrieval.embedders.default_embedder()), "
                                  f"got {type(embedder).__name__}")
-    return embedder
 
 
 def draft_budget(long_tokens: int, draft_context_tokens: int | None) -> tuple[int, int]:
@@ -157,6 +163,22 @@ def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str,
         else:
             scores = bm25_scores(texts, ctx.query)
     return [Chunk(c.start, c.document, c.token_ids, float(s)) for c, s in zip(chunks, scores)], ranking
+
+
+def draft_chunks(ctx: DecodeContext, context_ids: list[list[int]], chunk_tokens: int, ranking: str, embedder: object,
+                 draft_context_tokens: int | None, min_similarity: float) -> tuple[list[Chunk], str, tuple[int, int]]:
+    """The drafter's chunks (original order), the ranking used and the (lower, upper) budget.
+
+    When the lower bound already covers the whole long context every chunk is kept, so nothing is
+    ranked (no embedding computed; ranking ``"none"``).
+    """
+    check_embedder(embedder)
+    chunks = split_chunks(context_ids, chunk_tokens)
+    bounds = draft_budget(sum(len(ids) for ids in context_ids), draft_context_tokens)
+    if bounds[0] >= sum(len(c.token_ids) for c in chunks):
+        return chunks, "none", bounds
+    ranked, used = rank_chunks(ctx, chunks, ranking, embedder)
+    return select_chunks(ranked, bounds[1], min_similarity, bounds[0]), used, bounds
 
 
 def check_drafter(engine: EngineParts, drafter: object) -> EngineParts:
@@ -309,9 +331,8 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     long_ids = [t for ids in context_ids for t in ids]
     suffix = layout.suffix_ids(ctx.query)
     ctx.check_window(len(layout.prefix_ids) + len(long_ids) + len(suffix), "the long context (all documents)")
-    chunks, used_ranking = rank_chunks(ctx, split_chunks(context_ids, chunk_tokens), ranking, draft_embedder)
-    min_tokens, budget = draft_budget(len(long_ids), draft_context_tokens)
-    kept = select_chunks(chunks, budget, min_similarity, min_tokens)
+    kept, used_ranking, (min_tokens, budget) = draft_chunks(ctx, context_ids, chunk_tokens, ranking, draft_embedder,
+                                                            draft_context_tokens, min_similarity)
     short_ids = [t for c in kept for t in c.token_ids]
 
     prefix, long_kv = engine.store.prefix(layout), engine.store.document_tokens(layout, long_ids)
