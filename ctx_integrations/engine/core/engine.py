@@ -22,7 +22,12 @@ from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
 from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
-from ctx_integrations.engine.core.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
+from ctx_integrations.engine.core.layout import (
+    DEFAULT_CONTEXT_TEMPLATE,
+    PCED_QUESTION_TEMPLATE,
+    PCED_SYSTEM_PROMPT,
+    PromptLayout,
+)
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.registry import (
     DecodeContext,
@@ -92,11 +97,12 @@ class Engine:
                  half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int | None = None,
                  max_request_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
-                 system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE):
+                 system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
+                 context_template: str = DEFAULT_CONTEXT_TEMPLATE):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
-        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template)
+        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template, context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
                                   memory_bytes, disk_bytes=disk_bytes)
