@@ -103,9 +103,9 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         for name, options in self.mode_options.items():
             check_options(name, options)
         self.retrieval_score_kind = check_score_kind(retrieval_score_kind)
-        self.settings = decoding_settings(llm, {"max_new_tokens": max_tokens if max_new_tokens is None else max_new_tokens,
-                                                "temperature": temperature, "top_p": top_p, "seed": seed,
-                                                "stop": stop})
+        budget = max_tokens if max_new_tokens is None else max_new_tokens
+        self.settings = decoding_settings(llm, {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
+                                                "seed": seed, "stop": stop})
         self._warned_missing_scores = False
         # explicit prompt helpers: the defaults read llm.metadata, which would load the model at construction
         super().__init__(llm=llm, callback_manager=callback_manager, prompt_helper=PromptHelper(),
