@@ -244,3 +244,43 @@ def test_nodes_without_scores_warn_once_naming_the_fix(engine, llm):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         synthesizer.synthesize(QUESTION, nodes)  # once per synthesizer
+
+
+_PROCESS = """
+import json, sys
+from llama_index.core import Settings, StorageContext, VectorStoreIndex, load_index_from_storage
+from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, default_embedding
+from tests.llama_index_support import QUESTION, make_nodes
+
+folder, kv = sys.argv[1], sys.argv[2]
+Settings.embed_model = default_embedding()
+if sys.argv[3] == "build":
+    index = VectorStoreIndex(make_nodes())
+    index.storage_context.persist(persist_dir=folder)
+else:
+    index = load_index_from_storage(StorageContext.from_defaults(persist_dir=folder))
+response = ContextOfExpertsQueryEngine.from_index(index, cache_dir=kv, similarity_top_k=2, max_new_tokens=4).query(
+    QUESTION)
+print(json.dumps({"cache": response.metadata["cache"], "text": response.response}))
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_over_a_reloaded_index_hits_the_caches_on_the_embedded_model(tmp_path):
+    """Two real processes on the embedded SmolLM2: the second, over ``load_index_from_storage``, computes nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(step: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _PROCESS, str(tmp_path / "index"), str(tmp_path / "kv"), step],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run("build"), run("reload")
+    assert first["cache"] == {"hits": 0, "misses": 2}
+    assert second["cache"] == {"hits": 2, "misses": 0} and second["text"] == first["text"]
