@@ -18,6 +18,7 @@ and ``LlamaDebugHandler`` read it), and this package's ``KVCacheLookupEvent`` / 
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -267,6 +268,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
             return self._empty(query, asynchronous=True)
+        await asyncio.to_thread(lambda: self.engine)  # the first use may load the model: not on the event loop
         bundle = QueryBundle(query) if isinstance(query, str) else query
         nodes = self.scored_nodes(nodes)
         sources = nodes + list(additional_source_nodes or [])
