@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
+from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,14 +236,16 @@ def _chat_response(chunk: CompletionResponse) -> ChatResponse:
                         raw=chunk.raw)
 
 
-def _chat_chunks(chunks: Iterator[CompletionResponse]) -> Iterator[ChatResponse]:
-    for chunk in chunks:
-        yield _chat_response(chunk)
+def _chat_chunks(chunks: Generator[CompletionResponse, None, None]) -> Iterator[ChatResponse]:
+    with closing(chunks):  # closing this stream early closes (and so cancels) the decoding one
+        for chunk in chunks:
+            yield _chat_response(chunk)
 
 
-async def _achat_chunks(chunks: AsyncIterator[CompletionResponse]) -> AsyncIterator[ChatResponse]:
-    async for chunk in chunks:
-        yield _chat_response(chunk)
+async def _achat_chunks(chunks: AsyncGenerator[CompletionResponse, None]) -> AsyncIterator[ChatResponse]:
+    async with aclosing(chunks):  # closing this stream early closes (and so cancels) the decoding one
+        async for chunk in chunks:
+            yield _chat_response(chunk)
 
 
 _warned_settings_llm: set[int] = set()
