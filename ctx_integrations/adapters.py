@@ -1,33 +1,104 @@
 """What every framework adapter (LangChain, LlamaIndex) needs from the engine, kept in one place.
 
-One default engine per process: adapters built without an engine share it, so an app that uses the
-LangChain runnable and the LlamaIndex query engine side by side loads the embedded model and keeps its
-KV caches once.
+One embedded model per process: adapters built without an engine share it, so an app that uses the
+LangChain runnable and the LlamaIndex query engine side by side loads the embedded model once.
+
+KV caches persist by default. An adapter built without an engine (and without ``cache_dir``) uses an
+engine whose document caches live under the user cache dir (``$CTX_CACHE_DIR/kv/shared``), so an app
+restarted over the same index finds them on disk. ``cache_dir=<folder>`` keeps them elsewhere and
+``cache_dir=None`` in memory only; each choice gets its own engine over the same loaded model. Cache
+keys hash the model identity, the prompt layout and the tokens (``engine.core.cache``), so one folder
+can safely serve several models.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.paths import cache_root
+
+if TYPE_CHECKING:
+    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations.engine.core.model import LoadedModel
+
+
+class UserCacheDir:
+    """The default of every ``cache_dir`` argument: the user cache dir, read when the engine is built."""
+
+    def __repr__(self) -> str:
+        return "USER_CACHE_DIR"
+
+
+USER_CACHE_DIR = UserCacheDir()
+CacheDir = str | os.PathLike | UserCacheDir | None
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_cache_dir() -> Path:
+    """Where the shared engine keeps KV caches: ``$CTX_CACHE_DIR/kv/shared`` (or the platform's cache dir)."""
+    return cache_root() / "kv" / "shared"
+
+
+def resolve_cache_dir(cache_dir: CacheDir) -> Path | None:
+    """A ``cache_dir`` argument as a folder (``None``: memory only)."""
+    if isinstance(cache_dir, UserCacheDir):
+        return shared_cache_dir()
+    if cache_dir is None:
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise InvalidOptionError(f"cache_dir must be a folder path, None (memory only) or left out (the user cache "
+                                 f"dir), got {type(cache_dir).__name__}")
+    return Path(cache_dir).expanduser().resolve()
 
 
 @lru_cache(maxsize=1)
+def default_loaded() -> LoadedModel:
+    """The embedded model, loaded once per process and shared by every default engine."""
+    from ctx_integrations.engine.core.model import load_model
+
+    return load_model(None)
+
+
+def shared_engine(cache_dir: CacheDir = USER_CACHE_DIR) -> Engine:
+    """The engine over the embedded model whose caches live in ``cache_dir`` (one per folder, built on first use)."""
+    from ctx_integrations.engine.core.engine import Engine
+
+    folder = resolve_cache_dir(cache_dir)
+    key = "" if folder is None else str(folder)
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = Engine(default_loaded(), cache_dir=folder)
+        return _engines[key]
+
+
 def default_engine() -> Engine:
-    """The embedded default engine, loaded once per process and shared by every adapter built without one."""
-    return Engine.from_pretrained()
+    """The embedded default engine (caches under the user cache dir), shared by every adapter built without one."""
+    return shared_engine()
 
 
-def resolve_engine(engine: Engine | None) -> Engine:
-    """The given engine, or the shared default (loaded on first use, not when an adapter is built)."""
-    return default_engine() if engine is None else engine
+def resolve_engine(engine: Engine | None, cache_dir: CacheDir = USER_CACHE_DIR) -> Engine:
+    """The given engine, or the shared one for ``cache_dir`` (loaded on first use, not when an adapter is built)."""
+    return shared_engine(cache_dir) if engine is None else engine
 
 
-def check_engine(engine: object) -> None:
-    """Adapters hold the engine as an opaque field; refuse anything else at construction."""
+def check_engine(engine: object, cache_dir: Any = USER_CACHE_DIR) -> None:
+    """Adapters hold the engine as an opaque field; refuse anything else (and an ambiguous ``cache_dir``)."""
+    from ctx_integrations.engine.core.engine import Engine
+
     if engine is not None and not isinstance(engine, Engine):
         raise InvalidOptionError(f"engine must be a ctx_integrations.Engine or None, got {type(engine).__name__}")
+    if engine is not None and not isinstance(cache_dir, UserCacheDir):
+        raise InvalidOptionError("give either engine= or cache_dir=, not both: an engine keeps its caches where it "
+                                 "was built (Engine(..., cache_dir=...))")
+    if engine is None:
+        resolve_cache_dir(cache_dir)
 
 
 def prompt_tokens(engine: Engine, question: str, texts: list[str]) -> int:

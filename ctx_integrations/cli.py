@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
+from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, UnknownModeError
+
+# The registered modes, known without importing torch (the registry imports the model code);
+# tests/test_cli_fast.py checks that this equals ``engine.core.registry.available_modes()``.
+BUILTIN_MODES = ("pced", "concat", "single", "map_reduce", "soft_nbce", "nbce", "pcw", "rapid", "ape", "ippd")
 
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -48,15 +53,43 @@ def register_command(name: str, *, help: str, configure: Configure | None = None
     return decorate
 
 
+class _DeferredParser(argparse.ArgumentParser):
+    """A command's parser that adds its arguments when that command is used (parsed or its help shown).
+
+    Some commands take their arguments from modules that import torch (``distill``); deferring them keeps
+    ``ctx-experts --help`` and argument errors of the other commands fast.
+    """
+
+    def __init__(self, *args: Any, configure: Configure | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._configure = configure
+
+    def _ready(self) -> None:
+        configure, self._configure = self._configure, None
+        if configure is not None:
+            configure(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._ready()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._ready()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._ready()
+        return super().format_usage()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is much faster on a busy shared CPU)")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
-        sub = commands.add_parser(command.name, help=command.help, description=command.help)
-        if command.configure is not None:
-            command.configure(sub)
+        sub = commands.add_parser(command.name, help=command.help, description=command.help,
+                                  configure=command.configure)
         sub.set_defaults(_run=command.run)
     return parser
 
@@ -99,11 +132,27 @@ def _print_error(error: BaseException) -> None:
 
 
 def _quiet_libraries() -> None:
-    """transformers prints a progress bar per model load; in a CLI transcript that is noise."""
+    """transformers prints a progress bar per model load; in a CLI transcript that is noise.
+
+    Not imported yet (the usual case): its environment variables, so a command that never loads a model
+    (an unknown mode, a wrong path) does not pay for importing transformers just to silence it.
+    """
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def check_modes(modes: Sequence[str]) -> None:
+    """Refuse an unknown mode before anything heavy is imported or loaded."""
+    unknown = [mode for mode in modes if mode not in BUILTIN_MODES]
+    if unknown:
+        raise UnknownModeError(f"unknown mode(s) {', '.join(map(repr, unknown))}: choose from "
+                               f"{', '.join(BUILTIN_MODES)}")
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
@@ -208,12 +257,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from ctx_integrations.retrieval.store import DocumentStore
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    check_modes(modes)
     store = DocumentStore(Path(args.store) if args.store else cache_root() / "demo_store")
     started = time.perf_counter()
     engine = store.open_engine(args.model, device=args.device)
-    unknown = [m for m in modes if m not in engine.modes]
-    if unknown:
-        raise InvalidOptionError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(engine.modes)}")
     documents, questions = load_demo_corpus()
     report = store.add(documents)
     print(f"store {store.location}: {report.added} added, {report.updated} updated, {report.unchanged} unchanged; "
@@ -243,6 +290,9 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                         help="longest passage in tokens of the LLM's tokenizer (default 512)")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not compute KV caches now (ask computes missing ones on first use)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars on stderr (default: only when stderr is a terminal)")
     _add_retriever_arguments(parser)
     _add_model_arguments(parser)
 
@@ -250,25 +300,36 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
 @register_command("ingest", help="add .txt/.md/.pdf files to a store as passages, KV caches computed now",
                   configure=_configure_ingest)
 def run_ingest(args: argparse.Namespace) -> int:
-    from ctx_integrations.engine.core.model import load_tokenizer
     from ctx_integrations.retrieval.ingest import MIN_TOKENS, find_files, ingest, token_counter
 
     started = time.perf_counter()
     if args.chunk_tokens < MIN_TOKENS:
         raise InvalidOptionError(f"--chunk-tokens must be >= {MIN_TOKENS}")
-    find_files(args.paths)  # refuse a wrong path before loading any model
+    find_files(args.paths)  # refuse a wrong path before importing torch or loading any model
+    from ctx_integrations.engine.core.model import load_tokenizer
+
     store = _open_store(args, must_exist=False)
     if args.no_cache:
         tokenizer = load_tokenizer(args.model)
     else:
         tokenizer = store.open_engine(args.model, device=args.device).loaded.tokenizer
-    report = ingest(store, args.paths, token_counter(tokenizer), args.chunk_tokens, warm=not args.no_cache)
-    caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed"
-    print(f"ingested {report.files} files into {store.location}: {report.passages} passages ({report.added} added, "
-          f"{report.updated} updated, {report.unchanged} unchanged, {report.removed} removed); KV caches: {caches}; "
-          f"{time.perf_counter() - started:.1f} s")
+    report = ingest(store, args.paths, token_counter(tokenizer), args.chunk_tokens, warm=not args.no_cache,
+                    progress=args.progress)
+    elapsed = time.perf_counter() - started
     for path, reason in report.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**report.as_dict(), "store": str(store.location), "seconds": elapsed}, indent=1))
+    else:
+        caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed"
+        skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
+        print(f"ingested {report.files} files{skipped} into {store.location}: {report.passages} passages "
+              f"({report.added} added, {report.updated} updated, {report.unchanged} unchanged, {report.removed} "
+              f"removed); KV caches: {caches}; {elapsed:.1f} s")
+    if report.passages == 0:
+        raise EmptyDocumentsError(f"nothing was ingested from {', '.join(args.paths)}: "
+                                  + ("every file was skipped (see above)" if report.skipped else
+                                     "no .txt, .md or .pdf file with text was found"))
     return 0
 
 
@@ -278,7 +339,7 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
                         help="the question to answer; several are answered together with Engine.generate_many "
                              "(one stacked decode for all of them with --mode ippd)")
     parser.add_argument("--store", default=str(_default_store()), help="store folder or Chroma URL")
-    parser.add_argument("--mode", default="pced", help="decoding mode (any registered: pced, concat, ...)")
+    parser.add_argument("--mode", default="pced", help=f"decoding mode: {', '.join(BUILTIN_MODES)} (default pced)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a mode option, e.g. --option gamma=2.5 (repeatable; values parsed as JSON)")
     _add_generation_arguments(parser)
@@ -324,11 +385,12 @@ def _finite_float(text: str) -> float:
 @register_command("ask", help="answer a question from a store, listing sources with scores and timings",
                   configure=_configure_ask)
 def run_ask(args: argparse.Namespace) -> int:
+    options = _parse_options(args.option)
+    check_modes([args.mode])  # refuse a typo before importing torch or loading anything
     from ctx_integrations.engine.core.registry import check_options, resolve_mode
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
-    options = _parse_options(args.option)
-    resolve_mode(args.mode)  # refuse a typo before loading anything
+    resolve_mode(args.mode)
     check_options(args.mode, options)
     store = _open_store(args, must_exist=True)
     reranker = None

@@ -68,7 +68,7 @@ def test_similarity_search_normalises_cosine_like_the_paper(embeddings):
     """InMemoryVectorStore has no relevance function; search='similarity' maps its cosine with normalize_dense."""
     store = make_store(embeddings, InMemoryVectorStore)
     with pytest.raises(InvalidOptionError, match="search='similarity'"):
-        VectorStoreScoredRetriever(vectorstore=store).invoke("vault code")
+        VectorStoreScoredRetriever(vectorstore=store, search="relevance").invoke("vault code")
     docs = VectorStoreScoredRetriever(vectorstore=store, search="similarity", k=2).invoke("vault code")
     raw = dict((d.id, s) for d, s in store.similarity_search_with_score("vault code", k=2))
     assert docs[0].id == "doc4"

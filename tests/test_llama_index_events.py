@@ -82,8 +82,10 @@ def test_a_query_reports_retrieval_cache_lookups_and_decoding_in_order(seen, que
     assert decoded.num_tokens == len(response.metadata["trace"]) == TOKENS
     assert decoded.cited_node_ids == response.metadata["cited_nodes"] and decoded.timings["ttft_s"] > 0
 
-    # the events happen inside the synthesize span, itself inside the query's span
-    synthesize = next(s for s in spans.completed_spans if s.id_ == lookup.span_id)
+    # the events happen inside the synthesizer's span, inside the engine's synthesize span, inside the query's
+    synthesizer = next(s for s in spans.completed_spans if s.id_ == lookup.span_id)
+    assert synthesizer.id_.startswith("ContextOfExpertsSynthesizer.synthesize")
+    synthesize = next(s for s in spans.completed_spans if s.id_ == synthesizer.parent_id)
     assert synthesize.id_.startswith("ContextOfExpertsQueryEngine.synthesize")
     assert synthesize.parent_id.startswith("ContextOfExpertsQueryEngine._query")
 

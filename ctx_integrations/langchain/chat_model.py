@@ -1,10 +1,16 @@
 """The local decoder as a LangChain chat model, for plain chat and for chat over documents.
 
 Without documents it is an ordinary local chat model: the conversation goes through the model's own
-chat template. With documents (``invoke(messages, documents=[...])``, ``.bind(documents=...)`` or the
-``documents`` field) the last user message is answered from them with ``mode`` (PCED by default),
-reusing each document's KV cache, and the answer's trace, citations and timings land in
-``response_metadata``.
+chat template. With documents the last user message is answered from them with ``mode`` (PCED by
+default), reusing each document's KV cache, and the answer's trace, citations and timings land in
+``response_metadata``. Documents come, in this order of precedence, from the call
+(``invoke(messages, documents=[...])`` or ``.bind(documents=...)``), from tagged messages in the prompt
+(``ChatPromptTemplate`` with a ``("placeholder", "{documents}")`` slot filled by
+:func:`documents_as_messages`), or from the ``documents`` field.
+
+Being a ``BaseChatModel``, it emits LangChain's standard events (``on_chat_model_start`` / ``_stream`` /
+``_end`` in ``astream_events``, ``on_llm_new_token`` for callbacks) and puts token counts in
+``usage_metadata``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import run_in_executor
-from pydantic import ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field
 
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
@@ -26,14 +32,19 @@ from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
-from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.errors import InvalidOptionError
-from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
+from ctx_integrations.langchain.convert import (
+    from_langchain_documents,
+    response_metadata,
+    split_document_messages,
+    usage_metadata,
+)
 
 DEFAULT_MAX_TOKENS = 128
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
-_CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "temperature", "top_p", "seed",
-                           "stream"})
+_CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "max_new_tokens", "temperature",
+                           "top_p", "seed", "stream"})
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
@@ -59,11 +70,26 @@ class _Request:
             raise InvalidOptionError("answering from documents needs a user message with the question")
         return users[-1]
 
-    def run(self, on_token: Any = None) -> Answer:
+    def run(self) -> Answer:
         if self.documents is None:
-            return self.engine.chat(self.messages, on_token=on_token, **self.settings)
-        return self.engine.generate(self.question, self.documents, mode=self.mode, on_token=on_token,
-                                    **self.settings, **self.options)
+            return self.engine.chat(self.messages, **self.settings)
+        return self.engine.generate(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
+
+    def stream(self) -> Iterator[str]:
+        if self.documents is None:
+            return self.engine.stream_chat(self.messages, **self.settings)
+        return self.engine.stream(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
+
+    async def arun(self) -> Answer:
+        if self.documents is None:
+            return await self.engine.achat(self.messages, **self.settings)
+        return await self.engine.agenerate(self.question, self.documents, mode=self.mode, **self.settings,
+                                           **self.options)
+
+    def astream(self) -> AnswerStream:
+        if self.documents is None:
+            return self.engine.astream_chat(self.messages, **self.settings)
+        return self.engine.astream(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
 
     def input_tokens(self, answer: Answer) -> int:
         if self.documents is None:
@@ -75,8 +101,8 @@ class ChatContextOfExperts(BaseChatModel):
     """A LangChain chat model over a local :class:`~ctx_integrations.Engine` (``engine=None``: the embedded default).
 
     Per call: ``documents`` (answer from them with ``mode``), ``mode``, ``mode_options``,
-    ``max_tokens``, ``temperature``, ``top_p``, ``seed``. Tool calling and structured output are not
-    supported: the embedded 135M model cannot follow tool schemas reliably.
+    ``max_tokens`` (alias ``max_new_tokens``), ``temperature``, ``top_p``, ``seed``. Tool calling and
+    structured output are not supported: the embedded 135M model cannot follow tool schemas reliably.
     """
 
     engine: Any = Field(default=None, exclude=True)
@@ -85,7 +111,7 @@ class ChatContextOfExperts(BaseChatModel):
     mode_options: dict[str, Any] = Field(default_factory=dict)
     documents: list[Any] | None = Field(default=None, exclude=True)
     temperature: float = 0.0
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
@@ -138,10 +164,17 @@ class ChatContextOfExperts(BaseChatModel):
         if model is not None and model != self.resolved_model_name:
             raise InvalidOptionError(f"this chat model serves {self.resolved_model_name!r}, not {model!r}: build "
                                      "another ChatContextOfExperts with engine=Engine.from_pretrained(...) for it")
-        documents = kwargs.get("documents", self.documents)
+        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
+            raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
+        tagged, messages = split_document_messages(messages)
+        if tagged is not None and "documents" in kwargs:
+            raise InvalidOptionError("documents came both in the prompt (tagged messages) and as documents=: give "
+                                     "them one way")
+        documents = kwargs["documents"] if "documents" in kwargs else tagged if tagged is not None else self.documents
         mode = kwargs.get("mode", self.mode)
         options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
-        settings = {"max_new_tokens": kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS,
+        budget = kwargs.get("max_tokens") or kwargs.get("max_new_tokens")
+        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_TOKENS,
                     "temperature": kwargs.get("temperature", self.temperature),
                     "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
                     "stop": tuple(stop if stop is not None else self.stop or ())}
@@ -167,24 +200,33 @@ class ChatContextOfExperts(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        pieces = iter_tokens(request.run)
-        while True:
-            try:
-                piece = next(pieces)
-            except StopIteration as finished:
-                yield self._last_chunk(request, finished.value)
-                return
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        pieces = request.stream()
+        try:
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as finished:
+                    yield self._last_chunk(request, finished.value)
+                    return
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        finally:
+            pieces.close()  # a consumer that stopped early cancels the request
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return await run_in_executor(None, self._generate, messages, stop, None, **kwargs)
+        request = await run_in_executor(None, self._request, messages, stop, kwargs)  # may load the model
+        answer = await request.arun()
+        message = AIMessage(content=answer.text, **self._metadata(request, answer))
+        return ChatResult(generations=[ChatGeneration(message=message)])
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        request = await run_in_executor(None, self._request, messages, stop, kwargs)
-        sink: dict[str, Answer] = {}
-        async for piece in aiter_tokens(request.run, sink):
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        yield self._last_chunk(request, sink["answer"])
+        request = await run_in_executor(None, self._request, messages, stop, kwargs)  # may load the model
+        stream = request.astream()
+        try:
+            async for piece in stream:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        finally:
+            await stream.aclose()  # a consumer that stopped early cancels the request
+        yield self._last_chunk(request, stream.answer)

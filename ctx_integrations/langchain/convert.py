@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import BaseMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 
 from ctx_integrations.documents import Document, as_document
@@ -20,6 +21,7 @@ from ctx_integrations.errors import EmptyDocumentsError
 
 SCORE_KEY = "score"
 SCORES_KEY = "scores"
+DOCUMENT_TAG = "ctx_document"  # the additional_kwargs key that marks a message as a document
 
 
 def content_id(text: str) -> str:
@@ -73,3 +75,32 @@ def usage_metadata(input_tokens: int, answer: Answer) -> UsageMetadata:
     output_tokens = len(answer.token_ids)
     return UsageMetadata(input_tokens=input_tokens, output_tokens=output_tokens,
                          total_tokens=input_tokens + output_tokens)
+
+
+def documents_as_messages(documents: Any) -> list[SystemMessage]:
+    """Documents as tagged system messages, for a ``("placeholder", "{documents}")`` slot of a chat prompt.
+
+    Each message holds one document's text, tagged with ``additional_kwargs["ctx_document"]`` (id and
+    metadata, scores included). :class:`ChatContextOfExperts` takes tagged messages out of the
+    conversation and answers the last user message from them as documents (each its own expert, with
+    its KV cache and relevance prior); any other chat model simply reads them as system context.
+    """
+    messages = []
+    for document in from_langchain_documents(documents):
+        metadata = {**document.metadata, SCORE_KEY: document.score, SCORES_KEY: dict(document.scores)}
+        messages.append(SystemMessage(content=document.text, additional_kwargs={
+            DOCUMENT_TAG: {"id": document.id or content_id(document.text), "metadata": metadata}}))
+    return messages
+
+
+def split_document_messages(messages: Sequence[BaseMessage]) -> tuple[list[LCDocument] | None, list[BaseMessage]]:
+    """The documents carried by tagged messages (``None``: no tagged message) and the other messages."""
+    documents, rest = [], []
+    for message in messages:
+        tag = message.additional_kwargs.get(DOCUMENT_TAG)
+        if tag is None:
+            rest.append(message)
+        else:
+            documents.append(LCDocument(page_content=str(message.text), id=tag.get("id"),
+                                        metadata=dict(tag.get("metadata") or {})))
+    return (documents or None), rest

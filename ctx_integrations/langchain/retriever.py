@@ -14,7 +14,7 @@ from typing import Any, Literal
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.vectorstores import VectorStore
+from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from pydantic import ConfigDict, Field
 
 from ctx_integrations.errors import InvalidOptionError
@@ -70,10 +70,13 @@ _DEFAULT_NORMALIZE = {"relevance": clip_relevance, "similarity": normalize_dense
 class VectorStoreScoredRetriever(BaseRetriever):
     """Any LangChain ``VectorStore`` that returns scores, as a retriever that keeps them.
 
-    ``search="relevance"`` (default) calls ``similarity_search_with_relevance_scores`` (scores the store
-    maps into [0, 1]; clipped to [0, 1 - eps]); ``search="similarity"`` calls
-    ``similarity_search_with_score`` for stores without a relevance function (e.g. ``InMemoryVectorStore``,
-    whose score is a cosine in [-1, 1], normalised with ``normalize_dense`` as in the PCED paper).
+    ``search="relevance"`` calls ``similarity_search_with_relevance_scores`` (scores the store maps into
+    [0, 1]; clipped to [0, 1 - eps]); ``search="similarity"`` calls ``similarity_search_with_score`` for
+    stores without a relevance function (e.g. ``InMemoryVectorStore``, whose score is a cosine in
+    [-1, 1], normalised with ``normalize_dense`` as in the PCED paper). ``search="auto"`` (default) picks
+    ``relevance`` when the store has a relevance function, ``similarity`` for ``InMemoryVectorStore``
+    (whose score is known to be a cosine), and otherwise refuses at construction, naming the choice to
+    make: guessing what an unknown store's raw score means would skew every prior silently.
     ``metadata["scores"]`` gets ``<search>`` (what the store returned) and ``<search>_norm`` (normalised),
     the project's naming; ``metadata["score"]`` is the normalised r. ``normalize`` replaces the default
     normalisation (e.g. for a store whose ``similarity_search_with_score`` returns a distance).
@@ -81,7 +84,7 @@ class VectorStoreScoredRetriever(BaseRetriever):
 
     vectorstore: VectorStore = Field(exclude=True)
     k: int = 4
-    search: Literal["relevance", "similarity"] = "relevance"
+    search: Literal["auto", "relevance", "similarity"] = "auto"
     score_threshold: float | None = None
     normalize: Callable[[float], float] | None = Field(default=None, exclude=True)
 
@@ -93,6 +96,8 @@ class VectorStoreScoredRetriever(BaseRetriever):
 
     def _check(self) -> None:
         _check_k(self.k)
+        if self.search == "auto":
+            self.search = _auto_search(self.vectorstore, explicit_normalize=self.normalize is not None)
         if self.score_threshold is not None and self.search != "relevance":
             raise InvalidOptionError("score_threshold filters relevance scores: use it with search='relevance'")
 
@@ -135,3 +140,17 @@ class VectorStoreScoredRetriever(BaseRetriever):
         except NotImplementedError as error:
             raise self._unsupported() from error
         return self._scored(pairs)
+
+
+def _auto_search(store: VectorStore, *, explicit_normalize: bool) -> Literal["relevance", "similarity"]:
+    """``relevance`` when the store maps its scores into [0, 1]; ``similarity`` where the raw score is known."""
+    try:
+        store._select_relevance_score_fn()  # the hook LangChain's relevance search calls; no public accessor
+    except NotImplementedError:
+        pass
+    else:
+        return "relevance"
+    if isinstance(store, InMemoryVectorStore) or explicit_normalize:
+        return "similarity"  # InMemoryVectorStore: a cosine in [-1, 1]; else the caller's normalize says what it is
+    raise InvalidOptionError(f"{type(store).__name__} has no relevance-score function and its raw score is unknown "
+                             "here: pass search='similarity' with a normalize= that maps its score into [0, 1]")

@@ -2,36 +2,36 @@
 
 Drop it at the end of ``{"question": RunnablePassthrough(), "documents": retriever} | ...`` and every
 retrieval score in ``Document.metadata`` reaches the decoder as its relevance prior, while document
-KV caches are reused across calls. ``mode`` (and ``mode_options``, ``max_new_tokens``,
-``temperature``) can be switched per call through ``config["configurable"]``, so one chain compares
-PCED against the baselines.
+KV caches are reused across calls. ``mode`` (and ``mode_options``, ``max_tokens``, ``temperature``)
+can be switched per call through ``config["configurable"]``, so one chain compares PCED against the
+baselines. The model call goes through :class:`ChatContextOfExperts` as a child run, so LangChain emits
+its standard chat-model events (``on_chat_model_start`` / ``_stream`` / ``_end``, ``on_llm_new_token``)
+for it, with ``usage_metadata`` on the final message.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
-from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
-from langchain_core.runnables.config import get_config_list, run_in_executor
+from langchain_core.runnables.config import get_config_list, patch_config, run_in_executor
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
-from pydantic import ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
-from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
+from ctx_integrations.langchain.chat_model import ChatContextOfExperts
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
 
 Output = AIMessage | str
-_PER_CALL = ("mode", "mode_options", "max_new_tokens", "temperature")
 
 
 @dataclass
@@ -44,9 +44,21 @@ class _Call:
     options: dict[str, Any]
     settings: dict[str, Any]
 
-    def run(self, engine: Engine, on_token: Callable[[str], None] | None = None) -> Answer:
-        return engine.generate(self.question, self.documents, mode=self.mode, on_token=on_token, **self.settings,
-                               **self.options)
+    @property
+    def messages(self) -> list[BaseMessage]:
+        return [HumanMessage(content=self.question)]
+
+    @property
+    def model_options(self) -> dict[str, Any]:
+        """The chat model's per-call options for this request (its ``stop`` is passed separately)."""
+        settings = self.settings
+        return {"documents": self.documents, "mode": self.mode, "mode_options": self.options,
+                "max_tokens": settings["max_new_tokens"], "temperature": settings["temperature"],
+                "top_p": settings["top_p"], "seed": settings["seed"]}
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.settings["stop"])
 
 
 def merge_streamed_input(chunks: Iterator[Any]) -> Any:
@@ -74,7 +86,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     ``response_metadata`` holds the per-token trace, the cited documents and the timings, with token
     counts in ``usage_metadata`` (``output="text"``: just the answer string).
 
-    ``engine=None`` uses the embedded default model. ``mode_options`` maps a mode name to its options,
+    ``engine=None`` uses the embedded default model. ``max_tokens`` (alias ``max_new_tokens``) is the
+    answer budget, also per call as ``configurable["max_tokens"]``. ``mode_options`` maps a mode name to its options,
     e.g. ``{"pced": {"gamma": 2.0}}``, so switching ``mode`` per call never sends one mode's options to
     another. ``batch``/``abatch`` over questions that share the same documents answer them all in one
     stacked decode with ``batch_mode`` (IPPD); ``batch_mode=None`` answers each with ``mode``.
@@ -84,7 +97,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     retriever: Any = Field(default=None, exclude=True)
     mode: str = "pced"
     mode_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    max_new_tokens: int = 128
+    max_tokens: int = Field(default=128, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -92,11 +105,26 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     output: Literal["message", "text"] = "message"
     batch_mode: str | None = "ippd"
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    _model: ChatContextOfExperts | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
+        if "max_tokens" in data and "max_new_tokens" in data:
+            raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
         super().__init__(**data)
         self._check()
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Alias of ``max_tokens`` (the engine's name for it)."""
+        return self.max_tokens
+
+    @property
+    def chat_model(self) -> ChatContextOfExperts:
+        """The chat model every answer goes through (so LangChain reports it as a chat-model run)."""
+        if self._model is None:
+            self._model = ChatContextOfExperts(engine=self.engine, mode=self.mode)
+        return self._model
 
     def _check(self) -> None:
         """Refuse a typo in a mode name or option at construction, not at the first question."""
@@ -117,8 +145,10 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
                                   description="pced, ape, rapid, ippd, soft_nbce or a baseline (concat, single, ...)"),
             ConfigurableFieldSpec(id="mode_options", annotation=dict, name="Mode options", default={},
                                   description="options of this call's mode, e.g. {'gamma': 2.0} for pced"),
-            ConfigurableFieldSpec(id="max_new_tokens", annotation=int, name="Max new tokens",
-                                  default=self.max_new_tokens),
+            ConfigurableFieldSpec(id="max_tokens", annotation=int, name="Max tokens", default=self.max_tokens,
+                                  description="answer budget in tokens (alias: max_new_tokens)"),
+            ConfigurableFieldSpec(id="max_new_tokens", annotation=int, name="Max new tokens", default=self.max_tokens,
+                                  description="alias of max_tokens"),
             ConfigurableFieldSpec(id="temperature", annotation=float, name="Temperature", default=self.temperature),
         ]
         return get_unique_config_specs(own + (self.retriever.config_specs if self.retriever is not None else []))
@@ -129,7 +159,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         configurable = (config or {}).get("configurable") or {}
         mode = configurable.get("mode", self.mode)
         options = {**self.mode_options.get(mode, {}), **(configurable.get("mode_options") or {})}
-        settings = {"max_new_tokens": configurable.get("max_new_tokens", self.max_new_tokens),
+        budget = configurable.get("max_tokens", configurable.get("max_new_tokens", self.max_tokens))
+        settings = {"max_new_tokens": budget,
                     "temperature": configurable.get("temperature", self.temperature),
                     "top_p": self.top_p, "seed": self.seed, "stop": tuple(self.stop)}
         return mode, options, settings
@@ -144,7 +175,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
                                          "{'question': str, 'documents': [...]}")
             return input["question"], input.get("documents")
         raise InvalidOptionError(f"cannot answer a {type(input).__name__}: pass {{'question': str, 'documents': "
-                                 "[...]}} or, with a retriever, a question string")
+                                 "[...]} or, with a retriever, a question string (to answer a chat prompt, put "
+                                 "ChatContextOfExperts after it instead)")
 
     def _no_documents(self) -> EmptyDocumentsError:
         return EmptyDocumentsError("no 'documents' in the input and no retriever: pass {'question': ..., "
@@ -182,46 +214,49 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         return {"response_metadata": response_metadata(answer, engine.loaded.name),
                 "usage_metadata": usage_metadata(used, answer)}
 
-    def _chunks(self, pieces: Generator[str, None, Answer], engine: Engine, call: _Call,
-                run_id: str) -> Iterator[Output]:
-        """Text pieces as message chunks; the last chunk carries the metadata (merging keeps it once)."""
-        while True:
-            try:
-                piece = next(pieces)
-            except StopIteration as finished:
-                answer = finished.value
-                break
-            yield piece if self.output == "text" else AIMessageChunk(content=piece, id=run_id)
-        if self.output == "message":
-            yield AIMessageChunk(content="", id=run_id, chunk_position="last", **self._metadata(engine, call, answer))
+    def _message_output(self, message: AIMessage) -> Output:
+        return str(message.content) if self.output == "text" else message
+
+    @staticmethod
+    def _child(config: RunnableConfig, run_manager: Any) -> RunnableConfig:
+        return patch_config(config, callbacks=run_manager.get_child())
 
     # ----------------------------------------------------------------- invoke
 
     def _invoke(self, input: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig) -> Output:
-        engine = resolve_engine(self.engine)
         call = self._resolve(input, config)
-        return self._output(engine, call, call.run(engine))
+        message = self.chat_model.invoke(call.messages, self._child(config, run_manager), stop=call.stop,
+                                         **call.model_options)
+        return self._message_output(message)
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Output:
         return self._call_with_config(self._invoke, input, config)
 
     async def _ainvoke(self, input: Any, run_manager: AsyncCallbackManagerForChainRun,
                        config: RunnableConfig) -> Output:
-        engine = await run_in_executor(None, resolve_engine, self.engine)
         call = await self._aresolve(input, config)
-        answer = await run_in_executor(None, call.run, engine)
-        return self._output(engine, call, answer)
+        message = await self.chat_model.ainvoke(call.messages, self._child(config, run_manager), stop=call.stop,
+                                                **call.model_options)
+        return self._message_output(message)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Output:
         return await self._acall_with_config(self._ainvoke, input, config)
 
     # ----------------------------------------------------------------- streaming
 
+    def _chunk_output(self, chunk: AIMessageChunk) -> Output | None:
+        """A chat-model chunk as this runnable's output chunk (text mode skips the empty metadata chunk)."""
+        if self.output == "message":
+            return chunk
+        return str(chunk.content) or None
+
     def _transform(self, inputs: Iterator[Any], run_manager: CallbackManagerForChainRun,
                    config: RunnableConfig) -> Iterator[Output]:
-        engine = resolve_engine(self.engine)
         call = self._resolve(merge_streamed_input(inputs), config)
-        yield from self._chunks(iter_tokens(partial(call.run, engine)), engine, call, f"lc_run--{run_manager.run_id}")
+        for chunk in self.chat_model.stream(call.messages, self._child(config, run_manager), stop=call.stop,
+                                            **call.model_options):
+            if (out := self._chunk_output(chunk)) is not None:
+                yield out
 
     def transform(self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Output]:
         yield from self._transform_stream_with_config(input, self._transform, config)
@@ -231,14 +266,11 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     async def _atransform(self, inputs: AsyncIterator[Any], run_manager: AsyncCallbackManagerForChainRun,
                           config: RunnableConfig) -> AsyncIterator[Output]:
-        engine = await run_in_executor(None, resolve_engine, self.engine)
         call = await self._aresolve(merge_streamed_input([chunk async for chunk in inputs]), config)
-        run_id, sink = f"lc_run--{run_manager.run_id}", {}
-        async for piece in aiter_tokens(partial(call.run, engine), sink):
-            yield piece if self.output == "text" else AIMessageChunk(content=piece, id=run_id)
-        if self.output == "message":
-            yield AIMessageChunk(content="", id=run_id, chunk_position="last",
-                                 **self._metadata(engine, call, sink["answer"]))
+        async for chunk in self.chat_model.astream(call.messages, self._child(config, run_manager), stop=call.stop,
+                                                   **call.model_options):
+            if (out := self._chunk_output(chunk)) is not None:
+                yield out
 
     async def atransform(self, input: AsyncIterator[Any], config: RunnableConfig | None = None,
                          **kwargs: Any) -> AsyncIterator[Output]:
@@ -281,7 +313,12 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     async def _abatch_shared(self, inputs: list[Any], run_manager: list[AsyncCallbackManagerForChainRun],
                              config: list[RunnableConfig]) -> list[Output]:
-        return await run_in_executor(None, self._answer_shared, inputs, config)
+        engine = await run_in_executor(None, resolve_engine, self.engine)  # may load the model: not on the loop
+        calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
+        options = self.mode_options.get(self.batch_mode, {})
+        answers = await engine.agenerate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,
+                                              **calls[0].settings, **options)
+        return [self._output(engine, c, a) for c, a in zip(calls, answers)]
 
     def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
               return_exceptions: bool = False, **kwargs: Any) -> list[Output]:

@@ -15,34 +15,35 @@ from typing import Any
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, TransformComponent
 
-from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.llama_index.convert import node_text
 from ctx_integrations.llama_index.events import KVCacheWarmEvent, dispatcher
+from ctx_integrations.llama_index.llm import resolve_llm
 
 
 class KVCacheWarmer(TransformComponent):
     """Compute (or load) every node's KV cache; nodes pass through unchanged.
 
-    ``engine=None`` uses the shared embedded default, the same one ``ContextOfExpertsQueryEngine``
-    uses without an engine. ``stats`` totals the cache hits / misses of every run: a node that is
-    already cached (unchanged text, same model) is a hit and costs nothing.
+    The engine is ``engine`` / ``llm``'s, else ``Settings.llm``'s when it is an ExpertDecoderLLM, else the
+    shared embedded one with caches in ``cache_dir`` (default: the user cache dir): the same one
+    ``ContextOfExpertsQueryEngine`` and ``ContextOfExpertsSynthesizer`` pick with the same arguments.
+    ``stats`` totals the cache hits / misses of every run: a node that is already cached (unchanged text,
+    same model) is a hit and costs nothing.
 
     ``IngestionPipeline`` skips a step whose input it has cached; ``engine_key`` (model identity, prompt
     layout and cache folder) is part of that hash, so another model or layout always recomputes. With
-    an engine that keeps caches in memory only, a new process loses them: give the engine a
-    ``cache_dir`` to keep them across runs. Run the pipeline with ``num_workers=None`` (an engine is not
-    shared across processes).
+    an engine that keeps caches in memory only (``cache_dir=None``), a new process loses them. Run the
+    pipeline with ``num_workers=None`` (an engine is not shared across processes).
     """
 
     engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
     engine_key: str = Field(default="", description="identifies the model, layout and cache folder")
     _stats: dict[str, int] = PrivateAttr(default_factory=lambda: {"hits": 0, "misses": 0, "corrupt": 0})
 
-    def __init__(self, engine: Any = None, **data: Any):
-        check_engine(engine)
-        resolved = resolve_engine(engine)
+    def __init__(self, engine: Any = None, *, llm: Any = None, cache_dir: CacheDir = USER_CACHE_DIR, **data: Any):
+        resolved = resolve_llm(llm, engine, cache_dir).resolved_engine  # Settings.llm's engine when it is ours
         key = f"{resolved.loaded.identity}:{resolved.layout.fingerprint}:{resolved.store.directory}"
-        super().__init__(engine=engine, engine_key=key, **data)
+        super().__init__(engine=resolved, engine_key=key, **data)
 
     @classmethod
     def class_name(cls) -> str:
@@ -56,7 +57,7 @@ class KVCacheWarmer(TransformComponent):
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texted = [(node.node_id, text) for node in nodes if (text := node_text(node)).strip()]
         if texted:  # nodes without text (e.g. images) have nothing to cache
-            counts = resolve_engine(self.engine).warm([text for _, text in texted])
+            counts = self.engine.warm([text for _, text in texted])
             for key, value in counts.items():
                 self._stats[key] += value
             dispatcher.event(KVCacheWarmEvent(node_ids=[node_id for node_id, _ in texted], hits=counts["hits"],

@@ -11,7 +11,9 @@ class serves everything else an app asks an LLM (summaries, query rewriting, cha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+import warnings
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
+from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +31,13 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.settings import Settings
 
-from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, UserCacheDir, check_engine, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.errors import InvalidOptionError
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
@@ -54,8 +57,17 @@ class _Request:
     messages: list[dict[str, str]]
     settings: dict[str, Any]
 
-    def run(self, on_token: Any = None) -> Answer:
-        return self.engine.chat(self.messages, on_token=on_token, **self.settings)
+    def run(self) -> Answer:
+        return self.engine.chat(self.messages, **self.settings)
+
+    def stream(self) -> Iterator[str]:
+        return self.engine.stream_chat(self.messages, **self.settings)
+
+    async def arun(self) -> Answer:
+        return await self.engine.achat(self.messages, **self.settings)
+
+    def astream(self) -> AnswerStream:
+        return self.engine.astream_chat(self.messages, **self.settings)
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
@@ -69,13 +81,21 @@ class _Request:
 class ExpertDecoderLLM(CustomLLM):
     """A LlamaIndex LLM over a local :class:`~ctx_integrations.Engine` (``engine=None``: the embedded default).
 
-    ``complete`` / ``stream_complete`` / ``chat`` / ``stream_chat`` and their async versions; the async
-    ones decode on a worker thread, so the event loop keeps running. Streaming yields one response per
-    decoded piece of text (``delta``), then an empty-delta response whose ``raw`` holds token usage and
-    timings. Per-call options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``.
+    ``complete`` / ``stream_complete`` / ``chat`` / ``stream_chat`` and their async versions (``Engine.achat``
+    / ``astream_chat``: the event loop keeps running; closing an async stream early cancels the request).
+    Streaming yields one response per decoded piece of text (``delta``), then an empty-delta response whose
+    ``raw`` holds token usage and timings. Per-call options: ``max_new_tokens`` (alias ``max_tokens``),
+    ``temperature``, ``top_p``, ``seed``, ``stop``.
+
+    Set it as ``Settings.llm`` and every ctx-integrations LlamaIndex class (query engine, synthesizer,
+    chat engine) decodes with its engine: one model for the whole app. ``cache_dir``: where the default
+    engine keeps document KV caches (left out: the user cache dir, ``$CTX_CACHE_DIR``; ``None``: memory
+    only); give either ``engine`` or ``cache_dir``.
     """
 
     engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
+    cache_dir: Any = Field(default=USER_CACHE_DIR, exclude=True,
+                           description="KV cache folder of the default engine; None: memory only")
     max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per call (metadata.num_output)")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -83,8 +103,12 @@ class ExpertDecoderLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list, description="stop sequences")
 
     def __init__(self, **data: Any):
+        if "max_tokens" in data:  # the name most LlamaIndex LLMs use
+            if "max_new_tokens" in data:
+                raise InvalidOptionError("give max_new_tokens or its alias max_tokens, not both")
+            data["max_new_tokens"] = data.pop("max_tokens")
         super().__init__(**data)
-        check_engine(self.engine)
+        check_engine(self.engine, self.cache_dir)
 
     @classmethod
     def class_name(cls) -> str:
@@ -93,7 +117,7 @@ class ExpertDecoderLLM(CustomLLM):
     @property
     def resolved_engine(self) -> Engine:
         """The engine this LLM decodes with (the shared embedded default is loaded on first use)."""
-        return resolve_engine(self.engine)
+        return resolve_engine(self.engine, self.cache_dir)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -105,6 +129,9 @@ class ExpertDecoderLLM(CustomLLM):
     # ----------------------------------------------------------------- requests
 
     def _request(self, engine: Engine, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> _Request:
+        if "max_tokens" in kwargs:
+            kwargs = {**kwargs, "max_new_tokens": kwargs["max_tokens"]}
+            del kwargs["max_tokens"]
         unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
         if unknown:
             raise InvalidOptionError(f"ExpertDecoderLLM does not accept {', '.join(unknown)}; per-call options are: "
@@ -120,7 +147,7 @@ class ExpertDecoderLLM(CustomLLM):
         return system + [{"role": "user", "content": prompt}]
 
     async def _arequest(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> _Request:
-        engine = await asyncio.to_thread(resolve_engine, self.engine)  # may load the model: not on the loop
+        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir)  # may load the model
         return self._request(engine, messages, kwargs)
 
     # ----------------------------------------------------------------- completion
@@ -140,7 +167,7 @@ class ExpertDecoderLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         request = await self._arequest(self._prompt_messages(prompt), kwargs)
-        answer = await asyncio.to_thread(request.run)
+        answer = await request.arun()
         return CompletionResponse(text=answer.text, raw=request.raw(answer))
 
     @llm_completion_callback()
@@ -166,7 +193,7 @@ class ExpertDecoderLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         request = await self._arequest(to_chat_messages(messages), kwargs)
-        answer = await asyncio.to_thread(request.run)
+        answer = await request.arun()
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text),
                             raw=request.raw(answer))
 
@@ -178,25 +205,30 @@ class ExpertDecoderLLM(CustomLLM):
 
 def _completion_chunks(request: _Request) -> Iterator[CompletionResponse]:
     """One response per decoded piece (``text`` so far, ``delta``), then an empty delta carrying ``raw``."""
-    pieces = iter_tokens(request.run)
+    pieces = request.stream()
     text = ""
-    while True:
-        try:
-            piece = next(pieces)
-        except StopIteration as finished:
-            yield CompletionResponse(text=text, delta="", raw=request.raw(finished.value))
-            return
-        text += piece
-        yield CompletionResponse(text=text, delta=piece)
+    try:
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as finished:
+                yield CompletionResponse(text=text, delta="", raw=request.raw(finished.value))
+                return
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)
+    finally:
+        pieces.close()  # a consumer that stopped early cancels the request
 
 
 async def _acompletion_chunks(request: _Request) -> AsyncIterator[CompletionResponse]:
-    sink: dict[str, Answer] = {}
-    text = ""
-    async for piece in aiter_tokens(request.run, sink):
-        text += piece
-        yield CompletionResponse(text=text, delta=piece)
-    yield CompletionResponse(text=text, delta="", raw=request.raw(sink["answer"]))
+    stream, text = request.astream(), ""
+    try:
+        async for piece in stream:
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)
+    finally:
+        await stream.aclose()  # a consumer that stopped early cancels the request
+    yield CompletionResponse(text=text, delta="", raw=request.raw(stream.answer))
 
 
 def _chat_response(chunk: CompletionResponse) -> ChatResponse:
@@ -204,11 +236,50 @@ def _chat_response(chunk: CompletionResponse) -> ChatResponse:
                         raw=chunk.raw)
 
 
-def _chat_chunks(chunks: Iterator[CompletionResponse]) -> Iterator[ChatResponse]:
-    for chunk in chunks:
-        yield _chat_response(chunk)
+def _chat_chunks(chunks: Generator[CompletionResponse, None, None]) -> Iterator[ChatResponse]:
+    with closing(chunks):  # closing this stream early closes (and so cancels) the decoding one
+        for chunk in chunks:
+            yield _chat_response(chunk)
 
 
-async def _achat_chunks(chunks: AsyncIterator[CompletionResponse]) -> AsyncIterator[ChatResponse]:
-    async for chunk in chunks:
-        yield _chat_response(chunk)
+async def _achat_chunks(chunks: AsyncGenerator[CompletionResponse, None]) -> AsyncIterator[ChatResponse]:
+    async with aclosing(chunks):  # closing this stream early closes (and so cancels) the decoding one
+        async for chunk in chunks:
+            yield _chat_response(chunk)
+
+
+_warned_settings_llm: set[int] = set()
+
+
+def resolve_llm(llm: Any = None, engine: Any = None, cache_dir: CacheDir = USER_CACHE_DIR) -> ExpertDecoderLLM:
+    """The :class:`ExpertDecoderLLM` a ctx-integrations LlamaIndex class decodes with; never a second model silently.
+
+    ``llm`` (an ExpertDecoderLLM) or ``engine`` (an Engine, or an ExpertDecoderLLM for compatibility) if
+    given; else ``Settings.llm`` when it is an ExpertDecoderLLM; else one over the shared embedded engine
+    (``cache_dir``). When ``Settings.llm`` is another LLM, that fallback is announced with a warning: the
+    decoder needs a local model with per-document KV caches, so it cannot answer with ``Settings.llm``.
+    """
+    given = [name for name, value in (("llm", llm), ("engine", engine)) if value is not None]
+    if not isinstance(cache_dir, UserCacheDir):
+        given.append("cache_dir")
+    if len(given) > 1:
+        raise InvalidOptionError(f"give one of llm=, engine= or cache_dir=, not {' and '.join(given)}")
+    if isinstance(engine, ExpertDecoderLLM):
+        llm, engine = engine, None
+    if llm is not None:
+        if not isinstance(llm, ExpertDecoderLLM):
+            raise InvalidOptionError(f"llm must be an ExpertDecoderLLM (the local decoder), got {type(llm).__name__}: "
+                                     "build ExpertDecoderLLM(engine=Engine.from_pretrained(...)) for your model")
+        return llm
+    if engine is not None or given:
+        return ExpertDecoderLLM(engine=engine, cache_dir=cache_dir)
+    current = Settings._llm  # the attribute, not the property: the property would resolve (and load) a default LLM
+    if isinstance(current, ExpertDecoderLLM):
+        return current
+    if current is not None and id(current) not in _warned_settings_llm:
+        _warned_settings_llm.add(id(current))
+        warnings.warn(f"Settings.llm is a {type(current).__name__}, which cannot decode with per-document KV caches: "
+                      "answering with the embedded model instead. Set Settings.llm = ExpertDecoderLLM(...) (used for "
+                      "condensing and summaries too, one model) or pass llm=ExpertDecoderLLM(...)", UserWarning,
+                      stacklevel=3)
+    return ExpertDecoderLLM()

@@ -1,61 +1,61 @@
 """``ContextOfExpertsQueryEngine``: a LlamaIndex query engine whose answer step is the local decoder.
 
 retrieve (any LlamaIndex retriever; every score kept) -> node postprocessors (rerankers; their scores
-kept and fused with the retrieval score) -> one ``Engine.generate`` call over the nodes, their fused
-relevance r and their cached KV -> a ``Response`` whose ``source_nodes`` carry every score and whose
-``metadata`` holds the per-token trace, the cited nodes, timings and cache hits. ``query_many`` answers a
-list of questions in one ``Engine.generate_many`` call (IPPD by default), sharing contexts between
-questions that retrieved the same nodes.
+kept and fused with the retrieval score) -> :class:`ContextOfExpertsSynthesizer` (one ``Engine.generate``
+call over the nodes, their fused relevance r and their cached KV) -> a ``Response`` whose ``source_nodes``
+carry every score and whose ``metadata`` holds the per-token trace, the cited nodes, timings and cache
+hits. It is a ``RetrieverQueryEngine``, so stock wrappers (``CondenseQuestionChatEngine``, query tools)
+treat it as one, streaming toggle included. ``query_many`` answers a list of questions in one
+``Engine.generate_many`` call (IPPD by default), sharing contexts between questions that retrieved the
+same nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
-from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.base.response.schema import RESPONSE_TYPE, Response
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
-from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.prompts.mixin import PromptMixinType
+from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.core.settings import Settings
 
-from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.registry import check_options, resolve_mode
-from ctx_integrations.engine.core.token_stream import aiter_tokens, iter_tokens
+from ctx_integrations.engine.core.registry import resolve_mode
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
-from ctx_integrations.llama_index.convert import node_text, response_metadata, to_document
-from ctx_integrations.llama_index.events import emit_answer_events
-from ctx_integrations.llama_index.llm import ExpertDecoderLLM
+from ctx_integrations.llama_index.convert import node_text, to_document
+from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
 from ctx_integrations.llama_index.score_keeping import (
-    SCORES_KEY,
     RerankerScoreFusion,
     ScoreKeepingRetriever,
     finalize,
     keep_reranker_score,
-    keep_retrieval_score,
 )
 from ctx_integrations.llama_index.scores import check_score_kind
+from ctx_integrations.llama_index.synthesizer import ContextOfExpertsSynthesizer
 
 dispatcher = instrument.get_dispatcher(__name__)
-TokenCall = Callable[[Callable[[str], None] | None], Answer]
 
 
-class ContextOfExpertsQueryEngine(BaseQueryEngine):
+class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
     """Answer LlamaIndex queries with the local decoder (PCED by default), keeping every score.
 
     Args:
         retriever: any LlamaIndex ``BaseRetriever`` (e.g. ``index.as_retriever(similarity_top_k=4)``).
-        engine: a :class:`~ctx_integrations.Engine`, an :class:`ExpertDecoderLLM` (its engine is used), or
-            ``None`` for the shared embedded default (loaded at the first query).
+        llm: an :class:`ExpertDecoderLLM` (its engine decodes). Default: ``Settings.llm`` when it is an
+            ExpertDecoderLLM, else the shared embedded model (loaded at the first query; a warning says so
+            when ``Settings.llm`` is another LLM): never a second model silently.
+        engine: instead of ``llm``, a :class:`~ctx_integrations.Engine` (or an ExpertDecoderLLM).
+        cache_dir: instead of ``llm`` / ``engine``, where the shared embedded engine keeps KV caches (left
+            out: the user cache dir, ``$CTX_CACHE_DIR``, so caches outlive the process; ``None``: memory only).
         mode: any mode the engine has (``engine.modes``: ``pced``, ``concat``, ``single``, ...).
         mode_options: ``{mode: {option: value}}``, e.g. ``{"pced": {"gamma": 2.0}}``; checked here.
         node_postprocessors: run in order after retrieval. One that changes ``node.score`` is a reranker:
@@ -65,65 +65,97 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
         reranker_score_kind: what a reranker writes: ``"reranker"`` (a logit) or ``"relevance"`` ([0, 1]).
         streaming: ``query`` returns a ``StreamingResponse`` (``aquery``: ``AsyncStreamingResponse``)
             yielding text pieces as they are decoded.
-        max_new_tokens, temperature, top_p, seed, stop: decoding settings of every answer.
+        max_new_tokens (alias max_tokens), temperature, top_p, seed, stop: decoding settings of every
+            answer (default: the LLM's).
         batch_mode: the mode of :meth:`query_many` (default ``"ippd"``: questions over the same nodes
             in one stacked decode); ``None`` answers each question with ``mode``, exactly as ``query``.
     """
 
-    def __init__(self, retriever: BaseRetriever, *, engine: Engine | ExpertDecoderLLM | None = None,
+    def __init__(self, retriever: BaseRetriever, *, llm: ExpertDecoderLLM | None = None,
+                 engine: Engine | ExpertDecoderLLM | None = None, cache_dir: CacheDir = USER_CACHE_DIR,
                  mode: str = "pced", mode_options: Mapping[str, Mapping[str, Any]] | None = None,
                  node_postprocessors: Sequence[BaseNodePostprocessor] | None = None,
                  retrieval_score_kind: str = "auto", reranker_score_kind: str = "reranker",
-                 streaming: bool = False, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] = (), batch_mode: str | None = "ippd",
+                 streaming: bool = False, max_new_tokens: int | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] | None = None, batch_mode: str | None = "ippd",
                  callback_manager: CallbackManager | None = None):
-        self.engine = engine.engine if isinstance(engine, ExpertDecoderLLM) else engine
-        check_engine(self.engine)
-        resolve_mode(mode)
         if batch_mode is not None:
             resolve_mode(batch_mode)
-        self.mode, self.batch_mode = mode, batch_mode
-        self.mode_options = {name: dict(options) for name, options in (mode_options or {}).items()}
-        for name, options in self.mode_options.items():
-            check_options(name, options)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidOptionError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        self.settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                         "stop": tuple(stop)}
-        self.streaming = streaming
+        self.batch_mode = batch_mode
         self.reranker_score_kind = check_score_kind(reranker_score_kind)
         if isinstance(retriever, ScoreKeepingRetriever):
             if retrieval_score_kind not in ("auto", retriever.score_kind):
                 raise InvalidOptionError(f"the retriever already keeps {retriever.score_kind!r} scores: drop "
                                          f"retrieval_score_kind={retrieval_score_kind!r}")
-            self.retriever = retriever
         else:
-            self.retriever = ScoreKeepingRetriever(retriever, retrieval_score_kind)
-        self.node_postprocessors = list(node_postprocessors or [])
-        for postprocessor in self.node_postprocessors:
+            retriever = ScoreKeepingRetriever(retriever, retrieval_score_kind)
+        postprocessors = list(node_postprocessors or [])
+        for postprocessor in postprocessors:
             if not isinstance(postprocessor, BaseNodePostprocessor):
                 raise InvalidOptionError(f"node_postprocessors must be LlamaIndex BaseNodePostprocessor objects, got "
                                          f"{type(postprocessor).__name__}")
         callback_manager = callback_manager or Settings.callback_manager
-        for postprocessor in self.node_postprocessors:
-            postprocessor.callback_manager = callback_manager
-        super().__init__(callback_manager=callback_manager)
+        synthesizer = ContextOfExpertsSynthesizer(
+            resolve_llm(llm, engine, cache_dir), mode=mode, mode_options=mode_options,
+            retrieval_score_kind=retriever.score_kind, streaming=streaming, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            callback_manager=callback_manager)
+        super().__init__(retriever, response_synthesizer=synthesizer, node_postprocessors=postprocessors,
+                         callback_manager=callback_manager)
+
+    @property
+    def synthesizer(self) -> ContextOfExpertsSynthesizer:
+        return self._response_synthesizer
+
+    @property
+    def llm(self) -> ExpertDecoderLLM:
+        return self.synthesizer.llm
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that decodes (the shared embedded one is loaded on first use)."""
+        return self.synthesizer.engine
+
+    @property
+    def mode(self) -> str:
+        return self.synthesizer.mode
+
+    @property
+    def mode_options(self) -> dict[str, dict[str, Any]]:
+        return self.synthesizer.mode_options
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.synthesizer.settings
+
+    @property
+    def streaming(self) -> bool:
+        return self.synthesizer._streaming
+
+    @streaming.setter
+    def streaming(self, value: bool) -> None:
+        self.synthesizer._streaming = value
+
+    @property
+    def node_postprocessors(self) -> list[BaseNodePostprocessor]:
+        return self._node_postprocessors
 
     @classmethod
-    def from_index(cls, index: Any, *, engine: Engine | ExpertDecoderLLM | None = None, mode: str = "pced",
-                   similarity_top_k: int | None = None, retriever_kwargs: Mapping[str, Any] | None = None,
-                   **options: Any) -> ContextOfExpertsQueryEngine:
-        """Build over ``index.as_retriever(...)``; the embedded decoder unless ``engine`` is given.
+    def from_index(cls, index: Any, *, llm: ExpertDecoderLLM | None = None,
+                   engine: Engine | ExpertDecoderLLM | None = None, cache_dir: CacheDir = USER_CACHE_DIR,
+                   mode: str = "pced", similarity_top_k: int | None = None,
+                   retriever_kwargs: Mapping[str, Any] | None = None, **options: Any) -> ContextOfExpertsQueryEngine:
+        """Build over ``index.as_retriever(...)`` (e.g. an index from ``load_index_from_storage``).
 
+        The decoder is ``llm`` / ``engine``, else ``Settings.llm`` when it is an ExpertDecoderLLM, else the
+        shared embedded model with KV caches in ``cache_dir`` (default: the user cache dir).
         ``retriever_kwargs`` go to ``as_retriever`` (e.g. ``filters``); ``options`` to the constructor.
         """
         kwargs = dict(retriever_kwargs or {})
         if similarity_top_k is not None:
             kwargs["similarity_top_k"] = similarity_top_k
-        return cls(index.as_retriever(**kwargs), engine=engine, mode=mode, **options)
-
-    def _get_prompt_modules(self) -> PromptMixinType:
-        return {}  # the prompt is the model's chat template and the engine's layout, not a LlamaIndex prompt
+        return cls(index.as_retriever(**kwargs), llm=llm, engine=engine, cache_dir=cache_dir, mode=mode, **options)
 
     # ----------------------------------------------------------------- retrieval with every score
 
@@ -140,14 +172,14 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
         return [keep_reranker_score(item, self.reranker_score_kind) if rescored(item) else item for item in after]
 
     def _postprocess(self, nodes: list[NodeWithScore], query_bundle: QueryBundle) -> list[NodeWithScore]:
-        for postprocessor in self.node_postprocessors:
+        for postprocessor in self._node_postprocessors:
             previous = {item.node.node_id: item.score for item in nodes}
             processed = postprocessor.postprocess_nodes(nodes, query_bundle=query_bundle)
             nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._rescored(previous, processed)
         return [finalize(item) for item in nodes]
 
     async def _apostprocess(self, nodes: list[NodeWithScore], query_bundle: QueryBundle) -> list[NodeWithScore]:
-        for postprocessor in self.node_postprocessors:
+        for postprocessor in self._node_postprocessors:
             previous = {item.node.node_id: item.score for item in nodes}
             processed = await postprocessor.apostprocess_nodes(nodes, query_bundle=query_bundle)
             nodes = processed if isinstance(postprocessor, RerankerScoreFusion) else self._rescored(previous, processed)
@@ -156,122 +188,35 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
     def retrieve(self, query_bundle: QueryType) -> list[NodeWithScore]:
         """The nodes the decoder would read: retrieved, postprocessed, ``score`` = fused r, every part in metadata."""
         query_bundle = _bundle(query_bundle)
-        return self._postprocess(self.retriever.retrieve(query_bundle), query_bundle)
+        return self._postprocess(self._retriever.retrieve(query_bundle), query_bundle)
 
     async def aretrieve(self, query_bundle: QueryType) -> list[NodeWithScore]:
         query_bundle = _bundle(query_bundle)
-        return await self._apostprocess(await self.retriever.aretrieve(query_bundle), query_bundle)
+        return await self._apostprocess(await self._retriever.aretrieve(query_bundle), query_bundle)
 
     # ----------------------------------------------------------------- decoding
 
-    def _scored(self, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
-        """Nodes handed to ``synthesize`` from elsewhere: keep their scores as this retriever's kind first."""
-        kind = self.retriever.score_kind
-        return [item if SCORES_KEY in item.node.metadata else finalize(keep_retrieval_score(item, kind))
-                for item in nodes]
-
     @staticmethod
-    def _require_nodes(query: str, nodes: list[NodeWithScore]) -> None:
+    def _require_nodes(query: str, nodes: Sequence[NodeWithScore]) -> None:
         if not nodes:
             raise EmptyDocumentsError(f"the retriever found no nodes for {query!r}: check that the index is not empty "
                                       "and that no filter or similarity cutoff drops every node")
-
-    def _call(self, engine: Engine, query: str, nodes: list[NodeWithScore]) -> TokenCall:
-        self._require_nodes(query, nodes)
-        documents = [to_document(item) for item in nodes]
-        options = self.mode_options.get(self.mode, {})
-
-        def call(on_token: Callable[[str], None] | None = None) -> Answer:
-            return engine.generate(query, documents, mode=self.mode, on_token=on_token, **self.settings, **options)
-
-        return call
 
     @dispatcher.span
     def synthesize(self, query_bundle: QueryType, nodes: list[NodeWithScore],
                    additional_source_nodes: Sequence[NodeWithScore] | None = None) -> RESPONSE_TYPE:
         """Decode an answer from ``nodes`` (e.g. from :meth:`retrieve`) in one engine call."""
-        query_bundle, nodes = _bundle(query_bundle), self._scored(nodes)
-        dispatcher.event(SynthesizeStartEvent(query=query_bundle))
-        engine = resolve_engine(self.engine)
-        with self.callback_manager.event(CBEventType.SYNTHESIZE,
-                                         payload={EventPayload.QUERY_STR: query_bundle.query_str}) as event:
-            call = self._call(engine, query_bundle.query_str, nodes)
-            if self.streaming:
-                metadata: dict[str, Any] = {}
-                response: RESPONSE_TYPE = StreamingResponse(
-                    response_gen=_stream(call, query_bundle.query_str, nodes, engine, metadata), source_nodes=nodes,
-                    metadata=metadata)
-            else:
-                response = _response(query_bundle.query_str, call(), nodes, engine)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
-        return response
+        query_bundle = _bundle(query_bundle)
+        self._require_nodes(query_bundle.query_str, nodes)
+        return self.synthesizer.synthesize(query_bundle, nodes, additional_source_nodes)
 
     @dispatcher.span
     async def asynthesize(self, query_bundle: QueryType, nodes: list[NodeWithScore],
                           additional_source_nodes: Sequence[NodeWithScore] | None = None) -> RESPONSE_TYPE:
-        """Like :meth:`synthesize`; decoding runs on a worker thread, so the event loop keeps running."""
-        query_bundle, nodes = _bundle(query_bundle), self._scored(nodes)
-        dispatcher.event(SynthesizeStartEvent(query=query_bundle))
-        engine = await asyncio.to_thread(resolve_engine, self.engine)
-        with self.callback_manager.event(CBEventType.SYNTHESIZE,
-                                         payload={EventPayload.QUERY_STR: query_bundle.query_str}) as event:
-            call = self._call(engine, query_bundle.query_str, nodes)
-            if self.streaming:
-                metadata: dict[str, Any] = {}
-                response: RESPONSE_TYPE = AsyncStreamingResponse(
-                    response_gen=_astream(call, query_bundle.query_str, nodes, engine, metadata), source_nodes=nodes,
-                    metadata=metadata)
-            else:
-                response = _response(query_bundle.query_str, await asyncio.to_thread(call), nodes, engine)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
-        return response
-
-    # ----------------------------------------------------------------- many questions
-
-    def _answer_many(self, engine: Engine, questions: list[str], per_question: list[list[NodeWithScore]],
-                     shared: bool) -> list[Response]:
-        """One ``generate_many`` call: shared nodes once, or one node list per question."""
-        for question, nodes in zip(questions, per_question):
-            self._require_nodes(question, nodes)
-        mode = self.batch_mode or self.mode
-        if self.batch_mode is not None and not shared:
-            per_question = _shared_order(per_question)
-        lists = [[to_document(item) for item in nodes] for nodes in per_question]
-        answers = engine.generate_many(questions, lists[0] if shared else lists, mode=mode, **self.settings,
-                                       **self.mode_options.get(mode, {}))
-        return [_response(question, answer, nodes, engine)
-                for question, answer, nodes in zip(questions, answers, per_question)]
-
-    @dispatcher.span
-    def query_many(self, questions: Sequence[str], nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
-        """Answer every question, in order, in one ``Engine.generate_many`` call.
-
-        ``nodes``: answer all questions over these nodes. Otherwise each question is retrieved (and
-        postprocessed) on its own; with ``batch_mode`` set, questions whose node sets are identical get
-        them in the same order, so IPPD reads that context once per step for all of them (each question
-        keeps its own scores in its ``source_nodes``). Always returns plain ``Response`` objects.
-        """
-        questions = _questions(questions)
-        engine = resolve_engine(self.engine)
-        if nodes is not None:
-            return self._answer_many(engine, questions, [self._scored(nodes)] * len(questions), shared=True)
-        return self._answer_many(engine, questions, [self.retrieve(q) for q in questions], shared=False)
-
-    @dispatcher.span
-    async def aquery_many(self, questions: Sequence[str],
-                          nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
-        """Like :meth:`query_many`: retrieval through the async path, decoding on a worker thread."""
-        questions = _questions(questions)
-        engine = await asyncio.to_thread(resolve_engine, self.engine)
-        if nodes is not None:
-            per_question, shared = [self._scored(nodes)] * len(questions), True
-        else:
-            per_question, shared = list(await asyncio.gather(*(self.aretrieve(q) for q in questions))), False
-        return await asyncio.to_thread(self._answer_many, engine, questions, per_question, shared)
-
-    # ----------------------------------------------------------------- BaseQueryEngine
+        """Like :meth:`synthesize`, through ``Engine.agenerate`` / ``Engine.astream``: the event loop keeps running."""
+        query_bundle = _bundle(query_bundle)
+        self._require_nodes(query_bundle.query_str, nodes)
+        return await self.synthesizer.asynthesize(query_bundle, nodes, additional_source_nodes)
 
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
@@ -288,6 +233,56 @@ class ContextOfExpertsQueryEngine(BaseQueryEngine):
             response = await self.asynthesize(query_bundle, await self.aretrieve(query_bundle))
             event.on_end(payload={EventPayload.RESPONSE: response})
         return response
+
+    # ----------------------------------------------------------------- many questions
+
+    def _batch(self, questions: list[str], per_question: list[list[NodeWithScore]],
+               shared: bool) -> tuple[str, list[list[NodeWithScore]], Any, dict[str, Any]]:
+        """What one ``generate_many`` call needs: the mode, node lists (shared order) and documents."""
+        for question, nodes in zip(questions, per_question):
+            self._require_nodes(question, nodes)
+        mode = self.batch_mode or self.mode
+        if self.batch_mode is not None and not shared:
+            per_question = _shared_order(per_question)
+        lists = [[to_document(item) for item in nodes] for nodes in per_question]
+        return mode, per_question, lists[0] if shared else lists, {**self.settings, **self.mode_options.get(mode, {})}
+
+    def _responses(self, questions: list[str], answers: list[Answer],
+                   per_question: list[list[NodeWithScore]]) -> list[Response]:
+        return [self.synthesizer.response(question, answer, nodes)
+                for question, answer, nodes in zip(questions, answers, per_question)]
+
+    @dispatcher.span
+    def query_many(self, questions: Sequence[str], nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
+        """Answer every question, in order, in one ``Engine.generate_many`` call.
+
+        ``nodes``: answer all questions over these nodes. Otherwise each question is retrieved (and
+        postprocessed) on its own; with ``batch_mode`` set, questions whose node sets are identical get
+        them in the same order, so IPPD reads that context once per step for all of them (each question
+        keeps its own scores in its ``source_nodes``). Always returns plain ``Response`` objects.
+        """
+        questions = _questions(questions)
+        if nodes is not None:
+            per_question, shared = [self.synthesizer.scored_nodes(nodes)] * len(questions), True
+        else:
+            per_question, shared = [self.retrieve(q) for q in questions], False
+        mode, per_question, documents, options = self._batch(questions, per_question, shared)
+        answers = self.engine.generate_many(questions, documents, mode=mode, **options)
+        return self._responses(questions, answers, per_question)
+
+    @dispatcher.span
+    async def aquery_many(self, questions: Sequence[str],
+                          nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
+        """Like :meth:`query_many`: retrieval through the async path, decoding with ``Engine.agenerate_many``."""
+        questions = _questions(questions)
+        engine = await asyncio.to_thread(lambda: self.engine)  # may load the model: not on the loop
+        if nodes is not None:
+            per_question, shared = [self.synthesizer.scored_nodes(nodes)] * len(questions), True
+        else:
+            per_question, shared = list(await asyncio.gather(*(self.aretrieve(q) for q in questions))), False
+        mode, per_question, documents, options = self._batch(questions, per_question, shared)
+        answers = await engine.agenerate_many(questions, documents, mode=mode, **options)
+        return self._responses(questions, answers, per_question)
 
 
 def _bundle(query: QueryType) -> QueryBundle:
@@ -309,28 +304,3 @@ def _shared_order(per_question: list[list[NodeWithScore]]) -> list[list[NodeWith
         order = first_order.setdefault(key, {item.node.node_id: i for i, item in enumerate(nodes)})
         out.append(sorted(nodes, key=lambda item: order[item.node.node_id]))
     return out
-
-
-def _answer_metadata(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> dict[str, Any]:
-    """The response metadata of a decoded answer; its cache and decoding events are sent on the way."""
-    emit_answer_events(query, answer, nodes)
-    return response_metadata(answer, nodes, engine.loaded.name)
-
-
-def _response(query: str, answer: Answer, nodes: list[NodeWithScore], engine: Engine) -> Response:
-    return Response(answer.text, source_nodes=nodes, metadata=_answer_metadata(query, answer, nodes, engine))
-
-
-def _stream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
-            metadata: dict[str, Any]) -> Iterator[str]:
-    """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled."""
-    answer = yield from iter_tokens(call)
-    metadata.update(_answer_metadata(query, answer, nodes, engine))
-
-
-async def _astream(call: TokenCall, query: str, nodes: list[NodeWithScore], engine: Engine,
-                   metadata: dict[str, Any]) -> AsyncIterator[str]:
-    sink: dict[str, Answer] = {}
-    async for piece in aiter_tokens(call, sink):
-        yield piece
-    metadata.update(_answer_metadata(query, sink["answer"], nodes, engine))

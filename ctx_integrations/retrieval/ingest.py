@@ -14,6 +14,7 @@ Why it works this way:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -22,12 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ctx_integrations.documents import Document
-from ctx_integrations.errors import InvalidOptionError, missing_dependency
+from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, missing_dependency
+
+
+class BinaryFileError(EmptyDocumentsError):
+    """A .txt / .md file whose content is binary: ingesting it would store garbage passages."""
 
 SUFFIXES = (".txt", ".md", ".pdf")
 MIN_TOKENS = 8  # room for a few words, and for any single character of a byte-level BPE (<= 4 tokens)
 
 TokenCounter = Callable[[str], int]
+_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a binary file (git's rule)
 
 # (where to split, how to join) from the coarsest boundary to the finest
 _LEVELS = (
@@ -66,7 +72,11 @@ def read_document(path: Path) -> tuple[str, str]:
     """The text and title of a file: a Markdown file's first ``# `` heading, a PDF's title, else the file name."""
     if path.suffix.lower() == ".pdf":
         return _read_pdf(path)
-    text = path.read_text(encoding="utf-8-sig", errors="replace")
+    raw = path.read_bytes()
+    if b"\x00" in raw[:_SNIFF_BYTES]:
+        raise BinaryFileError(f"{path} has binary content (NUL bytes), not {path.suffix} text: convert it to text or "
+                              "leave it out")
+    text = raw.decode("utf-8-sig", errors="replace")
     heading = _MD_TITLE.search(text) if path.suffix.lower() == ".md" else None
     return text, heading.group(1).strip() if heading else path.stem
 
@@ -76,9 +86,15 @@ def _read_pdf(path: Path) -> tuple[str, str]:
         from pypdf import PdfReader
     except ImportError as error:
         raise missing_dependency("pypdf", extra="retrieval") from error
-    reader = PdfReader(path)
-    text = "\n\n".join((page.extract_text() or "").strip() for page in reader.pages)
-    title = reader.metadata.title if reader.metadata is not None else None
+    pypdf_log = logging.getLogger("pypdf")
+    level = pypdf_log.level
+    pypdf_log.setLevel(logging.ERROR)  # pypdf logs every repaired xref as a warning: noise in a CLI transcript
+    try:
+        reader = PdfReader(path)
+        text = "\n\n".join((page.extract_text() or "").strip() for page in reader.pages)
+        title = reader.metadata.title if reader.metadata is not None else None
+    finally:
+        pypdf_log.setLevel(level)
     return text, str(title).strip() if title and str(title).strip() else path.stem
 
 
@@ -152,7 +168,10 @@ def file_passages(path: Path, count: TokenCounter, max_tokens: int = 512) -> lis
 # -- ingestion -------------------------------------------------------------------------------------------------
 @dataclass
 class IngestReport:
-    """What :func:`ingest` did: files read, passages now stored for them, and what changed."""
+    """What :func:`ingest` did: files read, passages now stored for them, what changed, and files skipped.
+
+    ``files`` counts the files read; a file that could not be read is in ``skipped`` (path, reason) only.
+    """
 
     files: int = 0
     passages: int = 0
@@ -164,21 +183,35 @@ class IngestReport:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``ingest --json``)."""
+        counts = {name: getattr(self, name) for name in ("files", "passages", "added", "updated", "unchanged",
+                                                         "removed", "cache_misses")}
+        return {**counts, "skipped": [{"path": str(path), "reason": reason} for path, reason in self.skipped]}
+
+
 def ingest(store: Any, paths: Sequence[str | os.PathLike], count: TokenCounter, max_tokens: int = 512, *,
-           warm: bool = True) -> IngestReport:
+           warm: bool = True, progress: bool | None = None) -> IngestReport:
     """Sync ``store`` with the files under ``paths``; with ``warm`` and an engine on the store, cache them.
 
-    A file that cannot be read (a damaged or encrypted PDF) is skipped and listed in the report;
-    one without text (a scanned PDF) simply has no passages.
+    A file that cannot be read (a damaged or encrypted PDF, binary content in a .txt / .md) is skipped
+    and listed in the report; one without text (a scanned PDF) simply has no passages. ``progress``
+    shows tqdm bars on stderr over files and embedded passages (``None``: only when stderr is a terminal).
     """
+    from tqdm.auto import tqdm
+
     files = find_files(paths)
-    report, documents = IngestReport(files=len(files)), []
-    for path in files:
+    report, documents = IngestReport(), []
+    disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a TTY
+    for path in tqdm(files, desc="reading", unit="file", disable=disable, leave=False):
         try:
             documents.extend(file_passages(path, count, max_tokens))
         except _unreadable() as error:
             report.skipped.append((path, f"{type(error).__name__}: {error}"))
-    added = store.add(documents, warm=warm)
+        else:
+            report.files += 1
+    with tqdm(total=len(documents), desc="embedding", unit="passage", disable=disable, leave=False) as bar:
+        added = store.add(documents, warm=warm, progress=bar.update)
     report.passages, report.cache_misses = len(documents), added.cache_misses
     report.added, report.updated, report.unchanged = added.added, added.updated, added.unchanged
     keep = {doc.id for doc in documents} | {_id for path, _ in report.skipped for _id in _ids_of(store, path)}
@@ -193,7 +226,7 @@ def _unreadable() -> tuple[type[Exception], ...]:
     try:
         from pypdf.errors import PyPdfError
     except ImportError:
-        return (OSError, ValueError)
+        return (OSError, ValueError)  # ValueError includes BinaryFileError
     return (PyPdfError, OSError, ValueError)
 
 

@@ -1,0 +1,308 @@
+"""``ContextOfExpertsSynthesizer``: the local decoder as a LlamaIndex response synthesizer.
+
+A stock query engine keeps its retriever, postprocessors and callbacks and gets the decoder by changing
+one argument::
+
+    query_engine = index.as_query_engine(response_synthesizer=ContextOfExpertsSynthesizer())
+    query_engine = RetrieverQueryEngine.from_args(retriever, response_synthesizer=ContextOfExpertsSynthesizer())
+
+``synthesize`` answers from the nodes themselves in one ``Engine.generate`` call (PCED by default, any
+mode): each node is an expert with its own KV cache (reused across queries and processes) and its
+relevance prior r from its score; the ``Response`` carries every score on its ``source_nodes`` and the
+per-token trace, the cited nodes, timings and cache hits in its ``metadata``.
+
+Callbacks: the standard ``SynthesizeStartEvent`` / ``SynthesizeEndEvent`` and ``CBEventType.SYNTHESIZE``,
+a legacy ``CBEventType.LLM`` event with the prompt and completion token counts (``TokenCountingHandler``
+and ``LlamaDebugHandler`` read it), and this package's ``KVCacheLookupEvent`` / ``DecodingEndEvent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+import llama_index.core.instrumentation as instrument
+from llama_index.core.base.llms.types import CompletionResponse
+from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.callbacks.base import CallbackManager
+from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.indices.prompt_helper import ChatPromptHelper, PromptHelper
+from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
+from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.types import RESPONSE_TEXT_TYPE
+
+from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, prompt_tokens
+from ctx_integrations.documents import Document
+from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.registry import check_options, resolve_mode
+from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.llama_index.convert import response_metadata, to_document
+from ctx_integrations.llama_index.events import emit_answer_events
+from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
+from ctx_integrations.llama_index.score_keeping import (
+    SCORES_KEY,
+    finalize,
+    keep_retrieval_score,
+    node_scores,
+)
+from ctx_integrations.llama_index.scores import check_score_kind
+
+dispatcher = instrument.get_dispatcher(__name__)
+_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+
+
+class MissingScoreWarning(UserWarning):
+    """Nodes reached the decoder without a score, so they get r = 1 (no relevance prior)."""
+
+
+def decoding_settings(llm: ExpertDecoderLLM, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoding settings of every answer: the LLM's, with the given (non-``None``) overrides."""
+    settings = {name: getattr(llm, name) for name in _SETTINGS}
+    settings.update({name: value for name, value in overrides.items() if value is not None})
+    if not isinstance(settings["max_new_tokens"], int) or settings["max_new_tokens"] < 1:
+        raise InvalidOptionError(f"max_new_tokens must be a positive integer, got {settings['max_new_tokens']!r}")
+    settings["stop"] = tuple(settings["stop"] or ())
+    return settings
+
+
+class ContextOfExpertsSynthesizer(BaseSynthesizer):
+    """Answer from the retrieved nodes with the local decoder (PCED by default), keeping every score.
+
+    Args:
+        llm: an :class:`ExpertDecoderLLM` (its engine decodes); default ``Settings.llm`` when it is one,
+            else the shared embedded model (a warning says so when ``Settings.llm`` is another LLM).
+        engine, cache_dir: instead of ``llm``, an :class:`~ctx_integrations.Engine`, or where the shared
+            engine keeps KV caches (left out: the user cache dir; ``None``: memory only).
+        mode, mode_options: the decoding mode and ``{mode: {option: value}}`` (checked here).
+        retrieval_score_kind: what ``node.score`` means for nodes that arrive without kept scores (a stock
+            retriever): ``"dense"`` (default: the in-memory store's cosine) or another kind of
+            :data:`ctx_integrations.llama_index.SCORE_KINDS` (``"chroma_l2"`` for Chroma's default space,
+            ``"relevance"`` for a score already in [0, 1]). Nodes from a :class:`ScoreKeepingRetriever` or
+            :class:`RerankerScoreFusion` keep what they carry.
+        streaming: ``synthesize`` returns a ``StreamingResponse`` (``asynthesize``: ``AsyncStreamingResponse``).
+        max_new_tokens (alias max_tokens), temperature, top_p, seed, stop: default to the LLM's.
+
+    A node without any score gets r = 1 (no prior); the first such query warns (:class:`MissingScoreWarning`).
+    """
+
+    def __init__(self, llm: ExpertDecoderLLM | None = None, *, engine: Engine | None = None,
+                 cache_dir: CacheDir = USER_CACHE_DIR, mode: str = "pced",
+                 mode_options: Mapping[str, Mapping[str, Any]] | None = None, retrieval_score_kind: str = "dense",
+                 streaming: bool = False, max_new_tokens: int | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] | None = None, callback_manager: CallbackManager | None = None):
+        if max_tokens is not None and max_new_tokens is not None:
+            raise InvalidOptionError("give max_new_tokens or its alias max_tokens, not both")
+        llm = resolve_llm(llm, engine, cache_dir)
+        resolve_mode(mode)
+        self.mode = mode
+        self.mode_options = {name: dict(options) for name, options in (mode_options or {}).items()}
+        for name, options in self.mode_options.items():
+            check_options(name, options)
+        self.retrieval_score_kind = check_score_kind(retrieval_score_kind)
+        budget = max_tokens if max_new_tokens is None else max_new_tokens
+        self.settings = decoding_settings(llm, {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
+                                                "seed": seed, "stop": stop})
+        self._warned_missing_scores = False
+        # explicit prompt helpers: the defaults read llm.metadata, which would load the model at construction
+        super().__init__(llm=llm, callback_manager=callback_manager, prompt_helper=PromptHelper(),
+                         chat_prompt_helper=ChatPromptHelper(), streaming=streaming)
+
+    @property
+    def llm(self) -> ExpertDecoderLLM:
+        return self._llm
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that decodes (the shared embedded one is loaded on first use)."""
+        return self._llm.resolved_engine
+
+    def _get_prompt_modules(self) -> dict[str, Any]:
+        return {}  # the prompt is the model's chat template and the engine's layout, not a LlamaIndex prompt
+
+    def _get_prompts(self) -> dict[str, Any]:
+        return {}
+
+    def _update_prompts(self, prompts: dict[str, Any]) -> None:
+        if prompts:
+            raise InvalidOptionError(f"ContextOfExpertsSynthesizer has no LlamaIndex prompts to update (got "
+                                     f"{', '.join(prompts)}): its prompt is the engine's layout (Engine(system_prompt="
+                                     "..., question_template=...))")
+
+    # ----------------------------------------------------------------- nodes -> documents
+
+    def scored_nodes(self, nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
+        """The nodes as the decoder sees them: every score kept in metadata, ``node.score`` = the fused r."""
+        kept = [item if SCORES_KEY in item.node.metadata else keep_retrieval_score(item, self.retrieval_score_kind)
+                for item in nodes]
+        missing = [item.node.node_id for item in kept if "fused" not in node_scores(item)[1]]
+        if missing and not self._warned_missing_scores:
+            self._warned_missing_scores = True
+            warnings.warn(f"{len(missing)} node(s) reached the decoder without a score (first: {missing[0]!r}), so "
+                          "they get r = 1, no relevance prior: use a retriever that scores nodes "
+                          "(index.as_retriever()), or give the nodes a score in a node postprocessor "
+                          "(RerankerScoreFusion after a reranker)", MissingScoreWarning, stacklevel=4)
+        return [finalize(item) for item in kept]
+
+    def _options(self, mode: str) -> dict[str, Any]:
+        return self.mode_options.get(mode, {})
+
+    def _llm_payload(self, engine: Engine, query: str, documents: list[Document]) -> dict[str, Any]:
+        """The legacy LLM event's start payload: the prompt as the decoder reads it (documents, then the question)."""
+        prompt = "\n\n".join([*(doc.text for doc in documents), query])
+        return {EventPayload.PROMPT: prompt, EventPayload.SERIALIZED: self._llm.to_dict()}
+
+    def _completion(self, engine: Engine, query: str, documents: list[Document], answer: Answer) -> CompletionResponse:
+        """The answer as an LLM completion whose ``raw["usage"]`` is what ``TokenCountingHandler`` reads."""
+        prompt = prompt_tokens(engine, query, [doc.text for doc in answer.documents or documents])
+        completion = len(answer.token_ids)
+        return CompletionResponse(text=answer.text, raw={
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "model": engine.loaded.name, "mode": answer.mode, "timings": dict(answer.timings)})
+
+    def _end_llm_event(self, event_id: str, payload: dict[str, Any], engine: Engine, query: str,
+                       documents: list[Document], answer: Answer) -> None:
+        completion = self._completion(engine, query, documents, answer)
+        self.callback_manager.on_event_end(CBEventType.LLM, payload={
+            EventPayload.PROMPT: payload[EventPayload.PROMPT], EventPayload.COMPLETION: completion}, event_id=event_id)
+
+    # ----------------------------------------------------------------- one answer
+
+    def answer(self, query: str, nodes: list[NodeWithScore]) -> Answer:
+        """Decode one answer over ``nodes`` (already scored), inside a legacy LLM callback event."""
+        engine, documents = self.engine, [to_document(item) for item in nodes]
+        payload = self._llm_payload(engine, query, documents)
+        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
+        answer = engine.generate(query, documents, mode=self.mode, **self.settings, **self._options(self.mode))
+        self._end_llm_event(event_id, payload, engine, query, documents, answer)
+        return answer
+
+    async def aanswer(self, query: str, nodes: list[NodeWithScore]) -> Answer:
+        engine, documents = self.engine, [to_document(item) for item in nodes]
+        payload = self._llm_payload(engine, query, documents)
+        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
+        answer = await engine.agenerate(query, documents, mode=self.mode, **self.settings,
+                                        **self._options(self.mode))
+        self._end_llm_event(event_id, payload, engine, query, documents, answer)
+        return answer
+
+    def response(self, query: str, answer: Answer, nodes: list[NodeWithScore]) -> Response:
+        """The ``Response`` of a decoded answer (its cache and decoding events are sent on the way)."""
+        return Response(answer.text, source_nodes=nodes, metadata=self.answer_metadata(query, answer, nodes))
+
+    def answer_metadata(self, query: str, answer: Answer, nodes: list[NodeWithScore]) -> dict[str, Any]:
+        emit_answer_events(query, answer, nodes)
+        return response_metadata(answer, nodes, self.engine.loaded.name)
+
+    def _stream(self, query: str, nodes: list[NodeWithScore], metadata: dict[str, Any]) -> Iterator[str]:
+        """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled."""
+        engine, documents = self.engine, [to_document(item) for item in nodes]
+        payload = self._llm_payload(engine, query, documents)
+        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
+        answer = yield from engine.stream(query, documents, mode=self.mode, **self.settings,
+                                          **self._options(self.mode))
+        self._end_llm_event(event_id, payload, engine, query, documents, answer)
+        metadata.update(self.answer_metadata(query, answer, nodes))
+
+    async def _astream(self, query: str, nodes: list[NodeWithScore], metadata: dict[str, Any]) -> AsyncIterator[str]:
+        engine, documents = self.engine, [to_document(item) for item in nodes]
+        payload = self._llm_payload(engine, query, documents)
+        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
+        stream = engine.astream(query, documents, mode=self.mode, **self.settings, **self._options(self.mode))
+        try:
+            async for piece in stream:
+                yield piece
+        finally:
+            await stream.aclose()  # a consumer that stopped early cancels the request
+        self._end_llm_event(event_id, payload, engine, query, documents, stream.answer)
+        metadata.update(self.answer_metadata(query, stream.answer, nodes))
+
+    # ----------------------------------------------------------------- BaseSynthesizer
+
+    def _empty(self, query: QueryTextType, asynchronous: bool) -> RESPONSE_TYPE:
+        """No nodes: what every stock synthesizer answers (``Empty Response``), streamed when streaming."""
+        if not self._streaming:
+            response: RESPONSE_TYPE = Response(self._empty_response)
+        elif asynchronous:
+            response = AsyncStreamingResponse(response_gen=self._empty_response_agenerator())
+        else:
+            response = StreamingResponse(response_gen=self._empty_response_generator())
+        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    @dispatcher.span
+    def synthesize(self, query: QueryTextType, nodes: list[NodeWithScore],
+                   additional_source_nodes: Sequence[NodeWithScore] | None = None,
+                   **response_kwargs: Any) -> RESPONSE_TYPE:
+        """Decode an answer from ``nodes`` in one engine call (``additional_source_nodes`` are listed, not read)."""
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        if not nodes:
+            return self._empty(query, asynchronous=False)
+        bundle = QueryBundle(query) if isinstance(query, str) else query
+        nodes = self.scored_nodes(nodes)
+        sources = nodes + list(additional_source_nodes or [])
+        with self.callback_manager.event(CBEventType.SYNTHESIZE,
+                                         payload={EventPayload.QUERY_STR: bundle.query_str}) as event:
+            if self._streaming:
+                metadata: dict[str, Any] = {}
+                response: RESPONSE_TYPE = StreamingResponse(
+                    response_gen=self._stream(bundle.query_str, nodes, metadata), source_nodes=sources,
+                    metadata=metadata)
+            else:
+                answer = self.answer(bundle.query_str, nodes)
+                response = Response(answer.text, source_nodes=sources,
+                                    metadata=self.answer_metadata(bundle.query_str, answer, nodes))
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    @dispatcher.span
+    async def asynthesize(self, query: QueryTextType, nodes: list[NodeWithScore],
+                          additional_source_nodes: Sequence[NodeWithScore] | None = None,
+                          **response_kwargs: Any) -> RESPONSE_TYPE:
+        """Like :meth:`synthesize`, through ``Engine.agenerate`` / ``Engine.astream``."""
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        if not nodes:
+            return self._empty(query, asynchronous=True)
+        await asyncio.to_thread(lambda: self.engine)  # the first use may load the model: not on the event loop
+        bundle = QueryBundle(query) if isinstance(query, str) else query
+        nodes = self.scored_nodes(nodes)
+        sources = nodes + list(additional_source_nodes or [])
+        with self.callback_manager.event(CBEventType.SYNTHESIZE,
+                                         payload={EventPayload.QUERY_STR: bundle.query_str}) as event:
+            if self._streaming:
+                metadata: dict[str, Any] = {}
+                response: RESPONSE_TYPE = AsyncStreamingResponse(
+                    response_gen=self._astream(bundle.query_str, nodes, metadata), source_nodes=sources,
+                    metadata=metadata)
+            else:
+                answer = await self.aanswer(bundle.query_str, nodes)
+                response = Response(answer.text, source_nodes=sources,
+                                    metadata=self.answer_metadata(bundle.query_str, answer, nodes))
+            event.on_end(payload={EventPayload.RESPONSE: response})
+        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+        return response
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
+        """Bare text chunks (no nodes, so no scores): each chunk is an expert with r = 1."""
+        nodes = [NodeWithScore(node=_text_node(text), score=None) for text in text_chunks]
+        if self._streaming:
+            return self._stream(query_str, self.scored_nodes(nodes), {})
+        return self.answer(query_str, self.scored_nodes(nodes)).text
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str],
+                            **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
+        nodes = [NodeWithScore(node=_text_node(text), score=None) for text in text_chunks]
+        if self._streaming:
+            return self._astream(query_str, self.scored_nodes(nodes), {})
+        return (await self.aanswer(query_str, self.scored_nodes(nodes))).text
+
+
+def _text_node(text: str) -> Any:
+    from llama_index.core.schema import TextNode
+
+    return TextNode(text=text)
