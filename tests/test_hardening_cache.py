@@ -43,7 +43,7 @@ def layout(loaded):
 @pytest.fixture(autouse=True)
 def no_ambient_key(monkeypatch, tmp_path):
     """Tests control signing themselves: no key from the environment or the user's config dir."""
-    monkeypatch.delenv(disk_module.SIGNING_KEY_ENV, raising=False)
+    monkeypatch.delenv("CTX_CACHE_KEY", raising=False)
     monkeypatch.setattr(disk_module, "signing_key_file", lambda: tmp_path / "no-key-here", raising=False)
 
 
