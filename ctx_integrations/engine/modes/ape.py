@@ -31,6 +31,8 @@ from transformers import AttentionInterface
 from ctx_integrations.engine.core.cache import concatenated_stream
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams, single_stream
+from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION
+from ctx_integrations.engine.modes.flex import resolve_kernel
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -108,8 +110,8 @@ AttentionInterface.register(APE_ATTENTION, ape_attention)
 
 
 @contextmanager
-def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with :func:`ape_attention` inside the block, and restore its own attention after."""
+def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTENTION) -> Iterator[None]:
+    """Run the model with :func:`ape_attention` (or ``implementation``) inside the block, restore its own after."""
     can_swap = getattr(model, "_can_set_attn_implementation", None)
     if can_swap is None or not can_swap():
         raise InvalidOptionError(
@@ -117,7 +119,7 @@ def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
             "APE's attention cannot be swapped in (custom or remote-code models often do not); use mode='pced' "
             "or 'concat' with this model")
     previous = model.config._attn_implementation
-    model.set_attn_implementation(APE_ATTENTION)
+    model.set_attn_implementation(implementation)
     try:
         yield
     finally:
@@ -125,15 +127,19 @@ def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
 
 
 @register_mode("ape")
-def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9) -> DecodeResult:
+def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
+            attention_kernel: str = "auto") -> DecodeResult:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
     for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
     log-sum-exp in the merge (less total weight on the documents for S < 1). Both in (0, 1];
     T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
+    attention_kernel: ``"eager"`` (:func:`ape_attention`, the reference), ``"flex"`` (FlexAttention,
+    ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).
     """
     check_knobs(attention_temperature, scale)
+    kernel = resolve_kernel(attention_kernel, ctx.engine.loaded.device)
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
@@ -146,7 +152,7 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     model = engine.loaded.model
-    with ape_attention_swapped(model):
+    with ape_attention_swapped(model, APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION):
         first_logits = forward_streams(model, streams, torch.tensor([suffix], device=engine.loaded.device))
         ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
         result = decode_fused(model, engine.loaded.tokenizer, streams, first_logits, single_stream, ctx.sampler,

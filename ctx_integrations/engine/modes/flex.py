@@ -1,0 +1,71 @@
+"""FlexAttention plumbing shared by the fast paths of APE and IPPD: which kernel to run, and kernel choice.
+
+``torch.nn.attention.flex_attention`` takes a ``mask_mod`` (compiled into a ``BlockMask`` that
+skips fully hidden key blocks) and can return the log-sum-exp of every query row, which is all
+APE's two-softmax merge needs. On CUDA it is compiled once (``torch.compile``) into a fused kernel
+that never materialises the ``[q, K]`` score matrix. On CPU the compiled kernel cannot return the
+log-sum-exp (torch 2.13: "torch.compile on CPU only supports inference and `return_lse` is not
+supported yet"), so on CPU the *uncompiled* reference implementation runs: same ``mask_mod``,
+same block mask, same code path around it, scores materialised. That is what the CPU tests check
+the fast paths with; the fused CUDA kernel is checked by ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+
+from ctx_integrations.errors import InvalidOptionError
+
+ATTENTION_KERNELS = ("auto", "eager", "flex")
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"flex"`` on CUDA, ``"eager"`` elsewhere; ``"eager"`` / ``"flex"`` as given.
+
+    Eager stays the default off CUDA: on CPU FlexAttention runs unfused (no gain), and eager is the
+    reference every fast path is tested against.
+    """
+    if kernel not in ATTENTION_KERNELS:
+        raise InvalidOptionError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    if kernel == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "eager"
+    return kernel
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., object]:
+    # dynamic=True: the key length grows by one every decode step; one graph serves them all.
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
+             return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FlexAttention with GQA (``query`` [B, H, q, d], ``key``/``value`` [B, Hkv, K, d]); (out, lse or None).
+
+    Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log.
+    """
+    gqa = query.shape[1] != key.shape[1]
+    aux = AuxRequest(lse=True) if return_lse else None
+    if query.device.type == "cuda":
+        result = _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                  return_aux=aux)
+    else:
+        with warnings.catch_warnings():  # "called without torch.compile()": on CPU that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            result = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                    return_aux=aux)
+    if return_lse:
+        out, aux_out = result
+        return out, aux_out.lse
+    return result, None
+
+
+def block_mask(mask_mod: Callable[..., torch.Tensor], batch: int | None, q_len: int, kv_len: int,
+               device: torch.device) -> BlockMask:
+    """``create_block_mask`` with every head sharing the mask (``H=None``)."""
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
