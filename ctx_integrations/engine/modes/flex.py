@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface
 
 from ctx_integrations.errors import InvalidOptionError
 
@@ -69,3 +71,42 @@ def block_mask(mask_mod: Callable[..., torch.Tensor], batch: int | None, q_len: 
                device: torch.device) -> BlockMask:
     """``create_block_mask`` with every head sharing the mask (``H=None``)."""
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+FLEX_ATTENTION = "ctx_flex"
+
+
+def flex_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: BlockMask | None, scaling: float | None = None, dropout: float = 0.0,
+                           **kwargs: object) -> tuple[torch.Tensor, None]:
+    """A transformers attention function that runs :func:`run_flex` with the ``BlockMask`` given as the mask.
+
+    transformers' own ``"flex_attention"`` compiles the kernel on CPU too (slow to start on a small
+    machine, and a different code path from CUDA's); this one follows :func:`run_flex`'s rule.
+    """
+    if not isinstance(attention_mask, BlockMask):
+        raise InvalidOptionError("the flex attention needs a BlockMask as attention_mask (built by the mode)")
+    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise InvalidOptionError("attention_kernel='flex' does not support soft-capping or sliding-window "
+                                 "attention; use attention_kernel='eager' with this model")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out, _ = run_flex(query, key, value, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FLEX_ATTENTION, flex_attention_forward)
+
+
+@contextmanager
+def attention_swapped(model: torch.nn.Module, implementation: str) -> Iterator[None]:
+    """Run ``model`` with attention ``implementation`` inside the block, and restore its own after."""
+    can_swap = getattr(model, "_can_set_attn_implementation", None)
+    if can_swap is None or not can_swap():
+        raise InvalidOptionError(f"{type(model).__name__} does not route its attention through transformers' "
+                                 "AttentionInterface; use attention_kernel='eager' with this model")
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
