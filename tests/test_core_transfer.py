@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ctx_integrations.engine.core.transfer import Transfer, pinned_empty_like, prefetch, to_device_async, to_host
+from ctx_integrations.engine.core.transfer import (
+    Transfer,
+    pinned_empty_like,
+    prefetch,
+    same_device,
+    to_device_async,
+    to_host,
+)
 
 
 def test_to_host_is_an_independent_copy_with_the_same_values_and_dtype():
@@ -32,3 +39,12 @@ def test_pinned_buffers_are_pinned_exactly_when_cuda_is_usable():
     assert buffer.shape == (3, 4) and buffer.dtype == torch.float16
     assert buffer.is_pinned() == torch.cuda.is_available()
     assert Transfer(buffer).wait() is buffer
+
+
+def test_cuda_without_an_index_is_the_current_cuda_device():
+    # torch says cuda != cuda:0, so a model loaded on "cuda" (tensors on cuda:0) looked like another device to IPPD's
+    # device check, which then refused every request on a GPU.
+    assert torch.device("cuda:0") != torch.device("cuda")
+    assert same_device("cuda:0", torch.device("cuda")) and same_device("cuda", "cuda")
+    assert same_device("cpu", "cpu") and not same_device("cpu", "meta") and not same_device("cpu", "cuda")
+    assert not same_device("cuda:1", "cuda:0")

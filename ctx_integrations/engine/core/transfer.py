@@ -107,3 +107,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     return _STREAMS[device]
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two devices are the same, ``cuda`` meaning the current CUDA device (``cuda`` != ``cuda:0`` in torch).
+
+    A model loaded on ``torch.device("cuda")`` holds tensors on ``cuda:0``; comparing the two with ``==``
+    says they differ.
+    """
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)

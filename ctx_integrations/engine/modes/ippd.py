@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from ctx_integrations.engine.core.cache import CachedKV, cache_from_kv
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
+from ctx_integrations.engine.core.transfer import same_device
 from ctx_integrations.engine.modes.flex import FLEX_ATTENTION, attention_swapped, resolve_kernel
 from ctx_integrations.engine.modes.ippd_flex import ippd_block_mask
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
@@ -155,7 +156,7 @@ def _stack_batch(prefix: CachedKV, stacks: list[_Stack], device: torch.device) -
 
 def _check_devices(model_device: torch.device, entries: list[CachedKV]) -> None:
     devices = {str(e.kv.device) for e in entries}
-    if len(devices) > 1 or torch.device(devices.pop()) != model_device:
+    if len(devices) > 1 or not same_device(devices.pop(), model_device):  # "cuda" is "cuda:0"; == says otherwise
         raise InvalidOptionError(f"IPPD got cached contexts on {sorted({str(e.kv.device) for e in entries})} for a "
                                  f"model on {model_device}: compute the caches with this engine (its store moves "
                                  "them to the model's device) instead of mixing engines or devices")
