@@ -31,16 +31,18 @@ def ape_block_masks(q_len: int, kv_len: int, start: int, end: int, device: str) 
     """The documents' mask and the prefix-plus-own-causal mask for ``q_len`` queries over ``kv_len`` keys.
 
     Cached: every layer of one forward pass asks for the same pair (a decode step changes ``kv_len``).
+    The bounds live in a tensor, not in Python ints: the compiled kernel treats a captured tensor as an
+    input, but specialises (recompiles) on a captured int, and ``kv_len`` changes every step.
     """
-    own_start = kv_len - q_len  # key column of the first query's own token
+    target = torch.device(device)
+    bounds = torch.tensor([start, end, kv_len - q_len], device=target)  # own_start: key of the first query's token
 
     def documents(b, h, q, k):
-        return (k >= start) & (k < end)
+        return (k >= bounds[0]) & (k < bounds[1])
 
     def outside(b, h, q, k):
-        return (k < start) | ((k >= end) & (k <= own_start + q))
+        return (k < bounds[0]) | ((k >= bounds[1]) & (k <= bounds[2] + q))
 
-    target = torch.device(device)
     return block_mask(documents, None, q_len, kv_len, target), block_mask(outside, None, q_len, kv_len, target)
 
 
