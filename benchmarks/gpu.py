@@ -22,7 +22,10 @@ Sections (``--only a,b``), each against the strongest baseline a user would run,
   requests one at a time, K = 1..32;
 - ``cache``: load time of 64 x 2048-token caches from each tier: device memory, pinned host memory
   (``engine/core/transfer.py``), pageable host memory, disk (safetensors; the files were just written,
-  so this reads the OS page cache).
+  so this reads the OS page cache);
+- ``decode``: decode steps/s of N cached streams (1 + N documents, PCED's batch) with the growing
+  ``DynamicCache`` vs ``engine/core/static_decode.py``'s fixed-shape step (CUDA graphs on CUDA; its
+  one-off compile time is its own column).
 
 Times are wall clock around ``torch.cuda.synchronize()``; TTFT is the engine's own (its first token is
 chosen on the CPU, which waits for the GPU). Each case runs once to warm up, then ``repeats`` times
@@ -65,6 +68,7 @@ from ctx_integrations.engine.core.model import (  # noqa: E402
     load_tokenizer,
     model_identity,
 )
+from ctx_integrations.engine.core.static_decode import StaticStreams  # noqa: E402
 from ctx_integrations.engine.core.streams import (  # noqa: E402
     StopCriteria,
     TokenSampler,
@@ -73,7 +77,7 @@ from ctx_integrations.engine.core.streams import (  # noqa: E402
 )
 from ctx_integrations.engine.core.transfer import prefetch, to_host  # noqa: E402
 
-SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache")
+SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache", "decode")
 
 # Published shapes (config.json of meta-llama/Llama-3.1-8B and Llama-3.2-1B); weights are random.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -106,6 +110,7 @@ class Shapes:
     scheduler_docs: int
     scheduler_doc_tokens: int
     cache_docs: int
+    decode_streams: tuple[int, ...]
     new_tokens: int  # answer length everywhere (random weights rarely end early; lengths are reported)
     rapid_new_tokens: int
     repeats: int
@@ -115,11 +120,12 @@ FULL = Shapes(models=("llama-3.2-1b", "llama-3.1-8b"), doc_tokens=2048, pced_doc
               ape_contexts=(32768, 65536, 131072), ippd_questions=(16, 32, 64), ippd_context=2048,
               rapid_contexts=(16384, 32768, 65536), rapid_draft_tokens=1024, rapid_chunk_tokens=512,
               soft_nbce_contexts=(16384, 65536), concurrency=(1, 2, 4, 8, 16, 32), scheduler_docs=4,
-              scheduler_doc_tokens=512, cache_docs=64, new_tokens=32, rapid_new_tokens=128, repeats=2)
+              scheduler_doc_tokens=512, cache_docs=64, decode_streams=(1, 8, 32), new_tokens=32, rapid_new_tokens=128,
+              repeats=2)
 DRY = Shapes(models=("tiny",), doc_tokens=40, pced_docs=(2, 4), ape_contexts=(80, 160), ippd_questions=(2, 4),
              ippd_context=40, rapid_contexts=(160,), rapid_draft_tokens=32, rapid_chunk_tokens=16,
              soft_nbce_contexts=(160,), concurrency=(1, 2, 4), scheduler_docs=2, scheduler_doc_tokens=24,
-             cache_docs=4, new_tokens=4, rapid_new_tokens=8, repeats=1)
+             cache_docs=4, decode_streams=(1, 3), new_tokens=4, rapid_new_tokens=8, repeats=1)
 
 COLUMNS = {
     "pced": ["model", "mode", "documents", "doc_tokens", "ttft_s", "total_s", "new_tokens", "ttft_speedup_vs_concat",
@@ -133,6 +139,7 @@ COLUMNS = {
     "scheduler": ["model", "concurrent", "serial_s", "concurrent_s", "serial_answers_per_s",
                   "concurrent_answers_per_s", "speedup"],
     "cache": ["model", "tier", "entries", "megabytes", "seconds", "gb_per_s"],
+    "decode": ["model", "method", "documents", "doc_tokens", "steps", "first_call_s", "steps_per_s", "speedup"],
 }
 QUESTION = "What is the secret code? Answer with the code only."
 _WORDS = ("the river town market people water city day year time house school road field work light tree hill "
@@ -457,9 +464,48 @@ def bench_cache(bench: Bench) -> list[dict]:
     return rows
 
 
+def bench_decode(bench: Bench) -> list[dict]:
+    rows: list[dict] = []
+    s = bench.shapes
+    steps = 4 * s.new_tokens
+    for n in s.decode_streams:
+        def run(n: int = n) -> list[dict]:
+            docs = bench.corpus.documents(n, s.doc_tokens, seed=100 + n)
+            engine = bench.engine()
+            layout, store, model = engine.layout, engine.store, engine.loaded.model
+            suffix = torch.tensor([layout.suffix_ids(QUESTION)] * (n + 1), device=bench.device)
+
+            def streams():
+                batch = batch_streams(store.prefix(layout), [None] + store.documents(layout, docs))
+                return batch, forward_streams(model, batch, suffix).argmax(-1, keepdim=True)
+
+            def decode(step, tokens) -> None:
+                for _ in range(steps):
+                    tokens = step(tokens).argmax(-1, keepdim=True)
+
+            out = []
+            for method in ("dynamic cache", "static cache (compiled on CUDA)"):
+                times = []
+                for _ in range(1 + s.repeats):  # the first call pays the compile / graph capture
+                    batch, tokens = streams()
+                    if method.startswith("dynamic"):
+                        step = lambda t, batch=batch: forward_streams(model, batch, t)  # noqa: E731
+                    else:
+                        step = StaticStreams(model, batch, max_new_tokens=steps).step
+                    times.append(bench.clock(lambda step=step, tokens=tokens: decode(step, tokens))[1])
+                seconds = statistics.median(times[1:])
+                out.append({"method": method, "steps": steps, "first_call_s": times[0], "steps_per_s": steps / seconds})
+            for row in out:
+                row["speedup"] = row["steps_per_s"] / out[0]["steps_per_s"]
+            return out
+
+        bench.case(rows, "decode", {"documents": n, "doc_tokens": s.doc_tokens}, run)
+    return rows
+
+
 RUNNERS: dict[str, Callable[[Bench], list[dict]]] = {
     "pced": bench_pced, "ape": bench_ape, "ippd": bench_ippd, "rapid": bench_rapid, "soft_nbce": bench_soft_nbce,
-    "scheduler": bench_scheduler, "cache": bench_cache,
+    "scheduler": bench_scheduler, "cache": bench_cache, "decode": bench_decode,
 }
 
 

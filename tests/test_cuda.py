@@ -24,6 +24,7 @@ from ctx_integrations import Engine
 from ctx_integrations.engine.core.cache import batch_streams
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
 from ctx_integrations.engine.core.registry import available_modes
+from ctx_integrations.engine.core.static_decode import StaticStreams
 from ctx_integrations.engine.core.streams import forward_streams
 from ctx_integrations.engine.core.transfer import prefetch, to_device_async, to_host
 from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
@@ -186,6 +187,28 @@ def test_ippd_block_mask_kernel_equals_the_boolean_mask():
                                               attn_mask=dense)
     out, _ = run_flex(query, key, value, ippd_block_mask(*layout), 128 ** -0.5)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_static_decode_step_equals_the_dynamic_step(dtype):
+    # On CUDA the step is compiled with mode="reduce-overhead" (CUDA graphs): a graph replaying stale inputs (the
+    # mask column, the positions) or handing out its reused output buffer would show as diverging logits.
+    engine = Engine(on_device(tiny_loaded(seed=8), dtype))
+    layout, store, model = engine.layout, engine.store, engine.loaded.model
+    suffix = torch.tensor([layout.suffix_ids(QUESTIONS[0])] * 3, device=DEVICE)
+    dynamic = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
+    source = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
+    tokens = forward_streams(model, dynamic, suffix).argmax(-1, keepdim=True)
+    forward_streams(model, source, suffix)
+    static = StaticStreams(model, source, max_new_tokens=6)  # "auto": CUDA graphs on CUDA, eager on CPU
+    kept = []
+    for _ in range(6):
+        expected, got = forward_streams(model, dynamic, tokens), static.step(tokens)
+        kept.append(got)
+        scale = 1e-4 if dtype == torch.float32 else BF16["first_step_relative"] * float(expected.abs().max())
+        assert float((got - expected).abs().max()) <= scale
+        tokens = expected.argmax(-1, keepdim=True)
+    assert not torch.equal(kept[0], kept[-1])  # each step's logits are its own, not one reused buffer
 
 
 # -- cache round trip: GPU <-> pinned host <-> disk ---------------------------------------------------------------

@@ -41,6 +41,10 @@ def test_dry_run_covers_every_section_and_writes_the_json(tmp_path):
     assert [r["tier"] for r in by_section["cache"]] == ["device memory", "pinned host -> device",
                                                        "pageable host -> device", "disk (page cache) -> device"]
     assert len({r["megabytes"] for r in by_section["cache"]}) == 1
+    decode = by_section["decode"]
+    assert [(r["documents"], r["method"].split()[0]) for r in decode] == [
+        (n, m) for n in shapes.decode_streams for m in ("dynamic", "static")]
+    assert all(r["steps_per_s"] > 0 and r["first_call_s"] > 0 for r in decode)
 
 
 def test_only_runs_the_chosen_sections(tmp_path):
