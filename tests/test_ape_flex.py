@@ -72,3 +72,23 @@ def test_ape_mode_with_the_flex_kernel_answers_like_eager():
     assert loaded.model.config._attn_implementation not in ("ctx_ape", "ctx_ape_flex")
     with pytest.raises(InvalidOptionError, match="attention_kernel"):
         engine.generate("Who?", DOCS, mode="ape", attention_kernel="flash")
+
+
+def test_older_torch_falls_back(monkeypatch):
+    # torch < 2.9 has no AuxRequest (the LSE comes with return_lse=True); torch < 2.5 has no FlexAttention at all, so
+    # "auto" must stay eager on CUDA and "flex" must say why it cannot run, instead of an ImportError at import time.
+    from ctx_integrations.engine.modes import flex
+
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 3, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, 40, 16, generator=generator)
+    layout = ApeLayout(5, 30, 0.7, 0.9)
+    expected, _ = ape_flex_attention(nn.Module(), query, key, value, None, ape_layout=layout)
+    monkeypatch.setattr(flex, "AuxRequest", None)
+    with pytest.warns(FutureWarning, match="return_lse"):
+        legacy, _ = ape_flex_attention(nn.Module(), query, key, value, None, ape_layout=layout)
+    torch.testing.assert_close(legacy, expected)
+    monkeypatch.setattr(flex, "flex_attention", None)
+    assert resolve_kernel("auto", torch.device("cuda")) == "eager"
+    with pytest.raises(InvalidOptionError, match="needs FlexAttention"):
+        resolve_kernel("flex", torch.device("cpu"))

@@ -17,10 +17,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
 
-from ctx_integrations.engine.modes.flex import block_mask, run_flex
+from ctx_integrations.engine.modes.flex import BlockMask, block_mask, run_flex
 from ctx_integrations.errors import InvalidOptionError
 
 APE_FLEX_ATTENTION = "ctx_ape_flex"

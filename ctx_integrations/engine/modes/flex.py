@@ -18,10 +18,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 from ctx_integrations.errors import InvalidOptionError
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # torch < 2.5 has no FlexAttention: every mode stays on its eager path
+    BlockMask = create_block_mask = flex_attention = None
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9 returns the log-sum-exp with return_lse=True instead
+    AuxRequest = None
 
 ATTENTION_KERNELS = ("auto", "eager", "flex")
 
@@ -35,7 +43,10 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     if kernel not in ATTENTION_KERNELS:
         raise InvalidOptionError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     if kernel == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "eager"
+        return "flex" if torch.device(device).type == "cuda" and flex_attention is not None else "eager"
+    if kernel == "flex" and flex_attention is None:
+        raise InvalidOptionError(f"attention_kernel='flex' needs FlexAttention (torch >= 2.5; this is torch "
+                                 f"{torch.__version__}); use attention_kernel='eager'")
     return kernel
 
 
@@ -51,20 +62,19 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
 
     Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log.
     """
-    gqa = query.shape[1] != key.shape[1]
-    aux = AuxRequest(lse=True) if return_lse else None
+    options: dict[str, object] = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    if return_lse:
+        options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
     if query.device.type == "cuda":
-        result = _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                  return_aux=aux)
+        result = _compiled_flex()(query, key, value, **options)
     else:
         with warnings.catch_warnings():  # "called without torch.compile()": on CPU that is the point
             warnings.simplefilter("ignore", UserWarning)
-            result = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                    return_aux=aux)
-    if return_lse:
-        out, aux_out = result
-        return out, aux_out.lse
-    return result, None
+            result = flex_attention(query, key, value, **options)
+    if not return_lse:
+        return result, None
+    out, lse = result
+    return out, (lse.lse if AuxRequest is not None else lse)
 
 
 def block_mask(mask_mod: Callable[..., torch.Tensor], batch: int | None, q_len: int, kv_len: int,
@@ -86,9 +96,13 @@ def flex_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     """
     if not isinstance(attention_mask, BlockMask):
         raise InvalidOptionError("the flex attention needs a BlockMask as attention_mask (built by the mode)")
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise InvalidOptionError("attention_kernel='flex' does not support soft-capping or sliding-window "
-                                 "attention; use attention_kernel='eager' with this model")
+    if kwargs.get("softcap") is not None:
+        raise InvalidOptionError("attention_kernel='flex' does not support attention logit soft-capping (e.g. "
+                                 "Gemma 2); use attention_kernel='eager' with this model")
+    window = kwargs.get("sliding_window")  # Mistral passes its window on every call; it only matters beyond it
+    if window is not None and key.shape[2] > window:
+        raise InvalidOptionError(f"attention_kernel='flex' does not apply sliding-window attention, and "
+                                 f"{key.shape[2]} keys exceed this model's window of {window}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out, _ = run_flex(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

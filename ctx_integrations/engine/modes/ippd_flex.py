@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
-from ctx_integrations.engine.modes.flex import block_mask
+from ctx_integrations.engine.modes.flex import BlockMask, block_mask
 
 
 def ippd_mask_mod(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
