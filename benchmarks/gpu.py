@@ -554,10 +554,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     started = time.perf_counter()
     rows: list[dict] = []
+    settings: dict[str, Any] = {"dry_run": args.dry_run, "sections": sections, "device": str(device),
+                                "dtype": str(dtype), "shapes": asdict(shapes), "model_build_s": {}}
+    output = (args.out / "gpu.json") if args.out else None
+
+    def save(complete: bool) -> None:
+        # rewritten after every section: a run cut off at a time limit still leaves what it measured
+        write_results("gpu", rows, {**settings, "complete": complete, "seconds": time.perf_counter() - started},
+                      output)
+
     for name in shapes.models:
-        loaded, build_s = None, time.perf_counter()
+        build_s = time.perf_counter()
         loaded = build_model(name, tokenizer, device, dtype)
-        print(f"\n## {name}: built in {time.perf_counter() - build_s:.1f} s on {device} ({dtype})", flush=True)
+        settings["model_build_s"][name] = time.perf_counter() - build_s
+        print(f"\n## {name}: built in {settings['model_build_s'][name]:.1f} s on {device} ({dtype})", flush=True)
         bench = Bench(loaded, shapes, strict=args.dry_run)
         for section in sections:
             section_start = time.perf_counter()
@@ -565,13 +575,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"\n### {section} ({name}, {time.perf_counter() - section_start:.1f} s)")
             print_table(section_rows, COLUMNS[section] + (["error"] if any("error" in r for r in section_rows) else []))
             rows.extend(section_rows)
+            save(complete=False)
         del bench, loaded
         release(device)
-    settings = {"dry_run": args.dry_run, "sections": sections, "device": str(device), "dtype": str(dtype),
-                "shapes": asdict(shapes), "seconds": time.perf_counter() - started}
-    write_results("gpu", rows, settings, (args.out / "gpu.json") if args.out else None)
+    save(complete=True)
     return rows
-
 
 if __name__ == "__main__":
     main()

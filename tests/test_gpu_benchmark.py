@@ -21,6 +21,7 @@ def test_dry_run_covers_every_section_and_writes_the_json(tmp_path):
     payload = json.loads((tmp_path / "gpu.json").read_text())
     assert payload["rows"] == json.loads(json.dumps(rows, default=str))
     assert payload["settings"]["dry_run"] and payload["settings"]["sections"] == list(gpu.SECTIONS)
+    assert payload["settings"]["complete"] and set(payload["settings"]["model_build_s"]) == {"tiny"}
     assert not [r for r in rows if "error" in r]
     by_section = {name: [r for r in rows if r["section"] == name] for name in gpu.SECTIONS}
     shapes = gpu.DRY
