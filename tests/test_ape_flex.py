@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
 from ctx_integrations.engine.modes.ape_flex import ape_flex_attention
-from ctx_integrations.engine.modes.flex import resolve_kernel
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded
 
@@ -77,7 +77,7 @@ def test_ape_mode_with_the_flex_kernel_answers_like_eager():
 def test_older_torch_falls_back(monkeypatch):
     # torch < 2.9 has no AuxRequest (the LSE comes with return_lse=True); torch < 2.5 has no FlexAttention at all, so
     # "auto" must stay eager on CUDA and "flex" must say why it cannot run, instead of an ImportError at import time.
-    from ctx_integrations.engine.modes import flex
+    from ctx_integrations.engine.core import flex
 
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(1, 4, 3, 16, generator=generator)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.cache import batch_streams
+from ctx_integrations.engine.core.flex import run_flex, visibility_block_mask
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
 from ctx_integrations.engine.core.registry import available_modes
 from ctx_integrations.engine.core.static_decode import StaticStreams
@@ -31,10 +32,9 @@ from ctx_integrations.engine.core.streams import forward_streams
 from ctx_integrations.engine.core.transfer import prefetch, to_device_async, to_host
 from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
 from ctx_integrations.engine.modes.ape_flex import ape_flex_attention
-from ctx_integrations.engine.modes.flex import run_flex
 from ctx_integrations.engine.modes.ippd import visibility
-from ctx_integrations.engine.modes.ippd_flex import ippd_block_mask
 from tests.helpers import tiny_loaded
+from tests.test_core_flex import pool_step_logits
 
 DEVICE = torch.device(os.environ.get("CTX_CUDA_TESTS_DEVICE", "cuda"))
 TOKENIZER_DIR = os.environ.get("CTX_TOKENIZER_DIR")
@@ -117,9 +117,8 @@ def test_every_mode_runs_in_bf16(bf16_engine, mode):
     assert all(e.kv.device.type == DEVICE.type and e.kv.dtype == torch.bfloat16 for e in entries)
 
 
-@pytest.mark.parametrize("kernel", ["eager", "flex"])
-def test_ippd_runs_in_bf16(bf16_engine, kernel):
-    answers = bf16_engine.generate_many(QUESTIONS, DOCS, max_new_tokens=6, attention_kernel=kernel)
+def test_ippd_runs_in_bf16(bf16_engine):
+    answers = bf16_engine.generate_many(QUESTIONS, DOCS, max_new_tokens=6)
     assert len(answers) == 4 and all(a.token_ids for a in answers)
 
 
@@ -140,9 +139,8 @@ def test_fp32_ape_one_document_at_knobs_one_is_greedy(fp32_engine, kernel):
     assert answer.token_ids == greedy(fp32_engine.loaded, prompt(fp32_engine, DOCS[1:2], QUESTIONS[0]), 16)
 
 
-@pytest.mark.parametrize("kernel", ["eager", "flex"])
-def test_fp32_ippd_answers_equal_independent_greedy(fp32_engine, kernel):
-    answers = fp32_engine.generate_many(QUESTIONS, DOCS, max_new_tokens=12, attention_kernel=kernel)
+def test_fp32_ippd_answers_equal_independent_greedy(fp32_engine):
+    answers = fp32_engine.generate_many(QUESTIONS, DOCS, max_new_tokens=12)
     for question, answer in zip(QUESTIONS, answers):
         assert answer.token_ids == greedy(fp32_engine.loaded, prompt(fp32_engine, DOCS, question), 12)
 
@@ -198,7 +196,7 @@ def test_ippd_block_mask_kernel_equals_the_boolean_mask():
     key, value = torch.randn(2, rows, 8, keys, 128, device=DEVICE)
     expected = F.scaled_dot_product_attention(query, key.repeat_interleave(4, 1), value.repeat_interleave(4, 1),
                                               attn_mask=dense)
-    out, _ = run_flex(query, key, value, ippd_block_mask(*layout), 128 ** -0.5)
+    out, _ = run_flex(query, key, value, visibility_block_mask(*layout), 128 ** -0.5)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -222,6 +220,16 @@ def test_compiled_static_decode_step_equals_the_dynamic_step(dtype):
         assert float((got - expected).abs().max()) <= scale
         tokens = expected.argmax(-1, keepdim=True)
     assert not torch.equal(kept[0], kept[-1])  # each step's logits are its own, not one reused buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pools_forward_with_the_compiled_block_mask_equals_the_boolean_mask(dtype):
+    # engine/core/flex.py's block mask through a whole model, the way the row pool calls it (tests/test_core_flex.py
+    # checks the same on CPU with the unfused kernel; here the kernel is compiled).
+    model = on_device(tiny(9), dtype).model
+    for flex, eager in zip(pool_step_logits(model, True), pool_step_logits(model, False)):
+        scale = 1e-4 if dtype == torch.float32 else BF16["first_step_relative"] * float(eager.abs().max())
+        assert float((flex - eager).abs().max()) <= scale
 
 
 # -- cache round trip: GPU <-> pinned host <-> disk ---------------------------------------------------------------

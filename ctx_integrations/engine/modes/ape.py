@@ -29,10 +29,10 @@ import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import concatenated_stream
+from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, decode_fused, forward_streams, single_stream
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION
-from ctx_integrations.engine.modes.flex import resolve_kernel
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"

@@ -19,7 +19,7 @@ import functools
 import torch
 from transformers import AttentionInterface
 
-from ctx_integrations.engine.modes.flex import BlockMask, block_mask, run_flex
+from ctx_integrations.engine.core.flex import BlockMask, block_mask, run_flex
 from ctx_integrations.errors import InvalidOptionError
 
 APE_FLEX_ATTENTION = "ctx_ape_flex"

@@ -21,7 +21,6 @@ position, so no real token ever attends to it.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +30,6 @@ from ctx_integrations.engine.core.cache import CachedKV, cache_from_kv
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
 from ctx_integrations.engine.core.transfer import same_device
-from ctx_integrations.engine.modes.flex import FLEX_ATTENTION, attention_swapped, resolve_kernel
-from ctx_integrations.engine.modes.ippd_flex import ippd_block_mask
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
@@ -84,24 +81,18 @@ def visibility(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_
 
 @torch.inference_mode()
 def step_forward(model: torch.nn.Module, batch: StackBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-                 contexts: torch.Tensor, questions: torch.Tensor, keep: torch.Tensor | int = 0,
-                 kernel: str = "eager") -> torch.Tensor:
+                 contexts: torch.Tensor, questions: torch.Tensor, keep: torch.Tensor | int = 0) -> torch.Tensor:
     """Append tokens ([B, S], with their virtual positions and ids) to every stack; return their logits (fp32).
 
-    ``keep``: which of the S columns need logits (a 1D index tensor, or 0 for all). ``kernel``: ``"eager"``
-    (the boolean mask of :func:`visibility`, the reference) or ``"flex"`` (the same rule as a FlexAttention
-    block mask, ``ippd_flex.py``).
+    ``keep``: which of the S columns need logits (a 1D index tensor, or 0 for all).
     """
     all_positions = torch.cat([batch.positions, positions], dim=1)
     all_contexts = torch.cat([batch.contexts, contexts], dim=1)
     all_questions = torch.cat([batch.questions, questions], dim=1)
-    flex = kernel == "flex"
-    mask = (ippd_block_mask if flex else visibility)(positions, contexts, questions, all_positions, all_contexts,
-                                                     all_questions)
+    mask = visibility(positions, contexts, questions, all_positions, all_contexts, all_questions)
     rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-    with attention_swapped(model, FLEX_ATTENTION) if flex else nullcontext():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=rope_positions,
-                    past_key_values=batch.cache, use_cache=True, logits_to_keep=keep)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=rope_positions, past_key_values=batch.cache,
+                use_cache=True, logits_to_keep=keep)
     batch.positions, batch.contexts, batch.questions = all_positions, all_contexts, all_questions
     return out.logits.float()
 
@@ -182,20 +173,17 @@ def _row_inputs(rows: list[list[tuple[list[int], int, int, int]]], device: torch
 
 
 @register_mode("ippd", many=True)
-def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = None,
-             attention_kernel: str = "auto") -> list[DecodeResult]:
+def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = None) -> list[DecodeResult]:
     """Intra-prompt parallel decoding: every question answered in one stacked decode.
 
     Questions with the same documents (same texts, same order) share one context: the
     concatenation of their documents, as ``concat`` would prompt it, so each answer equals
     ``concat``'s greedy answer token for token. max_stack_tokens: the most tokens (prompt plus
     ``max_new_tokens`` per question) one stacked prompt may hold; default the model's window. More
-    questions go into further stacks of the same batch. attention_kernel: ``"eager"`` (a boolean mask),
-    ``"flex"`` (a FlexAttention block mask), ``"auto"`` (flex on CUDA, eager elsewhere).
+    questions go into further stacks of the same batch.
     """
     first = contexts[0]
     engine, layout, loaded = first.engine, first.engine.layout, first.engine.loaded
-    kernel = resolve_kernel(attention_kernel, loaded.device)
     window = loaded.max_positions
     budget = window if max_stack_tokens is None else max_stack_tokens
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -233,7 +221,7 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
     ends = [torch.tensor([len(q.suffix) for q in s.questions]).cumsum(0).sub(1).tolist() for s in stacks]
     keep = sorted({column for row in ends for column in row})
     logits = step_forward(loaded.model, batch, *_row_inputs(rows, loaded.device, pad_token),
-                          keep=torch.tensor(keep, device=loaded.device), kernel=kernel)
+                          keep=torch.tensor(keep, device=loaded.device))
     timings["prefill_s"] = time.perf_counter() - first.started
     pending = [(q, logits[q.stack, keep.index(column)]) for s, row in zip(stacks, ends)
                for q, column in zip(s.questions, row)]
@@ -246,7 +234,7 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
         if not any(growing):
             break
         rows = [[([q.emitter.trace[-1].token_id], q.next_position, q.context, q.qid) for q in row] for row in growing]
-        logits = step_forward(loaded.model, batch, *_row_inputs(rows, loaded.device, pad_token), kernel=kernel)
+        logits = step_forward(loaded.model, batch, *_row_inputs(rows, loaded.device, pad_token))
         pending = []
         for row in growing:
             for column, question in enumerate(row):
