@@ -71,12 +71,7 @@ from ctx_integrations.engine.core.model import (  # noqa: E402
     model_identity,
 )
 from ctx_integrations.engine.core.static_decode import StaticStreams  # noqa: E402
-from ctx_integrations.engine.core.streams import (  # noqa: E402
-    StopCriteria,
-    TokenSampler,
-    decode_independent,
-    forward_streams,
-)
+from ctx_integrations.engine.core.streams import forward_streams  # noqa: E402
 from ctx_integrations.engine.core.transfer import prefetch, to_host  # noqa: E402
 
 SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache", "decode")
@@ -321,9 +316,21 @@ def prefix_cached_batch(engine: Engine, docs: list[str], questions: list[str], n
     streams = batch_streams(engine.store.prefix(layout), [entry] * len(questions))
     suffixes = torch.tensor([layout.suffix_ids(q) for q in questions], device=loaded.device)
     logits = forward_streams(loaded.model, streams, suffixes)
-    results = decode_independent(loaded.model, loaded.tokenizer, streams, logits, TokenSampler(0.0),
-                                 StopCriteria(loaded.eos_token_ids, new_tokens))
-    return [r.token_ids for r in results]
+    answers: list[list[int]] = [[] for _ in questions]
+    finished = [False] * len(questions)
+    while True:  # greedy, each row its own token; a finished row keeps stepping with the batch until all are done
+        chosen = logits.argmax(-1)
+        for row, token in enumerate(chosen.tolist()):
+            if finished[row]:
+                continue
+            if token in loaded.eos_token_ids:
+                finished[row] = True
+            else:
+                answers[row].append(token)
+                finished[row] = len(answers[row]) == new_tokens
+        if all(finished):
+            return answers
+        logits = forward_streams(loaded.model, streams, chosen.unsqueeze(1))
 
 
 def bench_ippd(bench: Bench) -> list[dict]:
