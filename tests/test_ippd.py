@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -162,3 +164,10 @@ def test_embedded_model_parity(embedded_engine):
     for question, answer in zip(questions, answers):
         assert answer.token_ids == independent(embedded_engine, DOCS, question, 20)
     assert "Ilsa Brenn" in answers[0].text
+
+
+def test_caches_on_cuda_0_match_a_model_on_cuda():
+    # torch says cuda:0 != cuda; a model loaded on "cuda" holds its caches on cuda:0, and IPPD refused them all.
+    # Without a GPU no tensor can live on cuda:0: the check reads only .device, so a stand-in carries it.
+    entry = CachedKV("a", (1,), SimpleNamespace(device=torch.device("cuda:0")))
+    _check_devices(torch.device("cuda"), [entry])

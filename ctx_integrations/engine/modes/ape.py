@@ -29,10 +29,12 @@ import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import concatenated_stream
+from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, forward_streams, fused_steps, single_stream
 from ctx_integrations.engine.core.validation import real_number
+from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -109,8 +111,8 @@ AttentionInterface.register(APE_ATTENTION, ape_attention)
 
 
 @contextmanager
-def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model with :func:`ape_attention` inside the block, and restore its own attention after."""
+def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTENTION) -> Iterator[None]:
+    """Run the model with :func:`ape_attention` (or ``implementation``) inside the block, restore its own after."""
     can_swap = getattr(model, "_can_set_attn_implementation", None)
     if can_swap is None or not can_swap():
         raise InvalidOptionError(
@@ -118,14 +120,15 @@ def ape_attention_swapped(model: torch.nn.Module) -> Iterator[None]:
             "APE's attention cannot be swapped in (custom or remote-code models often do not); use mode='pced' "
             "or 'concat' with this model")
     previous = model.config._attn_implementation
-    model.set_attn_implementation(APE_ATTENTION)
+    model.set_attn_implementation(implementation)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
 
 
-def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float) -> Generator[None, None, DecodeResult]:
+def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float,
+               kernel: str) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
@@ -141,10 +144,11 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float) -
     total = sum(c.length for c in caches)
     streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
+    implementation = APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         # the swap spans one forward only: the scheduler runs other requests' forwards between APE's steps
-        with ape_attention_swapped(model):
+        with ape_attention_swapped(model, implementation):
             return forward_streams(model, streams, ids)
 
     first_logits = forward(torch.tensor([suffix], device=engine.loaded.device))
@@ -157,17 +161,21 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float) -
 
 
 @register_mode("ape")
-def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9) -> ExclusiveJob:
+def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
+            attention_kernel: str = "auto") -> ExclusiveJob:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
     for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
     log-sum-exp in the merge (less total weight on the documents for S < 1). Both in (0, 1];
     T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
+    attention_kernel: ``"eager"`` (:func:`ape_attention`, the reference), ``"flex"`` (FlexAttention,
+    ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).
     Runs as an exclusive job (its attention differs from the pooled forward's), one forward per step.
     """
     check_knobs(attention_temperature, scale)
-    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale)))
+    kernel = resolve_kernel(attention_kernel, ctx.engine.loaded.device)
+    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel)))
 
 
 PAPER_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # 0.1 .. 1.0, the paper's search range and step

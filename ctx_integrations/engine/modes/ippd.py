@@ -31,6 +31,7 @@ from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
 from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
+from ctx_integrations.engine.core.transfer import same_device
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 __all__ = ["PAD_ID", "PAD_POSITION", "StackedJob", "run_ippd", "visibility"]
@@ -86,7 +87,7 @@ def _pack(ctx_groups: list[tuple[CachedKV, list[_Question]]], prefix_len: int, b
 
 def _check_devices(model_device: torch.device, entries: list[CachedKV]) -> None:
     devices = {str(e.kv.device) for e in entries}
-    if len(devices) > 1 or torch.device(devices.pop()) != model_device:
+    if len(devices) > 1 or not same_device(devices.pop(), model_device):  # "cuda" is "cuda:0"; == says otherwise
         raise InvalidOptionError(f"IPPD got cached contexts on {sorted({str(e.kv.device) for e in entries})} for a "
                                  f"model on {model_device}: compute the caches with this engine (its store moves "
                                  "them to the model's device) instead of mixing engines or devices")

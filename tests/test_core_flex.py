@@ -1,0 +1,94 @@
+"""``engine/core/flex.py``: IPPD's visibility rule (the row pool's mask) as a FlexAttention block mask, against the
+boolean mask, on CPU (FlexAttention's unfused reference there; the compiled kernel is in tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION, attention_swapped, run_flex, visibility_block_mask
+from ctx_integrations.engine.modes.ippd import PAD_ID, PAD_POSITION, visibility
+from ctx_integrations.errors import InvalidOptionError
+from tests.helpers import tiny_loaded
+
+
+def random_layout(generator: torch.Generator, rows: int, keys: int, queries: int) -> tuple[torch.Tensor, ...]:
+    """Virtual positions and ids of a stack-like batch: prefix, two contexts, three questions, padding at the end;
+    the queries are ``queries`` of its columns (each sees at least itself)."""
+    k_pos, k_ctx, k_qid = (torch.empty(rows, keys, dtype=torch.long) for _ in range(3))
+    for b in range(rows):
+        pieces = torch.randint(0, 6, (keys,), generator=generator).sort().values  # 0 prefix, 1-2 ctx, 3-5 questions
+        pieces[: 3] = 0
+        k_ctx[b] = torch.where(pieces == 0, 0, torch.where(pieces <= 2, pieces, 1 + (pieces % 2)))
+        k_qid[b] = torch.where(pieces >= 3, pieces - 2, 0)
+        k_pos[b] = torch.arange(keys)
+        pad = int(torch.randint(0, keys // 4, (1,), generator=generator))
+        if pad:
+            k_pos[b, -pad:], k_ctx[b, -pad:], k_qid[b, -pad:] = PAD_POSITION, PAD_ID, PAD_ID
+    q_cols = torch.stack([torch.randperm(keys, generator=generator)[:queries].sort().values for _ in range(rows)])
+    gather = lambda t: t.gather(1, q_cols)  # noqa: E731
+    return gather(k_pos), gather(k_ctx), gather(k_qid), k_pos, k_ctx, k_qid
+
+
+def test_block_mask_attention_equals_attention_under_the_boolean_mask():
+    # A mask_mod that dropped a clause of the conjunction (e.g. the "k_ctx == 0" shared prefix, or the question id
+    # test), compared positions the wrong way, or indexed another row's ids would change which keys are averaged.
+    generator = torch.Generator().manual_seed(0)
+    for rows, keys, queries in ((1, 40, 7), (3, 300, 20), (2, 200, 1)):
+        layout = random_layout(generator, rows, keys, queries)
+        dense = visibility(*layout)  # [B, 1, Q, K]
+        assert dense.any(-1).all() and not dense.all()  # every query sees something, and not everything
+        query = torch.randn(rows, 4, queries, 16, generator=generator)
+        key, value = torch.randn(2, rows, 2, keys, 16, generator=generator)
+        expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
+                                                  attn_mask=dense)
+        out, _ = run_flex(query, key, value, visibility_block_mask(*layout), 16 ** -0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def pool_step_logits(model: torch.nn.Module, flex: bool, seed: int = 0, rows: int = 2, context: int = 150,
+                     step: int = 12) -> list[torch.Tensor]:
+    """Two forwards the way the row pool runs them: ``context`` columns into an empty cache, then ``step`` more.
+
+    Every token carries virtual positions and ids (``random_layout``); the mask is IPPD's boolean
+    ``visibility`` (SDPA, the reference) or its block mask under the flex attention. Returns both logits.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    _, _, _, k_pos, k_ctx, k_qid = (t.to(device) for t in random_layout(generator, rows, context + step, 1))
+    ids = torch.randint(0, model.config.vocab_size, (rows, context + step), generator=generator).to(device)
+    cache, logits = DynamicCache(), []
+    for span in (slice(0, context), slice(context, context + step)):
+        q = (k_pos[:, span], k_ctx[:, span], k_qid[:, span])
+        keys = (k_pos[:, : span.stop], k_ctx[:, : span.stop], k_qid[:, : span.stop])
+        mask = (visibility_block_mask if flex else visibility)(*q, *keys)
+        rope = q[0].masked_fill(q[0] == PAD_POSITION, 0)
+        with torch.inference_mode(), attention_swapped(model, FLEX_ATTENTION) if flex else torch.inference_mode():
+            out = model(input_ids=ids[:, span], attention_mask=mask, position_ids=rope, past_key_values=cache,
+                        use_cache=True)
+        logits.append(out.logits.float())
+    return logits
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_model_forward_with_the_block_mask_equals_the_boolean_mask(family):
+    # The row pool's two calls through transformers: the BlockMask must pass the mask preprocessing untouched, reach
+    # the flex attention function with GQA, and the model must get its own attention back. Mistral passes its sliding
+    # window (4096) on every call: refusing it outright would refuse every request on such models.
+    loaded = tiny_loaded(family, seed=3)
+    for flex, eager in zip(pool_step_logits(loaded.model, True), pool_step_logits(loaded.model, False)):
+        torch.testing.assert_close(flex, eager, atol=1e-4, rtol=1e-4)
+    assert loaded.model.config._attn_implementation == "sdpa"
+
+
+def test_the_flex_attention_refuses_a_dense_mask_and_keys_beyond_a_sliding_window():
+    from ctx_integrations.engine.core.flex import flex_attention_forward
+
+    query, key = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(InvalidOptionError, match="BlockMask"):
+        flex_attention_forward(torch.nn.Module(), query, key, key, torch.ones(1, 1, 1, 8, dtype=torch.bool))
+    layout = [torch.zeros(1, 1, dtype=torch.long)] * 3 + [torch.zeros(1, 8, dtype=torch.long)] * 3
+    with pytest.raises(InvalidOptionError, match="exceed this model's window of 4"):
+        flex_attention_forward(torch.nn.Module(), query, key, key, visibility_block_mask(*layout), sliding_window=4)
