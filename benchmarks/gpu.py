@@ -243,7 +243,7 @@ class Bench:
             release(self.device)
 
     def engine(self, **options: Any) -> Engine:
-        return Engine(self.loaded, memory_entries=4096, **options)
+        return Engine(self.loaded, memory_bytes=64 << 30, **options)  # every entry of a section stays in memory
 
 
 def release(device: torch.device) -> None:
