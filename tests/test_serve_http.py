@@ -215,7 +215,8 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
             head = [next(lines), next(lines)]
             process.send_signal(signal.SIGTERM)
             events = sse_events([*head, *lines])
-        assert process.wait(timeout=60) == 0
+        # uvicorn (>= 0.29) re-raises the signal once it has shut down gracefully: exit by SIGTERM, not a crash
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
     assert events[-1][0] == "answer" and len(json.loads(events[-1][1])["token_ids"]) == 60
 
 

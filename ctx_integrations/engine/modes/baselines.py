@@ -44,11 +44,11 @@ def prompt_job(ctx: DecodeContext, ids: list[int],
     return FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream, finish)
 
 
-def concatenated_ids(ctx: DecodeContext, texts: list[str]) -> list[int]:
+def concatenated_ids(ctx: DecodeContext, texts: list[str], what: str | None = None) -> list[int]:
     """``prefix + texts + question`` as one prompt, refused when it does not fit the window."""
     layout = ctx.engine.layout
     ids = layout.prefix_ids + [t for text in texts for t in layout.context_ids(text)] + layout.suffix_ids(ctx.query)
-    ctx.check_window(len(ids), f"the concatenation of {len(texts)} documents")
+    ctx.check_window(len(ids), what or f"the concatenation of {len(texts)} documents")
     return ids
 
 
@@ -154,7 +154,9 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int) -> Generator[None
     summaries = yield from independent_steps(lambda ids: forward_streams(loaded.model, streams, ids), loaded.tokenizer,
                                              first_logits, ctx.sampler, map_stop)
     ctx.timings["map_s"] = time.perf_counter() - ctx.started
-    ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]))
+    ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]),
+                           f"map_reduce's reduce step (the summaries of {len(ctx.documents)} documents: lower "
+                           "summary_tokens)")
     reduce = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
                          torch.zeros(1, dtype=torch.long, device=loaded.device))
     first_logits = forward_streams(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
