@@ -320,6 +320,58 @@ def run_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- eval ----------------------------------------------------------------------------------------------
+def _configure_eval(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code"),
+                        help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
+                             "secret_code: the PCED paper's synthetic set (default world)")
+    parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
+    parser.add_argument("--questions", type=int, default=None, help="questions (default: world 12, secret_code 6, "
+                                                                    "musique 12)")
+    parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
+    parser.add_argument("--document-tokens", type=int, default=None,
+                        help="approximate tokens per document (world 80, secret_code 64: exact)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
+    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default ../shared/data/musique_dev.jsonl)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (default 24)")
+    parser.add_argument("--threshold", type=float, default=0.25,
+                        help="share of a sentence's content tokens a document must win to be cited (0.25)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the citation baselines (concat [n], cite all) and PCED's gamma=0 ablation")
+    parser.add_argument("--output", default="eval_results", help="folder for JSON, markdown and plots")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
+    parser.add_argument("--verbose", action="store_true", help="print every answer as it is scored")
+    _add_model_arguments(parser)
+
+
+@register_command("eval", help="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
+                  configure=_configure_eval)
+def run_eval(args: argparse.Namespace) -> int:
+    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations.engine.core.registry import resolve_mode
+    from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise InvalidOptionError("--modes names no mode")
+    for mode in modes:
+        resolve_mode(mode)  # refuse a typo before loading the model
+    if args.set == "musique":  # fail on a missing file before loading the model
+        load_set("musique", path=args.data, n_questions=args.questions)
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, device=args.device)
+    examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
+                        document_tokens=args.document_tokens, seed=args.seed, path=args.data)
+    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
+    report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
+                      baselines=not args.no_baselines, pced_ablation=not args.no_baselines, set_name=args.set,
+                      progress=print if args.verbose else None)
+    print(markdown_table(report))
+    paths = write_report(report, args.output, plots=not args.no_plots)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}; {time.perf_counter() - started:.1f} s")
+    return 0
+
+
 # -- distill -------------------------------------------------------------------------------------------
 def _configure_distill(parser: argparse.ArgumentParser) -> None:
     from ctx_integrations.engine.distill import add_arguments

@@ -244,7 +244,8 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
         for question in stack.questions:
             question.ctx.timings.update(timings)
             result = question.emitter.result()
-            result.extra.update(stack=question.stack, stacked_questions=len(stack.questions))
+            # Each answer sees only its own question's context: that is its per-token attribution (citations.py).
+            result.extra.update(stack=question.stack, stacked_questions=len(stack.questions), attribution="context")
             results[question.index] = result
     return results  # type: ignore[return-value]
 
