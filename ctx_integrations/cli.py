@@ -326,14 +326,14 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
                         help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
                              "secret_code: the PCED paper's synthetic set (default world)")
     parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
-    parser.add_argument("--questions", type=int, default=None, help="questions (default: world 12, secret_code 6, "
+    parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
                                                                     "musique 12)")
     parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
     parser.add_argument("--document-tokens", type=int, default=None,
-                        help="approximate tokens per document (world 80, secret_code 64: exact)")
+                        help="approximate tokens per document (world 64, secret_code 64: exact)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
     parser.add_argument("--data", default=None, help="MuSiQue jsonl (default ../shared/data/musique_dev.jsonl)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (default 24)")
+    parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="share of a sentence's content tokens a document must win to be cited (0.25)")
     parser.add_argument("--no-baselines", action="store_true",

@@ -5,7 +5,7 @@ from ctx_integrations import Engine
 from ctx_integrations.evaluation import evaluate, world_set, write_report, markdown_table
 
 engine = Engine.from_pretrained()
-report = evaluate(engine, world_set(12, documents=4, document_tokens=80), modes=["pced", "concat", "ape"])
+report = evaluate(engine, world_set(8, documents=4, document_tokens=64), modes=["pced", "concat", "ape"])
 print(markdown_table(report))            # one row per system: EM, F1, citation P/R, TTFT, total, tok/s, cache hits
 write_report(report, "eval_results")     # JSON + markdown + two PNG plots (matplotlib: the `eval` extra)
 ```
@@ -45,7 +45,7 @@ def load_set(name: str, engine: Any = None, *, n_questions: int | None = None, d
     """
     sizes = {k: v for k, v in (("documents", documents), ("document_tokens", document_tokens)) if v is not None}
     if name == "world":
-        return world_set(n_questions or 12, seed=seed, **sizes)
+        return world_set(n_questions or 8, seed=seed, **sizes)
     if name == "secret_code":
         if engine is None:
             raise InvalidOptionError("the secret_code set needs the engine (its prompt layout cuts documents)")

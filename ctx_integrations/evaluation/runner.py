@@ -73,7 +73,7 @@ class EvalReport:
 
 
 def evaluate(engine: Any, examples: Sequence[Example], modes: Sequence[str] = DEFAULT_MODES, *,
-             max_new_tokens: int = 24, threshold: float = DEFAULT_THRESHOLD, baselines: bool = True,
+             max_new_tokens: int = 20, threshold: float = DEFAULT_THRESHOLD, baselines: bool = True,
              pced_ablation: bool = True, warm: bool = True, set_name: str = "custom",
              systems: Sequence[System] | None = None,
              progress: Callable[[str], None] | None = None) -> EvalReport:

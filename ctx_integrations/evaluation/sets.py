@@ -132,7 +132,7 @@ def _pad(rng: random.Random, text: str, subject: str, words: int) -> str:
     return " ".join(sentences)
 
 
-def world_set(n_questions: int = 12, *, documents: int = 4, document_tokens: int = 80, seed: int = 0,
+def world_set(n_questions: int = 8, *, documents: int = 4, document_tokens: int = 64, seed: int = 0,
               kinds: tuple[str, ...] = KINDS) -> list[Example]:
     """Invented-world multi-document QA, seeded: the same arguments give the same set.
 
