@@ -61,10 +61,10 @@ def plot_report(report: EvalReport, folder: str | Path) -> dict[str, Path]:
     paths = {}
     answering = [r for r in report.rows if r["mode"] is not None and r.get("ttft_s") is not None]
     figure, axes = plt.subplots(figsize=(6, 4), dpi=90)
-    for row in answering:
+    for i, row in enumerate(answering):  # labels alternate above / below so close points stay readable
         axes.scatter(row["ttft_s"], row["substring_em"] or 0.0, s=40)
         axes.annotate(row["system"], (row["ttft_s"], row["substring_em"] or 0.0), textcoords="offset points",
-                      xytext=(4, 4), fontsize=8)
+                      xytext=(4, 5 if i % 2 == 0 else -11), fontsize=8)
     axes.set_xlabel("mean time to first token (s)")
     axes.set_ylabel("substring EM")
     axes.set_title(f"{report.set_name}: answer quality vs time to first token", fontsize=10)
