@@ -247,6 +247,12 @@ def _configure_demo(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--top-k", type=int, default=3, help="documents retrieved per question (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (default 24)")
+    parser.add_argument("--large-passages", type=int, default=16,
+                        help="part 2: passages in the larger retrieved set (default 16; 0 skips part 2)")
+    parser.add_argument("--large-tokens", type=int, default=256, help="part 2: approximate tokens per passage (256)")
+    parser.add_argument("--large-max-new-tokens", type=int, default=16, help="part 2: answer length limit (16)")
+    parser.add_argument("--large-modes", default="concat,pced,ape,soft_nbce",
+                        help="part 2: modes compared side by side (concat first: the others' ratios are to it)")
 
 
 @register_command("demo", help="answer questions about a small invented city with PCED and concatenation",
@@ -278,8 +284,62 @@ def run_demo(args: argparse.Namespace) -> int:
             _print_answer(answer)
             found = item["answer"].lower() in answer.text.lower()
             print(f"      contains the expected answer: {'yes' if found else 'no'}")
+    if args.large_passages > 0:
+        misses += _demo_large_set(engine, args)
     print(f"\ndone in {time.perf_counter() - started:.1f} s; KV cache misses while answering: {misses}")
     return 0
+
+
+def _demo_large_set(engine: Any, args: argparse.Namespace) -> int:
+    """Part 2: one question over many long passages, where cached documents pay off; returns the cache misses.
+
+    The passages are an invented-world set (``evaluation.world_set``, seeded): profiles of invented
+    people and companies, one of which answers the question; their scores are the generator's.
+    """
+    from ctx_integrations.documents import Document
+    from ctx_integrations.evaluation import world_set
+
+    modes = [m.strip() for m in args.large_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in engine.modes]
+    if unknown:
+        raise InvalidOptionError(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(engine.modes)}")
+    (example,) = world_set(1, documents=args.large_passages, document_tokens=args.large_tokens, seed=DEMO_LARGE_SEED,
+                           kinds=("single_hop",))
+    docs = [Document(d.text, id=f"p{i + 1:02d}", score=d.score) for i, d in enumerate(example.documents)]
+    started = time.perf_counter()
+    report = engine.warm(docs)
+    print(f"\n== Part 2: {len(docs)} retrieved passages of ~{args.large_tokens} tokens (an invented world) ==\n"
+          f"KV caches: {report['misses']} computed, {report['hits']} reused ({time.perf_counter() - started:.1f} s, "
+          "what ingestion does once)")
+    gold = ", ".join(docs[i].id for i in example.gold)
+    print(f"Q: {example.question}   (expected: {example.answers[0]}, in {gold})")
+    rows, misses = [], 0
+    for mode in modes:
+        options = {"attribution": True} if mode == "ape" else {}
+        answer = engine.generate(example.question, docs, mode=mode, max_new_tokens=args.large_max_new_tokens,
+                                 **options)
+        misses += answer.cache_misses
+        cited = [docs[i].id for i in _cited(answer, engine)]
+        rows.append((mode, answer, ",".join(cited) if cited else "-"))
+    base = next((a.timings for m, a, _ in rows if m == "concat"), None)
+    print(f"  {'mode':<10} {'TTFT s':>7} {'total s':>8} {'TTFT x':>7} {'total x':>8}  {'cited':<9} answer")
+    for mode, answer, cited in rows:
+        t = answer.timings
+        ratios = f"{base['ttft_s'] / t['ttft_s']:>6.1f}x {base['total_s'] / t['total_s']:>7.1f}x" if base else " " * 16
+        text = " ".join(answer.text.split())  # one line per mode, whatever the model printed
+        print(f"  {mode:<10} {t['ttft_s']:>7.2f} {t['total_s']:>8.2f} {ratios}  {cited:<9} {text}")
+    print("  (x: speed-up over concat, the same prompt read in one pass; cited: passages winning >= 25% of a "
+          "sentence's content tokens; concat has no per-token attribution)")
+    return misses
+
+
+DEMO_LARGE_SEED = 10  # a question whose answer the 135M model reads off (probed: PCED answers seeds 6, 10, 11)
+
+
+def _cited(answer: Any, engine: Any) -> list[int]:
+    from ctx_integrations.engine.core.citations import cited_documents
+
+    return cited_documents(answer.citations(engine.loaded.tokenizer))
 
 
 # -- ingest --------------------------------------------------------------------------------------------
@@ -418,6 +478,58 @@ def run_ask(args: argparse.Namespace) -> int:
         print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
         _print_sources(docs)
         _print_answer(answer, indent="")
+    return 0
+
+
+# -- eval ----------------------------------------------------------------------------------------------
+def _configure_eval(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code"),
+                        help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
+                             "secret_code: the PCED paper's synthetic set (default world)")
+    parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
+    parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
+                                                                    "musique 12)")
+    parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
+    parser.add_argument("--document-tokens", type=int, default=None,
+                        help="approximate tokens per document (world 64, secret_code 64: exact)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
+    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default ../shared/data/musique_dev.jsonl)")
+    parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
+    parser.add_argument("--threshold", type=float, default=0.25,
+                        help="share of a sentence's content tokens a document must win to be cited (0.25)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the citation baselines (concat [n], cite all) and PCED's gamma=0 ablation")
+    parser.add_argument("--output", default="eval_results", help="folder for JSON, markdown and plots")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (no matplotlib needed)")
+    parser.add_argument("--verbose", action="store_true", help="print every answer as it is scored")
+    _add_model_arguments(parser)
+
+
+@register_command("eval", help="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
+                  configure=_configure_eval)
+def run_eval(args: argparse.Namespace) -> int:
+    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations.engine.core.registry import resolve_mode
+    from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise InvalidOptionError("--modes names no mode")
+    for mode in modes:
+        resolve_mode(mode)  # refuse a typo before loading the model
+    if args.set == "musique":  # fail on a missing file before loading the model
+        load_set("musique", path=args.data, n_questions=args.questions)
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, device=args.device)
+    examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
+                        document_tokens=args.document_tokens, seed=args.seed, path=args.data)
+    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
+    report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
+                      baselines=not args.no_baselines, pced_ablation=not args.no_baselines, set_name=args.set,
+                      progress=print if args.verbose else None)
+    print(markdown_table(report))
+    paths = write_report(report, args.output, plots=not args.no_plots)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}; {time.perf_counter() - started:.1f} s")
     return 0
 
 

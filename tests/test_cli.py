@@ -42,11 +42,33 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
     assert out.rstrip().endswith("KV cache misses while answering: 0")
 
 
+def test_demo_part_two_compares_modes_on_sixteen_long_passages(demo_run):
+    _, out = demo_run
+    part = out.split("== Part 2: ")[1]
+    assert part.startswith("16 retrieved passages of ~256 tokens") and "KV caches: 16 computed, 0 reused" in part
+    question = re.search(r"Q: (.+?)   \(expected: (.+?), in (p\d\d)\)", part)
+    assert question, part
+    expected, gold = question.group(2), question.group(3)
+    modes = ("concat", "pced", "ape", "soft_nbce")
+    rows = {line.split()[0]: line for line in part.splitlines() if line.split()[:1] and line.split()[0] in modes}
+    assert tuple(rows) == modes
+    assert re.search(r"concat +[\d.]+ +[\d.]+ +1\.0x +1\.0x +- ", rows["concat"])  # ratios to itself, no citation
+    for mode in ("pced", "soft_nbce"):  # both answer and cite the passage that holds it (greedy, fp32: deterministic)
+        assert rows[mode].split("x  ")[-1].split()[0] == gold, rows[mode]
+        assert expected in rows[mode]
+    assert rows["ape"].split("x  ")[-1].split()[0].startswith("p")  # APE (attribution=True) cites a passage too
+    pced_ttft_ratio = float(re.search(r"pced +[\d.]+ +[\d.]+ +([\d.]+)x", rows["pced"]).group(1))
+    assert pced_ttft_ratio > 1  # warm caches reach the first token sooner than reading 4k tokens in one prompt
+
+
 def test_a_second_demo_computes_nothing(demo_run, capsys):
     store, _ = demo_run
-    assert run_cli("demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2") == 0
+    assert run_cli("demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2",
+                   "--large-modes", "pced") == 0
     unchanged = len(load_demo_corpus()[0])
-    assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in out
+    assert "KV caches: 0 computed, 16 reused" in out and out.rstrip().endswith("KV cache misses while answering: 0")
 
 
 @pytest.mark.parametrize("mode", available_modes())

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctx_integrations.documents import Document
+from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, SentenceCitation, answer_citations
 from ctx_integrations.engine.core.streams import TraceStep
 
 
@@ -54,3 +55,12 @@ class Answer:
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
+
+    def citations(self, tokenizer: Any, threshold: float = DEFAULT_THRESHOLD) -> list[SentenceCitation]:
+        """Sentence-level citations: per sentence, the documents that won >= ``threshold`` of its content tokens.
+
+        ``tokenizer`` decodes the tokens (``engine.loaded.tokenizer``). Tokens won by the context-free
+        stream cite nothing; RAPID's drafted tokens cite the drafter's chunks; IPPD cites the question's
+        context. See :mod:`ctx_integrations.engine.core.citations`.
+        """
+        return answer_citations(self, tokenizer, threshold)

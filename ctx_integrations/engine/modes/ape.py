@@ -19,11 +19,12 @@ public code's bf16 LSE is one of METHODS.md's pitfalls) and registered through t
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -32,7 +33,7 @@ from ctx_integrations.engine.core.cache import concatenated_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import DecodeResult, forward_streams, fused_steps, single_stream
+from ctx_integrations.engine.core.streams import DecodeResult, TraceStep, forward_streams, fused_steps, single_stream
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION
 from ctx_integrations.errors import InvalidOptionError
@@ -48,6 +49,10 @@ class ApeLayout:
     context_end: int  # key column after the last document token
     temperature: float  # T
     scale: float  # S
+    # attribution=True: each document's end column (relative to context_start), and where the attention
+    # calls append the merged attention mass per document of the last query position (one entry per layer).
+    document_ends: tuple[int, ...] = ()
+    masses: list[torch.Tensor] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_knobs(self.temperature, self.scale)
@@ -98,13 +103,31 @@ def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
     lse_context = torch.logsumexp(context, dim=-1, keepdim=True)
     lse_outside = torch.logsumexp(outside, dim=-1, keepdim=True)
-    out_context = torch.matmul(torch.softmax(context, dim=-1), v[:, :, start:end])
+    p_context = torch.softmax(context, dim=-1)
+    out_context = torch.matmul(p_context, v[:, :, start:end])
     p_outside = torch.softmax(outside, dim=-1)
     out_outside = (torch.matmul(p_outside[..., :start], v[:, :, :start])
                    + torch.matmul(p_outside[..., start:], v[:, :, end:keys]))
     weights = torch.softmax(torch.cat([scale * temperature * lse_context, lse_outside], dim=-1), dim=-1)
     out = weights[..., :1] * out_context + weights[..., 1:] * out_outside
+    if ape_layout.masses is not None:
+        ape_layout.masses.append(document_mass(p_context, weights[..., :1], ape_layout.document_ends, groups, q_len))
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def document_mass(p_context: torch.Tensor, context_weight: torch.Tensor, document_ends: tuple[int, ...], groups: int,
+                  q_len: int) -> torch.Tensor:
+    """Merged attention mass on each document block for the last query position, averaged over heads ([N]).
+
+    ``p_context`` [B, Hkv, G*q, C] is the softmax over the document keys, ``context_weight`` [B, Hkv, G*q, 1]
+    the documents' weight in the merge, so their product is the final attention on each document key.
+    """
+    batch, kv_heads = p_context.shape[:2]
+    merged = (context_weight * p_context).reshape(batch, kv_heads, groups, q_len, -1)[:, :, :, -1]
+    per_key = merged.mean(dim=(1, 2))  # [B, C]
+    ends = torch.tensor(document_ends, device=per_key.device)
+    cumulative = torch.cumsum(per_key, dim=-1)[:, ends - 1]  # [B, N]
+    return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[:, :1]))[0].cpu()
 
 
 AttentionInterface.register(APE_ATTENTION, ape_attention)
@@ -127,8 +150,8 @@ def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTE
         model.set_attn_implementation(previous)
 
 
-def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float,
-               kernel: str) -> Generator[None, None, DecodeResult]:
+def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
+               attribution: bool) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
@@ -142,7 +165,10 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float,
     caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
     streams = concatenated_stream(engine.store.prefix(layout), caches, next_position=prefix_len + longest)
     total = sum(c.length for c in caches)
-    streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale)
+    ends = tuple(itertools.accumulate(c.length for c in caches))
+    masses: list[torch.Tensor] | None = [] if attribution else None
+    streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale,
+                                                     ends, masses)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     implementation = APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION
 
@@ -157,12 +183,14 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float,
     result = yield from fused_steps(forward, engine.loaded.tokenizer, first_logits, single_stream, ctx.sampler,
                                     ctx.stop, ctx.on_token, ctx.started)
     result.extra.update(context_tokens=total, query_position=prefix_len + longest)
+    if masses is not None:
+        _attribute(result, masses, model.config.num_hidden_layers)
     return result
 
 
 @register_mode("ape")
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
-            attention_kernel: str = "auto") -> ExclusiveJob:
+            attention_kernel: str = "auto", attribution: bool = False) -> ExclusiveJob:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
@@ -171,11 +199,15 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
     attention_kernel: ``"eager"`` (:func:`ape_attention`, the reference), ``"flex"`` (FlexAttention,
     ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).
+    attribution: record, per generated token, the merged attention mass on each document (mean over
+    layers and heads, ``extra["attention_mass"]``) and put the document with the most mass in the trace,
+    so APE answers have citations; off by default because it adds work to every attention call, and
+    it runs the eager attention (the flex kernel does not expose the per-document mass).
     Runs as an exclusive job (its attention differs from the pooled forward's), one forward per step.
     """
     check_knobs(attention_temperature, scale)
-    kernel = resolve_kernel(attention_kernel, ctx.engine.loaded.device)
-    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel)))
+    kernel = "eager" if attribution else resolve_kernel(attention_kernel, ctx.engine.loaded.device)
+    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, attribution)))
 
 
 PAPER_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # 0.1 .. 1.0, the paper's search range and step
@@ -279,3 +311,15 @@ def search_knobs(engine: object, dev_set: list, *, grid: tuple[float, ...] = PAP
         temperature, _ = best([(t, top) for t in values])
         pair = best([(temperature, s) for s in values])
     return KnobSearch(pair[0], pair[1], scores[pair], dict(scores))
+
+
+def _attribute(result: DecodeResult, masses: list[torch.Tensor], layers: int) -> None:
+    """Token i's logits came from forward pass i (the prefill for token 0): average its layers' masses."""
+    shares = []
+    for i, step in enumerate(result.trace):
+        mass = torch.stack(masses[i * layers:(i + 1) * layers]).mean(0)
+        share = mass / mass.sum().clamp_min(1e-12)
+        winner = int(share.argmax())
+        result.trace[i] = TraceStep(step.token_id, winner, float(share[winner]))
+        shares.append([round(float(x), 4) for x in share])
+    result.extra["attention_mass"] = shares

@@ -145,7 +145,8 @@ class StackedJob(PooledJob):
         for stack in self.stacks:
             for question in stack.questions:
                 result = question.emitter.result()
-                result.extra.update(stack=question.stack, stacked_questions=len(stack.questions))
+                # Each answer sees only its own question's context: that is its per-token attribution (citations.py).
+                result.extra.update(stack=question.stack, stacked_questions=len(stack.questions), attribution="context")
                 results[question.index] = result
         return results  # type: ignore[return-value]
 

@@ -1,0 +1,80 @@
+"""Answer and citation metrics, computed per example and averaged per mode.
+
+Answer metrics follow SQuAD's evaluation script (normalise, then token F1), with "substring EM"
+(a normalised gold answer occurs in the normalised prediction) because a chat model wraps its
+answer in a sentence. Citation precision / recall compare the set of cited documents with the
+gold supporting documents of an example; they are undefined (``None``) where the set they divide
+by is empty and left out of the averages, so "cited nothing" never counts as perfect precision.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower-case, drop punctuation and articles, squeeze whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """SQuAD token F1 between a prediction and one gold answer."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, answers: Sequence[str]) -> float:
+    """The best token F1 over the gold answers (0 when there are none)."""
+    return max((token_f1(prediction, a) for a in answers), default=0.0)
+
+
+def substring_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when a (non-empty) normalised gold answer occurs in the normalised prediction."""
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(a) and normalize_answer(a) in pred for a in answers))
+
+
+def citation_precision(cited: Collection[int], gold: Collection[int]) -> float | None:
+    """Share of cited documents that are gold support; ``None`` when nothing was cited."""
+    if not cited:
+        return None
+    return len(set(cited) & set(gold)) / len(set(cited))
+
+
+def citation_recall(cited: Collection[int], gold: Collection[int]) -> float | None:
+    """Share of gold supporting documents that were cited; ``None`` when there is no gold support."""
+    if not gold:
+        return None
+    return len(set(cited) & set(gold)) / len(set(gold))
+
+
+def mean_defined(values: Iterable[float | None]) -> float | None:
+    """Mean of the values that are not ``None`` (``None`` if there are none)."""
+    defined = [v for v in values if v is not None]
+    return sum(defined) / len(defined) if defined else None
+
+
+def bracket_citations(text: str, n_documents: int) -> list[int]:
+    """Document indices (0-based) named by ``[n]`` markers (1-based) in ``text``, in order, valid ones only.
+
+    ``[1, 3]`` and ``[1][3]`` both count; numbers outside 1..n_documents are ignored (a model's
+    invented reference is not a citation of any retrieved document).
+    """
+    found: list[int] = []
+    for group in re.findall(r"\[([\d,\s]+)\]", text):
+        for number in re.findall(r"\d+", group):
+            index = int(number) - 1
+            if 0 <= index < n_documents and index not in found:
+                found.append(index)
+    return found

@@ -1,0 +1,174 @@
+"""Run decoding modes over an evaluation set and score every answer: :func:`evaluate`.
+
+A *system* is one way of answering: a mode with options (``pced``, ``pced gamma=0``, ...), the
+prompt-based citation baseline ``concat [n]`` (``concat`` over documents numbered ``[1]..[N]``,
+asked to cite them with ``[n]`` markers; its citations are the markers it writes), and ``cite all``
+(a citation baseline that answers nothing and cites every retrieved document). Examples are the
+outer loop and systems the inner one, so a slow minute of a shared CPU hits every system alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctx_integrations.documents import Document
+from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, cited_documents
+from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.evaluation.metrics import (
+    best_f1,
+    bracket_citations,
+    citation_precision,
+    citation_recall,
+    mean_defined,
+    substring_match,
+)
+from ctx_integrations.evaluation.sets import Example
+
+DEFAULT_MODES = ("pced", "concat", "ape", "soft_nbce", "single")
+BRACKET_SYSTEM = "concat [n]"
+CITE_ALL_SYSTEM = "cite all"
+PCED_NO_PRIOR = "pced gamma=0"
+BRACKET_INSTRUCTION = " Cite the documents you used by their numbers in brackets, like [1]."
+# Options the evaluation turns on by default: APE records attention mass so its answers have citations.
+EVAL_OPTIONS: dict[str, dict[str, Any]] = {"ape": {"attribution": True}}
+
+
+@dataclass(frozen=True)
+class System:
+    """One way of answering: a name for the table, the mode that runs, its options, how it cites."""
+
+    name: str
+    mode: str | None  # None: answers nothing (the "cite all" baseline)
+    options: dict[str, Any] = field(default_factory=dict)
+    cites: str = "trace"  # "trace" (sentence citations), "brackets" ([n] markers), "all" (every document)
+
+
+def default_systems(modes: Sequence[str], *, baselines: bool = True, pced_ablation: bool = True) -> list[System]:
+    """The modes asked for, plus the citation baselines and PCED's gamma = 0 ablation (when pced is asked for)."""
+    systems = [System(m, m, dict(EVAL_OPTIONS.get(m, {}))) for m in modes]
+    if pced_ablation and "pced" in modes:
+        systems.append(System(PCED_NO_PRIOR, "pced", {"gamma": 0.0}))
+    if baselines:
+        systems.append(System(BRACKET_SYSTEM, "concat", cites="brackets"))
+        systems.append(System(CITE_ALL_SYSTEM, None, cites="all"))
+    return systems
+
+
+@dataclass
+class EvalReport:
+    """Every scored answer (``records``) and one summary row per system (``rows``)."""
+
+    set_name: str
+    records: list[dict[str, Any]]
+    rows: list[dict[str, Any]]
+    settings: dict[str, Any]
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"set": self.set_name, "settings": self.settings, "elapsed_s": self.elapsed_s, "rows": self.rows,
+                "records": self.records}
+
+
+def evaluate(engine: Any, examples: Sequence[Example], modes: Sequence[str] = DEFAULT_MODES, *,
+             max_new_tokens: int = 20, threshold: float = DEFAULT_THRESHOLD, baselines: bool = True,
+             pced_ablation: bool = True, warm: bool = True, set_name: str = "custom",
+             systems: Sequence[System] | None = None,
+             progress: Callable[[str], None] | None = None) -> EvalReport:
+    """Answer every example with every system and score it; return an :class:`EvalReport`.
+
+    engine: an :class:`~ctx_integrations.Engine`. examples: from :mod:`ctx_integrations.evaluation.sets`.
+    modes: registered mode names (each run with :data:`EVAL_OPTIONS`). threshold: the share of a
+    sentence's content tokens a document must win to be cited. baselines: add ``concat [n]`` and
+    ``cite all``. pced_ablation: add ``pced gamma=0`` when ``pced`` is among the modes. warm: compute
+    the documents' KV caches before timing (what ingestion does), so TTFT is that of a warm store.
+    systems: replace the systems built from the flags above. progress: called with one line per answer.
+    """
+    if not examples:
+        raise InvalidOptionError("evaluate needs at least one example")
+    if max_new_tokens < 1:
+        raise InvalidOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    systems = list(systems) if systems is not None else default_systems(modes, baselines=baselines,
+                                                                         pced_ablation=pced_ablation)
+    for system in systems:
+        if system.mode is not None and system.mode not in engine.modes:
+            raise InvalidOptionError(f"unknown mode {system.mode!r}: choose from {', '.join(engine.modes)}")
+    started = time.perf_counter()
+    _warm_up(engine, systems)
+    records = []
+    for example in examples:
+        if warm:
+            engine.warm(list(example.documents))
+        for system in systems:
+            record = _answer(engine, example, system, max_new_tokens, threshold)
+            records.append(record)
+            if progress is not None:
+                progress(f"{example.id} [{system.name}] em={record['substring_em']} {record['text'][:60]!r}")
+    settings = {"modes": list(modes), "systems": [s.name for s in systems], "max_new_tokens": max_new_tokens,
+                "threshold": threshold, "warm": warm, "examples": len(examples), "model": engine.loaded.name}
+    return EvalReport(set_name, records, summarize(records, systems), settings, time.perf_counter() - started)
+
+
+def _warm_up(engine: Any, systems: Sequence[System]) -> None:
+    """One tiny answer per mode first, so no system's first measured answer pays one-time setup."""
+    doc = [Document("Warm-up text.", id="warm-up")]
+    for mode in dict.fromkeys(s.mode for s in systems if s.mode is not None):
+        engine.generate("Warm up?", doc, mode=mode, max_new_tokens=1)
+
+
+def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, threshold: float) -> dict[str, Any]:
+    documents = list(example.documents)
+    record: dict[str, Any] = {"example": example.id, "kind": example.kind, "system": system.name,
+                              "gold": list(example.gold), "has_gold": example.has_gold}
+    if system.mode is None:
+        cited, text, answer = list(range(len(documents))), "", None
+    elif system.cites == "brackets":
+        numbered = [Document(f"[{i + 1}] {d.text}", id=d.id, score=d.score, metadata=d.metadata)
+                    for i, d in enumerate(documents)]
+        answer = engine.generate(example.question + BRACKET_INSTRUCTION, numbered, mode=system.mode,
+                                 max_new_tokens=max_new_tokens, **system.options)
+        text = answer.text
+        cited = bracket_citations(text, len(documents))
+    else:
+        answer = engine.generate(example.question, documents, mode=system.mode, max_new_tokens=max_new_tokens,
+                                 **system.options)
+        text = answer.text
+        cited = cited_documents(answer.citations(engine.loaded.tokenizer, threshold))
+    record.update(text=text, cited=cited)
+    if answer is not None:
+        record.update(substring_em=substring_match(text, example.answers), f1=best_f1(text, example.answers),
+                      ttft_s=answer.timings["ttft_s"], total_s=answer.timings["total_s"],
+                      tokens_per_s=answer.timings["tokens_per_s"], new_tokens=len(answer.token_ids),
+                      cache_hits=answer.cache_hits, cache_misses=answer.cache_misses)
+    else:
+        record.update(substring_em=None, f1=None)
+    gold = example.gold if example.has_gold else None
+    record.update(citation_precision=None if gold is None else citation_precision(cited, gold),
+                  citation_recall=None if gold is None else citation_recall(cited, gold))
+    return record
+
+
+_AVERAGED = ("substring_em", "f1", "citation_precision", "citation_recall", "ttft_s", "total_s", "tokens_per_s",
+             "new_tokens", "cache_hits", "cache_misses")
+
+
+def summarize(records: Sequence[dict[str, Any]], systems: Sequence[System]) -> list[dict[str, Any]]:
+    """One row per system: means over its examples (citation metrics over the examples where defined),
+    per-kind substring EM, and TTFT / total time relative to ``concat`` on the same examples."""
+    rows = []
+    for system in systems:
+        mine = [r for r in records if r["system"] == system.name]
+        row: dict[str, Any] = {"system": system.name, "mode": system.mode, "examples": len(mine)}
+        for key in _AVERAGED:
+            row[key] = mean_defined(r.get(key) for r in mine)
+        for kind in dict.fromkeys(r["kind"] for r in mine):
+            row[f"em_{kind}"] = mean_defined(r.get("substring_em") for r in mine if r["kind"] == kind)
+        rows.append(row)
+    concat = next((r for r in rows if r["system"] == "concat"), None)
+    for row in rows:
+        for key in ("ttft_s", "total_s"):
+            base = concat.get(key) if concat else None
+            row[f"{key.removesuffix('_s')}_vs_concat"] = (base / row[key]) if base and row.get(key) else None
+    return rows
