@@ -18,7 +18,7 @@ from ctx_integrations import Engine
 from ctx_integrations.engine.core import scheduler as scheduler_module
 from ctx_integrations.engine.core.scheduler import RequestCancelledError
 from ctx_integrations.errors import EngineOverloadedError, InvalidOptionError, RequestTimeoutError
-from tests.helpers import loop_ticks, tiny_loaded
+from tests.helpers import greedy_reference, loop_ticks, tiny_loaded
 
 DOCS = [
     "Marrowgate is the capital of Veloria and lies on the river Ast.",
@@ -49,7 +49,7 @@ def _call(request: dict) -> dict:
 
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(tiny_loaded("llama", seed=3))
+    return Engine(tiny_loaded("llama", seed=3, position_sensitive=True))  # a position bug changes its answers
 
 
 def test_concurrent_mixed_requests_equal_their_answers_alone(engine):
@@ -245,3 +245,25 @@ def test_close_refuses_new_requests(engine):
 
 def test_cancelled_error_is_typed():
     assert issubclass(RequestCancelledError, RuntimeError)
+
+
+@pytest.mark.parametrize("mode", ["concat", "single", "pced"])
+def test_pooled_answers_equal_transformers_greedy_generate(engine, mode):
+    """The reference outside the pool: a wrong position, a row reading another row's keys, or a cache piece at
+    the wrong offset changes the position-sensitive model's answer (comparing concurrent with alone cannot
+    see a bug both share)."""
+    layout = engine.layout
+    document = DOCS[1]
+    prompt = layout.prefix_ids + layout.context_ids(document) + layout.suffix_ids("Who is the mayor?")
+    expected = greedy_reference(engine.loaded, prompt, 12)
+    options = dict(beta=0.0, gamma=0.0) if mode == "pced" else {}
+
+    async def together():
+        others = [engine.agenerate(**_call(r)) for r in REQUESTS[:3]]  # rows of other requests beside it
+        mine = engine.agenerate("Who is the mayor?", [document], mode=mode, max_new_tokens=12, **options)
+        return (await asyncio.gather(mine, *others))[0]
+
+    assert len(set(expected)) > 3
+    assert engine.generate("Who is the mayor?", [document], mode=mode, max_new_tokens=12, **options).token_ids == \
+        expected
+    assert asyncio.run(together()).token_ids == expected
