@@ -26,7 +26,8 @@ from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, I
 
 # The registered modes, known without importing torch (the registry imports the model code);
 # tests/test_cli_fast.py checks that this equals ``engine.core.registry.available_modes()``.
-BUILTIN_MODES = ("pced", "concat", "single", "map_reduce", "soft_nbce", "nbce", "pcw", "rapid", "ape", "ippd")
+BUILTIN_MODES = ("pced", "concat", "single", "truncated", "map_reduce", "soft_nbce", "nbce", "pcw", "rapid", "ape",
+                 "ippd")
 
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]

@@ -64,7 +64,7 @@ def test_map_reduce_refuses_what_cannot_fit_with_a_typed_error(small_window_engi
         small_window_engine.generate("What is the code?", docs, mode="map_reduce", summary_tokens=250,
                                      max_new_tokens=2)
     # three summaries of ~100 tokens do not fit one 256-position reduce prompt
-    with pytest.raises(DocumentTooLongError, match="concatenation of 3"):
+    with pytest.raises(DocumentTooLongError, match="reduce step \\(the summaries of 3 documents: lower summary_tokens"):
         small_window_engine.generate("What is the code?", docs, mode="map_reduce", summary_tokens=100,
                                      max_new_tokens=2)
 
