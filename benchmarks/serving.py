@@ -282,6 +282,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         if client is not None:
             await client.aclose()
+        if engine is not None:
+            engine.close()  # stop the scheduler's thread before the interpreter exits
     return rows
 
 

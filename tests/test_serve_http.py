@@ -215,7 +215,7 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
             head = [next(lines), next(lines)]
             process.send_signal(signal.SIGTERM)
             events = sse_events([*head, *lines])
-        # uvicorn (>= 0.29) re-raises the signal once it has shut down gracefully: exit by SIGTERM, not a crash
+        # uvicorn re-raises the captured SIGTERM once its graceful shutdown is over
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
     assert events[-1][0] == "answer" and len(json.loads(events[-1][1])["token_ids"]) == 60
 
@@ -247,7 +247,7 @@ def test_the_ctx_experts_serve_command_answers_like_the_embedded_engine(tmp_path
         assert answer["token_ids"] == expected.token_ids and answer["text"] == expected.text
         assert httpx.get(f"{url}/healthz").json()["model"] == embedded_engine.loaded.name
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         if process.poll() is None:
             process.kill()
