@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     engine = Engine.from_pretrained()
     generation = dict(max_new_tokens=args.new_tokens)
     rapid_options = dict(gamma=args.gamma, draft_context_tokens=args.draft_context_tokens,
-                         chunk_tokens=args.chunk_tokens)
+                         chunk_tokens=args.chunk_tokens, ranking=args.ranking)
     rows = []
     for context in args.contexts:
         for seed in range(args.examples):
@@ -91,12 +91,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             for name, question in QUESTIONS.items():
                 gold = example.answers if name == "code" else None
                 rapids = []
-                for eta in args.eta:
+                for eta, rule in [(e, r) for e in args.eta for r in (args.tail_rules if e else ["paper"])]:
                     before = engine.store.stats.hits
                     answer = engine.generate(question, example.documents, mode="rapid", eta=eta, **generation,
-                                             **rapid_options)
+                                             tail_rule=rule, **rapid_options)
                     warm = "warm" if engine.store.stats.hits > before else "cold"
-                    rapids.append(row(context, name, f"rapid eta={eta:g}", answer, gold, long_kv=warm))
+                    label = f"rapid eta={eta:g}" + ("" if rule == "paper" else f" {rule}")
+                    rapids.append(row(context, name, label, answer, gold, long_kv=warm))
                 concat = engine.generate(question, example.documents, mode="concat", **generation)
                 draft_text = drafter_context(engine, example.documents, answer)
                 drafter = engine.generate(question, [draft_text], mode="concat", **generation)
@@ -120,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eta", type=float, nargs="+", default=[0.0, 10.0], help="one rapid row per value")
     parser.add_argument("--draft-context-tokens", type=int, default=1024)
     parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--ranking", default="dense", choices=["dense", "bm25", "scores", "auto"],
+                        help="how the drafter's chunks are ranked (dense: the paper's)")
+    parser.add_argument("--tail-rules", nargs="+", default=["paper"], choices=["paper", "draft_head"],
+                        help="tail rules for the eta > 0 rows (paper: Eq. 9; draft_head: the variant)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 avoids spin-waiting on a shared, busy machine)")
     parser.add_argument("--output", type=Path, default=None)

@@ -40,6 +40,8 @@ from ctx_integrations import Engine  # noqa: E402
 from ctx_integrations.engine.modes.soft_nbce import split_documents  # noqa: E402
 
 MODES = ("soft_nbce", "nbce", "pcw", "pced")
+# also runnable: the paper's Truncated baseline, and the chunk modes with NBCE's reference-code rule (a variant)
+CHOICES = MODES + ("truncated", "soft_nbce:nbce_code", "nbce:nbce_code", "pcw:nbce_code")
 QUESTION = "What is the secret code? Answer with the code only."
 _STATM = Path("/proc/self/statm")
 
@@ -127,18 +129,23 @@ def haystack(tokenizer: Any, filler: list[int], length: int, depth: float, code:
 
 def run_mode(engine: Engine, question: str, documents: list[str], mode: str, chunk_tokens: int | None,
              max_new_tokens: int) -> dict[str, Any]:
-    """One answer with ``mode``: chunk modes chunk the documents themselves; PCED gets the same chunks."""
+    """One answer with ``mode``: chunk modes chunk the documents themselves; PCED gets the same chunks;
+    ``truncated`` gets the documents as they are; ``name:rule`` runs a chunk mode with ``rule=``."""
     texts = [c.text for c in split_documents(engine.loaded.tokenizer, documents, chunk_tokens)]
-    if mode == "pced":
+    name, _, rule = mode.partition(":")
+    if name == "pced":
         documents, options = texts, {}
+    elif name == "truncated":
+        options = {}
     else:
-        options = {"chunk_tokens": chunk_tokens}
+        options = {"chunk_tokens": chunk_tokens, **({"rule": rule} if rule else {})}
     with PeakMemory(engine.loaded.device) as memory:
-        answer = engine.generate(question, documents, mode=mode, max_new_tokens=max_new_tokens, **options)
+        answer = engine.generate(question, documents, mode=name, max_new_tokens=max_new_tokens, **options)
+    streams = 1 if name == "truncated" else 1 + answer.extra.get("n_chunks", len(texts))
     return {"mode": mode, "answer": answer.text, "ttft_s": answer.timings["ttft_s"],
             "total_s": answer.timings["total_s"], "new_tokens": len(answer.token_ids), "peak_mb": memory.peak_mb,
-            "kv_mb": stream_kv_mb(engine, question, texts, max_new_tokens),
-            "streams": 1 + answer.extra.get("n_chunks", len(texts)), "cache_misses": answer.cache_misses}
+            "kv_mb": None if name == "truncated" else stream_kv_mb(engine, question, texts, max_new_tokens),
+            "streams": streams, "cache_misses": answer.cache_misses}
 
 
 def warm(engine: Engine, documents: list[str], chunk_tokens: int | None) -> int:
@@ -174,7 +181,8 @@ def musique(engine: Engine, args: argparse.Namespace) -> list[dict[str, Any]]:
             row.update(task="musique", id=example["id"], f1=best_f1(row["answer"], example["answers"]),
                        match=substring_match(row["answer"], example["answers"]))
             rows.append(row)
-        print(f"musique {example['id']}: " + " | ".join(f"{r['mode']}={r['answer'][:40]!r}" for r in rows[-4:]),
+        print(f"musique {example['id']}: " + " | ".join(f"{r['mode']}={r['answer'][:40]!r}"
+                                                      for r in rows[-len(args.modes):]),
               flush=True)
     return rows
 
@@ -192,7 +200,7 @@ def summarise(rows: list[dict[str, Any]], modes: list[str]) -> list[dict[str, An
                         "musique_f1": mean([r["f1"] for r in qa]), "musique_match": mean([r["match"] for r in qa]),
                         "niah_s": mean([r["total_s"] for r in needle]), "musique_s": mean([r["total_s"] for r in qa]),
                         "peak_mb": max((r["peak_mb"] for r in mine), default=None),
-                        "kv_mb": max((r["kv_mb"] for r in mine), default=None)})
+                        "kv_mb": max((r["kv_mb"] for r in mine if r["kv_mb"] is not None), default=None)})
     return summary
 
 
@@ -204,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--chunk-tokens", type=int, default=2048)
     parser.add_argument("--musique", type=int, default=10, help="MuSiQue questions (0 to skip)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=CHOICES,
+                        help="modes to compare (default: %(default)s); also truncated and NAME:nbce_code")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is faster on a busy CPU)")
     parser.add_argument("--seed", type=int, default=0)

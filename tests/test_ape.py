@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, LlamaForCausalLM
 
-from ctx_integrations import Engine
+from ctx_integrations import Answer, Engine
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
-from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention, ape_attention_swapped
+from ctx_integrations.engine.modes.ape import ApeLayout, DevExample, ape_attention, ape_attention_swapped, search_knobs
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 from tests.helpers import greedy_reference, tiny_loaded
 
@@ -296,3 +296,70 @@ def test_embedded_model_one_document_parity_and_a_default_answer(embedded_engine
     default = embedded_engine.generate(QUESTION, DOCS, mode="ape", max_new_tokens=24)
     assert "Ilsa Brenn" in default.text
     assert math.isfinite(default.timings["ttft_s"])
+
+
+class RecordingEngine:
+    """Answers with a text chosen by (T, S) and records every call, to check the search's bookkeeping."""
+
+    def __init__(self, texts):
+        self.texts, self.calls = texts, []
+
+    def generate(self, question, documents, *, mode, attention_temperature, scale, max_new_tokens, **options):
+        self.calls.append((mode, attention_temperature, scale))
+        return Answer(text=self.texts(attention_temperature, scale), token_ids=[], trace=[], timings={},
+                      documents=[], mode=mode, cache_hits=0, cache_misses=0, finish_reason="length", options={},
+                      extra={})
+
+
+def test_greedy_search_fixes_t_at_s_one_then_searches_s():
+    # right answer only at T = 0.3 (any S), and at S = 0.6 with T = 0.3; elsewhere wrong
+    engine = RecordingEngine(lambda t, s: "Paris" if t == 0.3 and s in (0.6, 1.0) else "Rome")
+    dev = [("Capital of France?", ["France's capital is Paris."], ["Paris"])]
+    found = search_knobs(engine, dev, grid=(0.3, 0.6, 1.0))
+    assert (found.attention_temperature, found.scale) == (0.3, 1.0)  # tie at S=0.6 and 1.0: the lesser correction
+    assert found.score == 1.0 and found.options == {"attention_temperature": 0.3, "scale": 1.0}
+    assert [c[1:] for c in engine.calls] == [(0.3, 1.0), (0.6, 1.0), (1.0, 1.0), (0.3, 0.3), (0.3, 0.6)]
+    assert all(c[0] == "ape" for c in engine.calls)
+
+
+def test_grid_search_tries_every_pair_and_averages_over_the_dev_set():
+    def texts(t, s):
+        return {(0.5, 0.5): "Paris Berlin", (0.5, 1.0): "Paris"}.get((t, s), "no")
+
+    engine = RecordingEngine(texts)
+    dev = [DevExample("q1", ["d"], ["Paris"]), {"question": "q2", "documents": ["d"], "answers": "Berlin"}]
+    found = search_knobs(engine, dev, grid=(1.0, 0.5), strategy="grid")
+    assert (found.attention_temperature, found.scale, found.score) == (0.5, 0.5, 1.0)
+    assert found.scores == {(0.5, 0.5): 1.0, (0.5, 1.0): 0.5, (1.0, 0.5): 0.0, (1.0, 1.0): 0.0}
+    assert len(engine.calls) == 8  # 4 pairs x 2 examples, each pair once
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    (dict(dev_set=[]), "at least one"), (dict(grid=(0.0, 0.5)), "attention_temperature"),
+    (dict(strategy="random"), "strategy"), (dict(dev_set=[("q", [], ["a"])]), "dev example")])
+def test_search_refuses_bad_input(bad, match):
+    options = dict(dev_set=[("q", ["d"], ["a"])], grid=(0.5, 1.0)) | bad
+    with pytest.raises(InvalidOptionError, match=match):
+        search_knobs(RecordingEngine(lambda t, s: "a"), options.pop("dev_set"), **options)
+
+
+def test_search_on_a_tiny_model_finds_the_pair_that_reproduces_a_reference_answer():
+    """End to end through mode='ape' on a tiny model (sharp init) whose answer depends on S (S < 1 gives one
+    answer, S = 1 another, whatever T): the gold answer is the S < 1 one, so only a search that really
+    decodes each pair with its own S scores the pairs right; the tie between T values goes to T = 1."""
+    engine = Engine(tiny_loaded("llama", initializer_range=0.5))
+    docs = ["The river town market sells water and stone.", "The hill road passes the old school and a tree."]
+    question = "What does the market sell?"
+
+    def answer(t, s):
+        return engine.generate(question, docs, mode="ape", attention_temperature=t, scale=s, max_new_tokens=8).text
+
+    gold = answer(1.0, 0.3)
+    assert answer(1.0, 1.0) != gold and answer(0.3, 1.0) != gold and answer(0.3, 0.3) == gold
+    dev = [(question, docs, [gold])]
+    exact = dict(metric=lambda prediction, answers: float(prediction == answers[0]), max_new_tokens=8)
+    found = search_knobs(engine, dev, grid=(0.3, 1.0), strategy="grid", **exact)
+    assert found.scores == {(0.3, 0.3): 1.0, (0.3, 1.0): 0.0, (1.0, 0.3): 1.0, (1.0, 1.0): 0.0}
+    assert (found.attention_temperature, found.scale) == (1.0, 0.3)
+    greedy = search_knobs(engine, dev, grid=(0.3, 1.0), **exact)  # T at S = 1 (all wrong, T = 1 kept), then S
+    assert greedy.options == {"attention_temperature": 1.0, "scale": 0.3} and len(greedy.scores) == 3

@@ -66,6 +66,11 @@ def test_ippd(tmp_path):
     assert {r["set"] for r in rows} == {"synthetic", "musique"}
     ippd = [r for r in rows if r["method"].startswith("ippd")]
     assert ippd and all(r["same_as_sequential"] == 1.0 for r in ippd)
+    # the prefix-cached baseline answers exactly as one-by-one decoding too (a fair baseline), and is the ratio's base
+    cached = [r for r in rows if r["method"].startswith("prefix-cached")]
+    assert {r["method"] for r in cached} == {"prefix-cached", "prefix-cached warm"}
+    assert all(r["same_as_sequential"] == 1.0 and r["vs_prefix_cached"] == 1.0 for r in cached)
+    assert all(r["vs_prefix_cached"] > 0 for r in ippd)
 
 
 def test_rapid_with_eta_zero_answers_as_the_target(tmp_path):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ctx_integrations.engine.core.layout import PromptLayout
-from ctx_integrations.errors import ChatTemplateError
-from tests.helpers import embedded_tokenizer
+from ctx_integrations import Engine
+from ctx_integrations.engine.core.layout import PromptLayout, prompt_template
+from ctx_integrations.errors import ChatTemplateError, InvalidOptionError
+from tests.helpers import embedded_tokenizer, greedy_reference, tiny_loaded
 
 DOCUMENTS = [
     "The capital of Veloria is Marrowgate.",
@@ -56,3 +57,36 @@ def test_missing_chat_template_is_a_typed_error():
             PromptLayout(tokenizer).prefix_ids  # noqa: B018
     finally:
         tokenizer.chat_template = saved
+
+
+def test_icl_template_is_the_pced_papers_figure_5():
+    icl = PromptLayout(embedded_tokenizer(), **prompt_template("icl"))
+    text = icl.render(["Input: 2 + 2\nOutput: ['4']", "Input: 3 + 1\nOutput: ['4']"], "Input: 1 + 1")
+    assert "<|im_start|>system\nPlease answer the following questions and ensure you follow a consistent" in text
+    assert "Do NOT write anything else.<|im_end|>" in text
+    # each exemplar in the context template, then the question template
+    expected = ("Example(s): Input: 2 + 2\nOutput: ['4']\nExample(s): Input: 3 + 1\nOutput: ['4']\n"
+                "\nNow begin! Input: 1 + 1")
+    assert expected in text
+    for question in ("Input: 1 + 1", "Where?"):
+        icl.check(DOCUMENTS, question)  # the pieces still tokenise exactly like the whole prompt
+    assert icl.fingerprint != PromptLayout(embedded_tokenizer(), **prompt_template("rag")).fingerprint
+    assert PromptLayout(embedded_tokenizer(), **prompt_template("rag")) == PromptLayout(embedded_tokenizer())
+
+
+def test_bad_templates_are_typed_errors():
+    with pytest.raises(InvalidOptionError, match="icl"):
+        prompt_template("fewshot")
+    with pytest.raises(InvalidOptionError, match="context_template"):
+        PromptLayout(embedded_tokenizer(), context_template="Example(s):")
+
+
+def test_engine_with_the_icl_template_decodes_its_prompt():
+    engine = Engine(tiny_loaded("llama"), **prompt_template("icl"))
+    docs, question = ["Input: 2 + 2\nOutput: ['4']", "Input: 5 - 1\nOutput: ['4']"], "Input: 1 + 3"
+    answer = engine.generate(question, docs, mode="concat", max_new_tokens=5)
+    layout = engine.layout
+    assert layout.context_ids(docs[0])[:4] == layout.tokenizer("Example(s):", add_special_tokens=False)["input_ids"][:4]
+    prompt = layout.tokenizer(layout.render(docs, question), add_special_tokens=False)["input_ids"]
+    assert answer.token_ids == greedy_reference(engine.loaded, list(prompt), 5)
+    assert len(engine.generate(question, docs, mode="pced", max_new_tokens=3).token_ids) == 3

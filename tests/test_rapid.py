@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ from scipy.stats import chi2, chisquare
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.model import model_identity
 from ctx_integrations.engine.modes import speculative
-from ctx_integrations.engine.modes.rapid import Chunk, rank_chunks, select_chunks, split_chunks
+from ctx_integrations.engine.modes.rapid import (
+    Chunk,
+    dense_scores,
+    draft_budget,
+    rank_chunks,
+    select_chunks,
+    split_chunks,
+)
 from ctx_integrations.engine.modes.speculative import Verdict, nucleus, residual, tail_adjusted, verify
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, greedy_reference, tiny_loaded
@@ -81,14 +89,62 @@ def test_residual_takes_mass_where_the_augmented_target_is_below_p():
     torch.testing.assert_close(residual(p, q, p_hat), torch.tensor([0.6, 0.4, 0.0]))
 
 
-def test_tail_rule_matches_its_closed_form():
+def test_draft_head_variant_matches_its_closed_form():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     p = torch.softmax(logits, -1)
     q = torch.tensor([0.6, 0.35, 0.049, 0.001])  # tokens 2 and 3 are below 0.1 * max(q) = 0.06
     eta = 4.0
     expected = torch.softmax(torch.tensor([2.0 + eta * (0.6 - p[0]), 1.0 + eta * (0.35 - p[1]), 0.0, -1.0]), -1)
-    torch.testing.assert_close(tail_adjusted(logits, p, q, eta), expected)
-    torch.testing.assert_close(tail_adjusted(logits, p, q, 0.0), p)
+    torch.testing.assert_close(tail_adjusted(logits, p, q, eta, rule="draft_head"), expected)
+    torch.testing.assert_close(tail_adjusted(logits, p, q, 0.0, rule="draft_head"), p)
+
+
+def paper_eq9(logits: list[float], q: list[float], eta: float, temperature: float = 1.0) -> list[float]:
+    """Eq. 6 then Eq. 9 of the RAPID paper with Python floats: p^ = softmax(z / T + eta (q - p)); tokens with
+    p^ < 0.1 max p^ keep p."""
+    scaled = [z / temperature for z in logits]
+    p = [math.exp(z) / sum(math.exp(y) for y in scaled) for z in scaled]
+    shifted = [z + eta * (qv - pv) for z, qv, pv in zip(scaled, q, p)]
+    p_hat = [math.exp(z) / sum(math.exp(y) for y in shifted) for z in shifted]
+    return [pv if hv < 0.1 * max(p_hat) else hv for pv, hv in zip(p, p_hat)]
+
+
+@pytest.mark.parametrize(("logits", "q", "eta"), [
+    ([2.0, 1.0, 0.0, -1.0], [0.6, 0.35, 0.049, 0.001], 4.0),
+    ([math.log(0.5), math.log(0.25), math.log(0.25)], [0.0, 0.6, 0.4], 10.0),
+    ([0.3, -0.2, 1.5, 0.0, -3.0], [0.1, 0.5, 0.05, 0.3, 0.05], 20.0),
+])
+def test_paper_tail_rule_is_eq_9_on_p_hat(logits, q, eta):
+    z, qt = torch.tensor(logits), torch.tensor(q)
+    p = torch.softmax(z, -1)
+    expected = torch.tensor(paper_eq9(logits, q, eta))
+    torch.testing.assert_close(tail_adjusted(z, p, qt, eta), expected)  # rule="paper" is the default
+    torch.testing.assert_close(tail_adjusted(z, p, qt, 0.0), p)
+
+
+def test_paper_tail_rule_restores_the_target_where_p_hat_is_small():
+    """p = (0.4, 0.2, 0.2, 0.2), q = (0, 0.34, 0.33, 0.33), eta = 10: Eq. 6 pushes token 0 down to
+    p^ = 0.003, below 0.1 max p^ = 0.036, so Eq. 9 gives it back p = 0.4, more than the best shifted
+    token's p^ = 0.355 (the draft_head variant shifts tokens 1-3 only: token 1 wins there)."""
+    z = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    p, q = torch.softmax(z, -1), torch.tensor([0.0, 0.34, 0.33, 0.33])
+    p_hat = tail_adjusted(z, p, q, 10.0)
+    assert float(p_hat[0]) == pytest.approx(0.4) and float(p_hat[1]) == pytest.approx(0.355, abs=1e-3)
+    assert int(p_hat.argmax()) == 0 and float(p_hat.sum()) > 1.0  # not renormalised, as in the paper
+    head = tail_adjusted(z, p, q, 10.0, rule="draft_head")
+    assert int(head.argmax()) == 1 and float(head.sum()) == pytest.approx(1.0)
+    # greedy verification follows the rule: a draft of token 1 is rejected and replaced by 0 under Eq. 9
+    target = torch.stack([z, torch.zeros(4)])
+    common = dict(eta=10.0, temperature=0.0, top_p=1.0, generator=None)
+    assert verify(target, q.unsqueeze(0), [1], **common) == Verdict(0, 0, False)
+    assert verify(target, q.unsqueeze(0), [1], tail_rule="draft_head", **common).accepted == 1
+
+
+def test_unknown_tail_rule_is_refused(tiny_engine):
+    with pytest.raises(InvalidOptionError, match="draft_head"):
+        tail_adjusted(torch.zeros(3), torch.full((3,), 1 / 3), torch.full((3,), 1 / 3), 1.0, rule="q")
+    with pytest.raises(InvalidOptionError, match="tail_rule"):
+        tiny_engine.generate(QUESTION, DOCS, mode="rapid", tail_rule="eq9", max_new_tokens=2)
 
 
 def test_nucleus_keeps_the_smallest_head_with_top_p_mass():
@@ -257,8 +313,9 @@ def test_drafter_with_another_tokenizer_is_refused():
         target.generate(QUESTION, DOCS, mode="rapid", drafter="SmolLM2", max_new_tokens=2)
 
 
-@pytest.mark.parametrize("options", [dict(gamma=0), dict(eta=-1.0), dict(ranking="dense"), dict(min_similarity=2.0),
-                                     dict(chunk_tokens=1024, draft_context_tokens=512)])
+@pytest.mark.parametrize("options", [dict(gamma=0), dict(eta=-1.0), dict(ranking="cosine"), dict(min_similarity=2.0),
+                                     dict(chunk_tokens=1024, draft_context_tokens=512),
+                                     dict(draft_embedder="minilm")])
 def test_invalid_options_are_refused(tiny_engine, options):
     with pytest.raises(InvalidOptionError):
         tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, **options)
@@ -298,6 +355,73 @@ def test_selection_keeps_the_best_chunks_in_original_order():
     assert [c.start for c in select_chunks(chunks, 8, 0.3)] == [4, 12]  # budget: the two best
     assert [c.start for c in select_chunks(chunks, 100, 0.3)] == [4, 8, 12]  # threshold drops 0.2
     assert [c.start for c in select_chunks(chunks, 100, 0.95)] == [4]  # the best one is always kept
+
+
+def test_selection_fills_the_lower_bound_below_the_threshold():
+    chunks = [Chunk(0, 0, (1,) * 4, 0.2), Chunk(4, 0, (2,) * 4, 0.9), Chunk(8, 1, (3,) * 4, 0.1),
+              Chunk(12, 1, (4,) * 4, 0.25)]
+    assert [c.start for c in select_chunks(chunks, 100, 0.3)] == [4]
+    assert [c.start for c in select_chunks(chunks, 100, 0.3, min_tokens=8)] == [4, 12]  # 0.25 next, then 8 kept
+    assert [c.start for c in select_chunks(chunks, 100, 0.3, min_tokens=9)] == [0, 4, 12]
+    assert [c.start for c in select_chunks(chunks, 8, 0.3, min_tokens=16)] == [4, 12]  # the upper bound wins
+
+
+@pytest.mark.parametrize(("long_tokens", "explicit", "expected"), [
+    (200_000, None, (4096, 8334)),  # 1/24 of the input above the 4096 floor
+    (98_304, None, (4096, 4096)),  # exactly 24 * 4096
+    (50_000, None, (4096, 4096)),  # 1/24 below 4096: the lower bound
+    (2_000, None, (2000, 2000)),  # shorter than 4096: the whole context
+    (50_000, 1024, (0, 1024)),  # an explicit budget
+])
+def test_draft_budget_is_the_papers_bounds(long_tokens, explicit, expected):
+    assert draft_budget(long_tokens, explicit) == expected
+
+
+class VectorEmbedder:
+    """Hand-made vectors: the document's vector is picked by a keyword, the query's is fixed."""
+
+    def __init__(self, vectors: dict[str, list[float]], query: list[float]):
+        self.vectors, self.query = vectors, query
+
+    def embed_documents(self, texts):
+        return [next((v for k, v in self.vectors.items() if k in t), [0.0, 1.0]) for t in texts]
+
+    def embed_query(self, text):
+        return self.query
+
+
+def test_dense_scores_are_cosine_similarities():
+    embedder = VectorEmbedder({"mayor": [3.0, 4.0], "dish": [0.0, 2.0], "capital": [-1.0, 0.0]}, [1.0, 0.0])
+    scores = dense_scores(["the mayor", "a dish", "the capital"], "q", embedder)
+    assert scores == pytest.approx([0.6, 0.0, -1.0])
+
+
+def test_dense_ranking_uses_the_given_embedder_and_the_default_minilm(tiny_engine):
+    from ctx_integrations.documents import prepare_documents
+    from ctx_integrations.engine.core.registry import DecodeContext
+    from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
+
+    ctx = DecodeContext(tiny_engine, QUESTION, prepare_documents(DOCS, None), TokenSampler(),
+                        StopCriteria(frozenset({2}), 4))
+    chunks = split_chunks([tiny_engine.layout.context_ids(d) for d in DOCS], 512)
+    embedder = VectorEmbedder({"Ast": [0.1, 1.0], "Brenn": [1.0, 0.1], "eel": [0.0, 1.0]}, [1.0, 0.0])
+    ranked, used = rank_chunks(ctx, chunks, "dense", embedder)
+    assert used == "dense" and [round(c.score, 4) for c in ranked] == [0.0995, 0.995, 0.0]
+    ranked, _ = rank_chunks(ctx, chunks, "dense")  # the embedded MiniLM: the mayor's document is the most similar
+    assert max(ranked, key=lambda c: c.score).document == 1
+    mayor = VectorEmbedder({"mayor": [1.0, 0.0]}, [1.0, 0.0])  # other chunks: [0, 1], similarity 0
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, draft_embedder=mayor,
+                                  chunk_tokens=8, draft_context_tokens=16)
+    assert answer.extra["ranking"] == "dense" and answer.extra["draft_budget"] == (0, 16)
+    assert [(c["document"], c["score"]) for c in answer.extra["chunks"]] == [(1, 1.0)]  # threshold 0.3 drops the rest
+    # the paper's bounds on a context shorter than 4096 tokens: the whole context, nothing to rank
+    class Unused(VectorEmbedder):
+        def embed_documents(self, texts):
+            raise AssertionError("nothing to rank: the embedder must not run")
+
+    whole = tiny_engine.generate(QUESTION, DOCS, mode="rapid", max_new_tokens=2, draft_embedder=Unused({}, [1.0]))
+    assert whole.extra["ranking"] == "none" and whole.extra["draft_budget"] == (whole.extra["long_context_tokens"],) * 2
+    assert whole.extra["draft_context_tokens"] == whole.extra["long_context_tokens"]
 
 
 def test_ranking_by_bm25_and_by_document_scores(tiny_engine):

@@ -8,12 +8,16 @@ import math
 import pytest
 import torch
 
+from ctx_integrations.engine.core.registry import mode_options
 from ctx_integrations.engine.core.streams import TokenSampler
 from ctx_integrations.engine.modes.soft_nbce import (
     FILTERED_LOGPROB,
+    RULES,
     NBCEFusion,
     PCWFusion,
     SoftNBCEFusion,
+    nucleus_entropy,
+    nucleus_logprobs,
     nucleus_mask,
     split_documents,
     truncated_entropy,
@@ -29,9 +33,7 @@ def random_logits(seed: int, streams: int = 5, vocab: int = 64, scale: float = 3
     return torch.randn(streams, vocab, generator=generator) * scale
 
 
-def reference_fusion(logits: torch.Tensor, tau: float, beta: float, rho: float) -> list[float]:
-    """Soft-NBCE written out token by token with Python floats, from the rule's documented definition."""
-    rows = [[float(x) for x in torch.log_softmax(row.double(), -1)] for row in logits]
+def reference_nuclei(rows: list[list[float]], rho: float) -> list[set[int]]:
     nuclei = []
     for row in rows:
         kept, mass = set(), 0.0
@@ -41,6 +43,44 @@ def reference_fusion(logits: torch.Tensor, tau: float, beta: float, rho: float) 
             kept.add(v)
             mass += math.exp(row[v])
         nuclei.append(kept)
+    return nuclei
+
+
+def reference_paper(logits: torch.Tensor, tau: float, beta: float, rho: float, hard: bool = False) -> list[float]:
+    """Algorithm 1 of the Soft-NBCE paper, written out token by token with Python floats (float64) from its text:
+    top-p mask L_k (-inf outside), P_k = softmax(L_k), H_k = -sum P_k log P_k, w = softmax(-H / tau),
+    fused = sum_k w_k ((1 + beta) L_k - beta L_prior) with the prior unfiltered. Raw logits are used
+    (as in the paper), so the result equals the rule's log-prob based scores up to one constant."""
+    rows = [[float(x) for x in row.double()] for row in logits]
+    probs_rows = [[math.exp(x - max(row)) / sum(math.exp(y - max(row)) for y in row) for x in row] for row in rows]
+    nuclei = reference_nuclei([[math.log(p) if p > 0 else -math.inf for p in row] for row in probs_rows], rho)
+    prior, chunks = rows[0], rows[1:]
+    entropies = []
+    for k, row in enumerate(chunks):
+        kept = nuclei[k + 1]
+        top = max(row[v] for v in kept)
+        z = sum(math.exp(row[v] - top) for v in kept)
+        p = {v: math.exp(row[v] - top) / z for v in kept}
+        entropies.append(-sum(q * math.log(q) for q in p.values() if q > 0))
+    if hard:
+        best = min(range(len(chunks)), key=lambda k: entropies[k])
+        weights = [1.0 if k == best else 0.0 for k in range(len(chunks))]
+    else:
+        exps = [math.exp(-(h - min(entropies)) / tau) for h in entropies]
+        weights = [e / sum(exps) for e in exps]
+    fused = []
+    for v in range(len(prior)):
+        if any(w > 0 and v not in nuclei[k + 1] for k, w in enumerate(weights)):
+            fused.append(-math.inf)
+            continue
+        fused.append(sum(w * ((1 + beta) * chunks[k][v] - beta * prior[v]) for k, w in enumerate(weights) if w > 0))
+    return fused
+
+
+def reference_nbce_code(logits: torch.Tensor, tau: float, beta: float, rho: float) -> list[float]:
+    """The ``nbce_code`` variant written out token by token with Python floats, from its documented definition."""
+    rows = [[float(x) for x in torch.log_softmax(row.double(), -1)] for row in logits]
+    nuclei = reference_nuclei(rows, rho)
     prior, chunks = rows[0], rows[1:]
     entropies = [-sum(math.exp(row[v]) * row[v] for v in nuclei[k + 1]) for k, row in enumerate(chunks)]
     exps = [math.exp(-h / tau) for h in entropies]
@@ -58,50 +98,180 @@ def reference_fusion(logits: torch.Tensor, tau: float, beta: float, rho: float) 
     return fused
 
 
+def assert_same_up_to_constant(fused: torch.Tensor, expected: list[float]) -> None:
+    """Equal support and equal scores up to one additive constant (softmax is blind to it)."""
+    expected = torch.tensor(expected, dtype=torch.float64)
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(fused), finite)
+    assert finite.any()
+    shift = (fused.double()[finite] - expected[finite]).mean()
+    torch.testing.assert_close(fused.double()[finite] - shift, expected[finite], rtol=1e-5, atol=1e-4)
+
+
+def agreeing_logits(seed: int, streams: int = 4, vocab: int = 24) -> torch.Tensor:
+    """Random logits whose chunks all put token 0 first, so every nucleus holds it (the paper's support,
+    the intersection of the nuclei, is not empty) and most also hold token 1 and more."""
+    logits = random_logits(seed, streams=streams, vocab=vocab, scale=1.5)
+    top = logits[1:, 2:].max(1).values
+    logits[1:, 1] = top + 1.0 + logits[1:, 1].abs() / 2
+    logits[1:, 0] = logits[1:, 1] + 1.0
+    return logits
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("tau", "beta", "rho"), [(0.1, 0.25, 0.9), (1.0, 0.5, 0.6), (5.0, 0.0, 1.0),
+                                                  (0.3, 0.25, 0.98)])
+def test_paper_rule_equals_algorithm_1(seed, tau, beta, rho):
+    logits = agreeing_logits(seed)
+    fused = SoftNBCEFusion(tau=tau, beta=beta, rho=rho)(logits).scores  # rule="paper" is the default
+    assert_same_up_to_constant(fused, reference_paper(logits, tau, beta, rho))
+
+
+def test_paper_entropy_is_renormalised_and_picks_another_chunk_than_nbce_code():
+    """Chunk A: one token at p = 0.5 (nucleus {0} at rho 0.09: renormalised H = 0, truncated 0.35).
+    Chunk B: two tokens at p = 0.05 (nucleus {1, 2}: renormalised H = log 2, truncated 0.30).
+    The paper's entropy prefers A, NBCE's truncated one prefers B."""
+    vocab = 64
+    a = torch.full((vocab,), 0.5 / (vocab - 1))
+    a[0] = 0.5
+    b = torch.full((vocab,), 0.9 / (vocab - 3))
+    b[1:3] = 0.05
+    logits = torch.stack([torch.zeros(vocab), a.log(), b.log()])
+    logprobs = torch.log_softmax(logits, -1)
+    keep = nucleus_mask(logprobs, 0.09)
+    assert keep[1].sum() == 1 and keep[2].sum() == 2
+    entropy = nucleus_entropy(nucleus_logprobs(logprobs[1:], keep[1:]))
+    torch.testing.assert_close(entropy, torch.tensor([0.0, math.log(2)]))
+    assert int(NBCEFusion(rho=0.09)(logits).scores.argmax()) == 0
+    assert int(NBCEFusion(rho=0.09, rule="nbce_code")(logits).scores.argmax()) in (1, 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paper_rule_hard_and_uniform_limits_equal_algorithm_1(seed):
+    logits = agreeing_logits(seed, streams=5)
+    assert_same_up_to_constant(NBCEFusion(beta=0.25, rho=0.9)(logits).scores,
+                               reference_paper(logits, 1.0, 0.25, 0.9, hard=True))
+    assert_same_up_to_constant(PCWFusion(rho=0.9)(logits).scores, reference_paper(logits, math.inf, 0.0, 0.9))
+
+
+def test_paper_rule_prior_is_unfiltered():
+    """The prior's contrast applies on every token, also outside the prior's own nucleus (the variant drops it)."""
+    logits = torch.zeros(3, 6)
+    logits[1:, :3] = torch.tensor([[5.0, 4.9, 4.8], [5.0, 4.8, 4.9]])
+    logits[0, 5] = 20.0  # the prior's nucleus is token 5 alone, outside both chunks' nuclei
+    logits[0, 1] = -3.0
+    beta = 0.5
+    fused = SoftNBCEFusion(beta=beta, rho=0.9)(logits).scores
+    assert_same_up_to_constant(fused, reference_paper(logits, 0.1, beta, 0.9))
+    without_prior = SoftNBCEFusion(beta=0.0, rho=0.9)(logits).scores
+    # token 1, the one the prior dislikes most, gains beta * 3 nats more than token 0 from the contrast
+    gain = (fused[1] - fused[0]) - (1 + beta) * (without_prior[1] - without_prior[0])
+    assert float(gain) == pytest.approx(beta * 3.0, abs=1e-4)
+
+
+def test_paper_rule_when_the_nuclei_share_no_token():
+    """The open case: the paper's support is empty. Documented rule: chunks by increasing entropy, a chunk
+    whose nucleus shares nothing with the support so far is left out; the most confident is always taken."""
+    logits = torch.full((4, 8), -5.0)
+    logits[0] = 0.0
+    logits[1, 0] = 10.0  # chunk 1: certain of token 0 (the lowest entropy, the heaviest)
+    logits[2, 1] = 6.0
+    logits[2, 0] = 6.0  # chunk 2: tokens 0 and 1, shares token 0 with chunk 1
+    logits[3, 5] = 8.0  # chunk 3: token 5 only, shares nothing
+    rule = SoftNBCEFusion(tau=1.0, beta=0.25, rho=0.9)
+    step = rule(logits)
+    assert not torch.isnan(step.scores).any() and not torch.isnan(step.evidence).any()
+    assert torch.isfinite(step.scores).tolist() == [True] + [False] * 7
+    # chunk 3 dropped: the result is Algorithm 1 over the prior and chunks 1 and 2 alone, with their weights
+    # renormalised, which the reference gives when fed those rows with the same entropies
+    assert_same_up_to_constant(step.scores, reference_paper(logits[[0, 1, 2]], 1.0, 0.25, 0.9))
+    # every chunk disjoint from the heaviest: the heaviest chunk alone (hard NBCE's choice)
+    logits[2, 0] = -5.0
+    alone = rule(logits)
+    assert torch.isfinite(alone.scores).tolist() == [True] + [False] * 7
+    assert int(alone.scores.argmax()) == 0
+
+
+def test_paper_rule_zero_weight_chunk_neither_contributes_nor_restricts():
+    logits = torch.full((3, 8), -5.0)
+    logits[0] = 0.0
+    logits[1, 0] = 30.0  # entropy ~0
+    logits[2, 1:5] = 3.0  # entropy ~log 4, weight exp(-1.4 / 1e-3) = 0 exactly
+    step = SoftNBCEFusion(tau=1e-3, beta=0.25, rho=0.9)(logits)
+    assert not torch.isnan(step.scores).any()
+    assert torch.isfinite(step.scores).tolist() == [True] + [False] * 7
+
+
+def test_prior_minus_infinity_never_gives_nan_or_plus_infinity():
+    logits = random_logits(2, streams=3, vocab=12)
+    logits[0, 4:] = -math.inf  # a model masking part of its vocabulary, prior included
+    logits[1:, 4:] = -math.inf
+    for rule in RULES:
+        step = SoftNBCEFusion(rule=rule)(logits)
+        assert not torch.isnan(step.scores).any() and not (step.scores == math.inf).any()
+        assert not torch.isfinite(step.scores[4:]).any()
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("tau", "beta", "rho"), [(0.1, 0.25, 0.9), (1.0, 0.5, 0.6), (5.0, 0.0, 1.0)])
-def test_fused_scores_equal_hand_written_reference(seed, tau, beta, rho):
+def test_nbce_code_variant_equals_hand_written_reference(seed, tau, beta, rho):
     logits = random_logits(seed, streams=4, vocab=24)
-    expected = torch.tensor(reference_fusion(logits, tau, beta, rho), dtype=torch.float32)
-    fused = SoftNBCEFusion(tau=tau, beta=beta, rho=rho)(logits).scores
+    expected = torch.tensor(reference_nbce_code(logits, tau, beta, rho), dtype=torch.float32)
+    fused = SoftNBCEFusion(tau=tau, beta=beta, rho=rho, rule="nbce_code")(logits).scores
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(fused), finite)
     torch.testing.assert_close(fused[finite], expected[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("seed", range(6))
-def test_tau_to_zero_is_hard_nbce(seed):
+def test_tau_to_zero_is_hard_nbce(seed, rule):
     logits = random_logits(seed, streams=6, vocab=500)
-    hard = NBCEFusion(beta=0.25, rho=0.9)(logits)
-    soft = SoftNBCEFusion(tau=1e-7, beta=0.25, rho=0.9)(logits)
+    hard = NBCEFusion(beta=0.25, rho=0.9, rule=rule)(logits)
+    soft = SoftNBCEFusion(tau=1e-7, beta=0.25, rho=0.9, rule=rule)(logits)
     torch.testing.assert_close(soft.scores, hard.scores)
     torch.testing.assert_close(soft.evidence, hard.evidence)
     # and hard NBCE really follows the lowest-entropy chunk: on its nucleus, its scores are that chunk's alone
     logprobs = torch.log_softmax(logits, -1)
     keep = nucleus_mask(logprobs, 0.9)
-    best = 1 + int(truncated_entropy(logprobs[1:], keep[1:]).argmin())
-    alone = SoftNBCEFusion(beta=0.25, rho=0.9)(logits[[0, best]])
+    if rule == "paper":
+        entropy = nucleus_entropy(nucleus_logprobs(logprobs[1:], keep[1:]))
+    else:
+        entropy = truncated_entropy(logprobs[1:], keep[1:])
+    best = 1 + int(entropy.argmin())
+    alone = SoftNBCEFusion(beta=0.25, rho=0.9, rule=rule)(logits[[0, best]])
     torch.testing.assert_close(hard.scores[keep[best]], alone.scores[keep[best]])
+    if rule == "paper":  # and nothing outside it
+        assert torch.equal(torch.isfinite(hard.scores), keep[best])
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("tau", [1e7, math.inf])
-def test_tau_to_infinity_is_pcw(seed, tau):
+def test_tau_to_infinity_is_pcw(seed, tau, rule):
     logits = random_logits(seed, streams=6, vocab=500)
-    uniform = PCWFusion(beta=0.25, rho=0.9)(logits)
-    soft = SoftNBCEFusion(tau=tau, beta=0.25, rho=0.9)(logits)
+    uniform = PCWFusion(beta=0.25, rho=0.9, rule=rule)(logits)
+    soft = SoftNBCEFusion(tau=tau, beta=0.25, rho=0.9, rule=rule)(logits)
     torch.testing.assert_close(soft.scores, uniform.scores)
     torch.testing.assert_close(soft.evidence, uniform.evidence)
 
 
-def test_limits_are_not_the_same_rule():
+@pytest.mark.parametrize("rule", RULES)
+def test_limits_are_not_the_same_rule(rule):
     """Guards the two limit tests against a rule that ignores tau."""
     logits = random_logits(0, streams=6, vocab=500)
-    assert not torch.allclose(NBCEFusion()(logits).scores, PCWFusion()(logits).scores)
+    hard, uniform = NBCEFusion(rule=rule)(logits).scores, PCWFusion(beta=0.25, rule=rule)(logits).scores
+    assert not torch.equal(torch.isfinite(hard), torch.isfinite(uniform)) or not torch.allclose(hard, uniform)
 
 
-@pytest.mark.parametrize("rule", [SoftNBCEFusion(), NBCEFusion(), PCWFusion()], ids=["soft", "nbce", "pcw"])
-def test_filtered_tokens_never_poison_the_sum(rule):
+def test_pcw_defaults_to_beta_zero():
+    assert PCWFusion().beta == 0.0
+    assert mode_options("pcw")["beta"] == 0.0
+
+
+@pytest.mark.parametrize("rule", [SoftNBCEFusion(rule="nbce_code"), NBCEFusion(rule="nbce_code"),
+                                  PCWFusion(rule="nbce_code")], ids=["soft", "nbce", "pcw"])
+def test_nbce_code_filtered_tokens_never_poison_the_sum(rule):
     vocab = 50
     logits = random_logits(3, streams=4, vocab=vocab, scale=1.0)
     logits[1, :] = -1e4
@@ -120,6 +290,26 @@ def test_filtered_tokens_never_poison_the_sum(rule):
     assert bool(union[int(step.scores.argmax())])
 
 
+@pytest.mark.parametrize("rule", [SoftNBCEFusion(), NBCEFusion(), PCWFusion()], ids=["soft", "nbce", "pcw"])
+def test_paper_filtered_tokens_never_poison_the_sum(rule):
+    """The same hostile step under the paper's rule: no NaN, a non-empty support inside the heaviest
+    chunk's nucleus, and sampled and argmax tokens inside it."""
+    logits = random_logits(3, streams=4, vocab=50, scale=1.0)
+    logits[1, :] = -1e4
+    logits[1, 7] = 30.0
+    logits[2, 10:] = -math.inf
+    logits[0, :] = 0.0
+    logits[0, 3] = 50.0
+    step = rule(logits)
+    assert not torch.isnan(step.scores).any() and not torch.isnan(step.evidence).any()
+    support = torch.isfinite(step.scores)
+    assert support.any()
+    keep = nucleus_mask(torch.log_softmax(logits, -1)[1:], rule.rho)
+    assert not (support & ~keep.any(0)).any()  # never a token outside every chunk's nucleus
+    token = TokenSampler(temperature=1.0, seed=0)(step.scores)
+    assert bool(support[token]) and bool(support[int(step.scores.argmax())])
+
+
 def test_nucleus_keeps_top_token_and_reaches_mass():
     logprobs = torch.log_softmax(random_logits(1, streams=3, vocab=100), -1)
     for rho in (1e-6, 0.5, 0.9, 1.0):
@@ -134,6 +324,8 @@ def test_nucleus_keeps_top_token_and_reaches_mass():
 def test_invalid_rule_options(bad):
     with pytest.raises(InvalidOptionError):
         SoftNBCEFusion(**bad)
+    with pytest.raises(InvalidOptionError, match="nbce_code"):
+        SoftNBCEFusion(rule="nbce")
 
 
 @pytest.mark.parametrize("mode", ["soft_nbce", "nbce", "pcw"])

@@ -22,7 +22,12 @@ from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import KVCacheStore, StreamBatch
 from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
-from ctx_integrations.engine.core.layout import PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT, PromptLayout
+from ctx_integrations.engine.core.layout import (
+    DEFAULT_CONTEXT_TEMPLATE,
+    PCED_QUESTION_TEMPLATE,
+    PCED_SYSTEM_PROMPT,
+    PromptLayout,
+)
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.registry import (
     DecodeContext,
@@ -75,9 +80,10 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
                  half_on_disk: bool = False, memory_entries: int = 256,
-                 system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE):
+                 system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
+                 context_template: str = DEFAULT_CONTEXT_TEMPLATE):
         self.loaded = loaded
-        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template)
+        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template, context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
                                   memory_entries)

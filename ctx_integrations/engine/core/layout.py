@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 
-from ctx_integrations.errors import ChatTemplateError
+from ctx_integrations.errors import ChatTemplateError, InvalidOptionError
 
 # PCED paper, appendix A.
 PCED_SYSTEM_PROMPT = (
@@ -22,11 +22,35 @@ PCED_SYSTEM_PROMPT = (
 PCED_QUESTION_TEMPLATE = (
     "Based on the documents above, can you answer the following query? Write a concise answer. query: {question}"
 )
+# PCED paper, appendix A.1.2, Fig. 5 (LOFT-ICL): exemplars as documents, a strict output format.
+ICL_SYSTEM_PROMPT = (
+    "Please answer the following questions and ensure you follow a consistent format. In particular, ensure your "
+    "final answer always looks like 'Output: ['your_answer_here']' After Output write ONLY the best option "
+    "following the example(s). Do NOT write anything else."
+)
+ICL_CONTEXT_TEMPLATE = "Example(s): {context}"
+ICL_QUESTION_TEMPLATE = "Now begin! {question}"
+DEFAULT_CONTEXT_TEMPLATE = "{context}"
+# Named prompt templates, as keyword arguments of ``Engine`` / ``PromptLayout``: "rag" is Fig. 4 (the default),
+# "icl" is Fig. 5: ``Engine.from_pretrained(**prompt_template("icl"))``.
+PROMPT_TEMPLATES = {
+    "rag": {"system_prompt": PCED_SYSTEM_PROMPT, "question_template": PCED_QUESTION_TEMPLATE,
+            "context_template": DEFAULT_CONTEXT_TEMPLATE},
+    "icl": {"system_prompt": ICL_SYSTEM_PROMPT, "question_template": ICL_QUESTION_TEMPLATE,
+            "context_template": ICL_CONTEXT_TEMPLATE},
+}
 SUMMARY_SYSTEM_PROMPT = "Summarize the given documents concisely, focusing on the key points and main ideas."
 SUMMARY_QUESTION_TEMPLATE = "Summarize the document above."
 
 _CONTEXT_MARK = "\x00CTX\x00"
 _QUESTION_MARK = "\x00QUESTION\x00"
+
+
+def prompt_template(name: str) -> dict[str, str]:
+    """The keyword arguments of a named template (``"rag"``: PCED Fig. 4, ``"icl"``: PCED Fig. 5)."""
+    if name not in PROMPT_TEMPLATES:
+        raise InvalidOptionError(f"unknown prompt template {name!r}: choose one of {', '.join(PROMPT_TEMPLATES)}")
+    return dict(PROMPT_TEMPLATES[name])
 
 
 @dataclass(frozen=True)
@@ -36,6 +60,12 @@ class PromptLayout:
     tokenizer: object
     system_prompt: str = PCED_SYSTEM_PROMPT
     question_template: str = PCED_QUESTION_TEMPLATE
+    context_template: str = DEFAULT_CONTEXT_TEMPLATE  # wraps each document, e.g. "Example(s): {context}" (ICL)
+
+    def __post_init__(self) -> None:
+        if self.context_template.count("{context}") != 1:
+            raise InvalidOptionError(f"context_template must contain '{{context}}' exactly once, "
+                                     f"got {self.context_template!r}")
 
     @cached_property
     def _pieces(self) -> tuple[str, str]:
@@ -64,10 +94,9 @@ class PromptLayout:
     def suffix_text(self, question: str) -> str:
         return self._pieces[1].replace(_QUESTION_MARK, question.strip())
 
-    @staticmethod
-    def context_text(document: str) -> str:
-        """A document as it appears in the prompt: stripped, ending in one newline."""
-        return document.strip() + "\n"
+    def context_text(self, document: str) -> str:
+        """A document as it appears in the prompt: stripped, in the context template, ending in one newline."""
+        return self.context_template.replace("{context}", document.strip()) + "\n"
 
     def render(self, documents: list[str], question: str) -> str:
         return self.prefix_text + "".join(self.context_text(d) for d in documents) + self.suffix_text(question)
@@ -88,7 +117,10 @@ class PromptLayout:
     @cached_property
     def fingerprint(self) -> str:
         """Identifies the layout in cache keys: a new system prompt or template is a cache miss."""
-        text = "\x1f".join([self.prefix_text, self._pieces[1], repr(self.prefix_ids)])
+        parts = [self.prefix_text, self._pieces[1], repr(self.prefix_ids)]
+        if self.context_template != DEFAULT_CONTEXT_TEMPLATE:  # default keys stay as they were
+            parts.append(self.context_template)
+        text = "\x1f".join(parts)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def check(self, documents: list[str], question: str) -> None:

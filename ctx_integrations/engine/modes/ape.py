@@ -153,3 +153,106 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
                               ctx.stop, ctx.on_token, ctx.started)
     result.extra.update(context_tokens=total, query_position=prefix_len + longest)
     return result
+
+
+PAPER_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # 0.1 .. 1.0, the paper's search range and step
+SEARCH_STRATEGIES = ("greedy", "grid")
+
+
+@dataclass(frozen=True)
+class DevExample:
+    """One validation example for :func:`search_knobs`: a question, its documents and its gold answers."""
+
+    question: str
+    documents: list
+    answers: list[str]
+
+
+@dataclass(frozen=True)
+class KnobSearch:
+    """The outcome of :func:`search_knobs`: the best pair, its mean dev score, and every pair tried."""
+
+    attention_temperature: float
+    scale: float
+    score: float
+    scores: dict[tuple[float, float], float]
+
+    @property
+    def options(self) -> dict[str, float]:
+        """Keyword options for ``engine.generate(..., mode="ape", **search.options)``."""
+        return {"attention_temperature": self.attention_temperature, "scale": self.scale}
+
+
+def normalized_words(text: str) -> str:
+    """Lower case, no punctuation or articles, single spaces (SQuAD's answer normalisation)."""
+    text = "".join(c for c in text.lower() if c.isalnum() or c.isspace())
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+def answer_match(prediction: str, answers: list[str]) -> float:
+    """1.0 when a normalised gold answer occurs in the normalised prediction (the default dev metric)."""
+    predicted = normalized_words(prediction)
+    return float(any(normalized_words(a) and normalized_words(a) in predicted for a in answers))
+
+
+def _dev_example(example: object) -> DevExample:
+    if isinstance(example, DevExample):
+        return example
+    if isinstance(example, dict):
+        question, documents, answers = example.get("question"), example.get("documents"), example.get("answers")
+    elif isinstance(example, (tuple, list)) and len(example) == 3:
+        question, documents, answers = example
+    else:
+        question = documents = answers = None
+    if not isinstance(question, str) or not documents or not answers:
+        raise InvalidOptionError("each dev example must be a DevExample, a (question, documents, answers) tuple or a "
+                                 f"dict with those keys, with documents and answers non-empty; got {example!r}")
+    return DevExample(question, list(documents), [answers] if isinstance(answers, str) else list(answers))
+
+
+def search_knobs(engine: object, dev_set: list, *, grid: tuple[float, ...] = PAPER_GRID, strategy: str = "greedy",
+                 metric: object = answer_match, max_new_tokens: int = 32, **generate_options: object) -> KnobSearch:
+    """APE's hyperparameter search (paper Sec. 4.3): the (T, S) pair with the best mean ``metric`` on ``dev_set``.
+
+    The paper does "a greedy search over a small validation set", T and S in [0.1, 1.0] by 0.1 (``grid``).
+    ``strategy="greedy"`` (default, our reading of it): T over the grid with S at the grid's largest
+    value (1 in the paper's grid), then S over the grid with that T (2 x len(grid) decodes per
+    example); ``"grid"``: every pair. Ties go to the pair
+    closest to (1, 1), the least correction. ``metric(prediction, answers) -> float`` (default
+    :func:`answer_match`); ``dev_set``: :class:`DevExample` s, ``(question, documents, answers)``
+    tuples or dicts. Decoding is greedy unless ``generate_options`` say otherwise. Written by hand:
+    no library searches decoding knobs of a custom attention.
+    """
+    examples = [_dev_example(e) for e in dev_set]
+    if not examples:
+        raise InvalidOptionError("search_knobs needs at least one dev example")
+    if strategy not in SEARCH_STRATEGIES:
+        raise InvalidOptionError(f"strategy must be one of {', '.join(SEARCH_STRATEGIES)}, got {strategy!r}")
+    values = tuple(sorted({float(v) for v in grid}))
+    for value in values:
+        check_knobs(value, value)
+    if not values:
+        raise InvalidOptionError("grid must hold at least one value in (0, 1]")
+    scores: dict[tuple[float, float], float] = {}
+
+    def evaluate(temperature: float, scale: float) -> float:
+        if (temperature, scale) not in scores:
+            total = 0.0
+            for example in examples:
+                answer = engine.generate(example.question, example.documents, mode="ape",
+                                         attention_temperature=temperature, scale=scale,
+                                         max_new_tokens=max_new_tokens, **generate_options)
+                total += float(metric(answer.text, example.answers))
+            scores[(temperature, scale)] = total / len(examples)
+        return scores[(temperature, scale)]
+
+    def best(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+        return max(pairs, key=lambda pair: (evaluate(*pair), pair[0] + pair[1], pair[0]))
+
+    if strategy == "grid":
+        pair = best([(t, s) for t in values for s in values])
+    else:
+        top = max(values)
+        temperature, _ = best([(t, top) for t in values])
+        pair = best([(temperature, s) for s in values])
+    return KnobSearch(pair[0], pair[1], scores[pair], dict(scores))

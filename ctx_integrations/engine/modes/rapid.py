@@ -1,20 +1,25 @@
-"""RAPID mode: retrieval-augmented speculative decoding (METHODS.md "RAPID").
+"""RAPID mode: retrieval-augmented speculative decoding (the RAPID paper; METHODS.md "RAPID" where it agrees).
 
 The target is the model over the long context (prefix + every document + question, sequential
 positions); its long-context KV comes from the store, so a second question on the same documents
 reuses it. The drafter is the same engine (default) or another engine with the same tokenizer, over
-a short context: the long context is cut into token chunks, ranked against the question (BM25, or
-the documents' own retrieval scores), and the best chunks within ``draft_context_tokens`` are kept
-in their original order. Each round the drafter proposes ``gamma`` tokens from its own cache, the
+a short context retrieved as in the paper's RAG setup (Sec. 4.1): the long context is cut into
+512-token chunks, ranked by the cosine similarity of their dense embeddings to the question's
+(``ranking="dense"``, the embedded MiniLM by default; BM25 and the documents' own retrieval scores
+are options), chunks below similarity 0.3 are dropped, and the best ones are kept in their original
+order within a budget bounded between 4096 tokens and 1/24 of the input length
+(:func:`draft_budget`). Each round the drafter proposes ``gamma`` tokens from its own cache, the
 target scores them all in one forward pass, :func:`~ctx_integrations.engine.modes.speculative.verify`
 accepts a prefix, and both caches are rewound to the accepted sequence.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ctx_integrations.engine.core.cache import CachedKV, StreamBatch, batch_streams
@@ -30,11 +35,14 @@ from ctx_integrations.engine.core.streams import (
     forward_streams_keep,
     single_stream,
 )
-from ctx_integrations.engine.modes.speculative import scaled_logits, verify
+from ctx_integrations.engine.modes.speculative import check_tail_rule, scaled_logits, verify
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
 
-RANKINGS = ("auto", "bm25", "scores")
+RANKINGS = ("dense", "bm25", "scores", "auto")
+# The paper's RAG setup (Sec. 4.1): the retrieval context is bounded between 4096 tokens and 1/24 of the input.
+DRAFT_MIN_TOKENS = 4096
+DRAFT_CONTEXT_RATIO = 1 / 24
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,62 @@ def bm25_scores(texts: list[str], query: str) -> list[float]:
     return [normalize_sparse(float(s)) for s in retriever.get_scores(known)]
 
 
-def select_chunks(chunks: list[Chunk], budget: int, min_similarity: float) -> list[Chunk]:
+def dense_scores(texts: list[str], query: str, embedder: object) -> list[float]:
+    """Cosine similarity of each text's embedding to the query's (the paper's dense retrieval).
+
+    ``embedder``: anything with ``embed_documents(texts)`` and ``embed_query(text)`` (the project's
+    ``retrieval.embedders.Embedder``, a LangChain ``Embeddings``); vectors are normalised here, so
+    embedders that do not return unit vectors work too.
+    """
+    documents = np.asarray(embedder.embed_documents(list(texts)), dtype=np.float64).reshape(len(texts), -1)
+    query_vector = np.asarray(embedder.embed_query(query), dtype=np.float64).reshape(-1)
+    norms = np.linalg.norm(documents, axis=1) * np.linalg.norm(query_vector)
+    return [float(s) for s in (documents @ query_vector) / np.maximum(norms, 1e-12)]
+
+
+def resolve_embedder(embedder: object) -> object:
+    """The drafter's embedder: the embedded MiniLM by default (imported here, lazily, so the engine core
+    never imports retrieval), or any object with ``embed_documents`` / ``embed_query``."""
+    if embedder is None:
+        from ctx_integrations.retrieval.embedders import default_embedder
+
+        return default_embedder()
+    check_embedder(embedder)
+    return embedder
+
+
+def check_embedder(embedder: object) -> None:
+    """Refuse a ``draft_embedder`` that cannot embed (``None`` is the default MiniLM)."""
+    if embedder is not None and not all(callable(getattr(embedder, name, None))
+                                        for name in ("embed_documents", "embed_query")):
+        raise InvalidOptionError(f"draft_embedder must have embed_documents(texts) and embed_query(text) "
+                                 f"(e.g. ctx_integrations.retrieval.embedders.default_embedder()), "
+                                 f"got {type(embedder).__name__}")
+
+
+def draft_budget(long_tokens: int, draft_context_tokens: int | None) -> tuple[int, int]:
+    """(lower, upper) token bounds of the drafter's context for a long context of ``long_tokens``.
+
+    ``None`` (the paper's, Sec. 4.1): at least ``DRAFT_MIN_TOKENS`` (4096, or the whole context when
+    shorter), at most 1/24 of the input or that lower bound when 1/24 is less. The lower bound wins
+    over the similarity threshold. An int: at most that many tokens, no lower bound (the best chunk
+    is always kept).
+    """
+    if draft_context_tokens is not None:
+        return 0, draft_context_tokens
+    lower = min(DRAFT_MIN_TOKENS, long_tokens)
+    return lower, max(lower, math.ceil(long_tokens * DRAFT_CONTEXT_RATIO))
+
+
+def select_chunks(chunks: list[Chunk], budget: int, min_similarity: float, min_tokens: int = 0) -> list[Chunk]:
     """Best chunks first while they fit ``budget`` tokens and score >= ``min_similarity``, then in original order.
 
-    The best chunk is always kept (the drafter needs some context) even below the threshold.
+    The best chunk is always kept (the drafter needs some context) even below the threshold, and so is
+    every next-best chunk until ``min_tokens`` are kept (the paper's lower bound).
     """
     kept, used = [], 0
     for chunk in sorted(chunks, key=lambda c: (-c.score, c.start)):
-        if kept and chunk.score < min_similarity:
+        if kept and chunk.score < min_similarity and used >= min_tokens:
             break
         if used + len(chunk.token_ids) <= budget:
             kept.append(chunk)
@@ -87,11 +143,13 @@ def select_chunks(chunks: list[Chunk], budget: int, min_similarity: float) -> li
     return sorted(kept, key=lambda c: c.start)
 
 
-def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str) -> tuple[list[Chunk], str]:
-    """Score chunks by BM25 against the question, or by their documents' retrieval scores.
+def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str,
+                embedder: object = None) -> tuple[list[Chunk], str]:
+    """Score chunks by dense cosine similarity to the question (the paper's), BM25, or their documents'
+    retrieval scores.
 
     ``auto`` uses the documents' scores when they carry information (not all equal, i.e. the input
-    was already retrieved and scored), and BM25 otherwise.
+    was already retrieved and scored), and BM25 otherwise. ``embedder`` is for ``dense`` (None: MiniLM).
     """
     if ranking == "auto":
         ranking = "scores" if len({d.score for d in ctx.documents}) > 1 else "bm25"
@@ -99,8 +157,28 @@ def rank_chunks(ctx: DecodeContext, chunks: list[Chunk], ranking: str) -> tuple[
         scores = [ctx.documents[c.document].score for c in chunks]
     else:
         tokenizer = ctx.engine.loaded.tokenizer
-        scores = bm25_scores([tokenizer.decode(list(c.token_ids)) for c in chunks], ctx.query)
+        texts = [tokenizer.decode(list(c.token_ids)) for c in chunks]
+        if ranking == "dense":
+            scores = dense_scores(texts, ctx.query, resolve_embedder(embedder))
+        else:
+            scores = bm25_scores(texts, ctx.query)
     return [Chunk(c.start, c.document, c.token_ids, float(s)) for c, s in zip(chunks, scores)], ranking
+
+
+def draft_chunks(ctx: DecodeContext, context_ids: list[list[int]], chunk_tokens: int, ranking: str, embedder: object,
+                 draft_context_tokens: int | None, min_similarity: float) -> tuple[list[Chunk], str, tuple[int, int]]:
+    """The drafter's chunks (original order), the ranking used and the (lower, upper) budget.
+
+    When the lower bound already covers the whole long context every chunk is kept, so nothing is
+    ranked (no embedding computed; ranking ``"none"``).
+    """
+    check_embedder(embedder)
+    chunks = split_chunks(context_ids, chunk_tokens)
+    bounds = draft_budget(sum(len(ids) for ids in context_ids), draft_context_tokens)
+    if bounds[0] >= sum(len(c.token_ids) for c in chunks):
+        return chunks, "none", bounds
+    ranked, used = rank_chunks(ctx, chunks, ranking, embedder)
+    return select_chunks(ranked, bounds[1], min_similarity, bounds[0]), used, bounds
 
 
 def check_drafter(engine: EngineParts, drafter: object) -> EngineParts:
@@ -177,7 +255,7 @@ def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSample
 
 
 def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: list[int], draft_prompt: list[int],
-              gamma: int, eta: float) -> DecodeResult:
+              gamma: int, eta: float, tail_rule: str = "paper") -> DecodeResult:
     """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text."""
     sampler, stats, generated, drafted_flags = ctx.sampler, _Stats(), [], []
     emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
@@ -190,7 +268,7 @@ def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: 
             verdict_accepted, token = 0, sampler(logits[0])
         else:
             verdict = verify(logits, dists, drafts, eta=eta, temperature=sampler.temperature, top_p=sampler.top_p,
-                             generator=sampler.generator)
+                             generator=sampler.generator, tail_rule=tail_rule)
             verdict_accepted, token = verdict.accepted, verdict.token
             stats.drafted += len(drafts)
             stats.accepted += verdict.accepted
@@ -228,28 +306,33 @@ def _target_alone_rate(ctx: DecodeContext, prefix: CachedKV, long_kv: CachedKV, 
 
 @register_mode("rapid")
 def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
-              draft_context_tokens: int = 1024, chunk_tokens: int = 512, min_similarity: float = 0.3,
-              ranking: str = "auto", compare_target: bool = False) -> DecodeResult:
+              draft_context_tokens: int | None = None, chunk_tokens: int = 512, min_similarity: float = 0.3,
+              ranking: str = "dense", draft_embedder: object = None, tail_rule: str = "paper",
+              compare_target: bool = False) -> DecodeResult:
     """Retrieval-augmented speculative decoding.
 
     gamma: tokens drafted per round (10, the paper's). eta: how strongly the drafter's distribution
     shifts the target's (0 = plain speculative decoding, output distributed as the long-context target;
     5-20 self-speculation, 40-50 with a larger drafter). drafter: an Engine with the same tokenizer
-    (default: the target model). draft_context_tokens / chunk_tokens / min_similarity / ranking: the
-    drafter's short context (chunks of the long context ranked by "bm25", the documents' "scores", or
-    "auto"; normalised relevance >= min_similarity, the best chunk always kept; original order).
+    (default: the target model). tail_rule: "paper" (Eq. 9) or the "draft_head" variant (see
+    ``speculative.py``). The drafter's short context: chunks of ``chunk_tokens`` (512) ranked by
+    "dense" cosine similarity (the paper's; ``draft_embedder``, default the embedded MiniLM), "bm25",
+    the documents' "scores", or "auto" (scores when they differ, else BM25); chunks below
+    ``min_similarity`` (0.3) dropped, original order; ``draft_context_tokens`` None: the paper's
+    bounds (:func:`draft_budget`), an int: at most that many tokens (the best chunk always kept).
     compare_target: also decode with the target alone and report the measured speedup (adds that run's
     time to ``total_s``). temperature / top_p / seed are the engine's; temperature 0 is the greedy variant.
     """
     _check_options(gamma, eta, draft_context_tokens, chunk_tokens, min_similarity, ranking)
+    check_tail_rule(tail_rule)
     engine, layout = ctx.engine, ctx.engine.layout
     draft_engine = check_drafter(engine, drafter)
     context_ids = [layout.context_ids(d.text) for d in ctx.documents]
     long_ids = [t for ids in context_ids for t in ids]
     suffix = layout.suffix_ids(ctx.query)
     ctx.check_window(len(layout.prefix_ids) + len(long_ids) + len(suffix), "the long context (all documents)")
-    chunks, used_ranking = rank_chunks(ctx, split_chunks(context_ids, chunk_tokens), ranking)
-    kept = select_chunks(chunks, draft_context_tokens, min_similarity)
+    kept, used_ranking, (min_tokens, budget) = draft_chunks(ctx, context_ids, chunk_tokens, ranking, draft_embedder,
+                                                            draft_context_tokens, min_similarity)
     short_ids = [t for c in kept for t in c.token_ids]
 
     prefix, long_kv = engine.store.prefix(layout), engine.store.document_tokens(layout, long_ids)
@@ -263,7 +346,7 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     decode_start = time.perf_counter()
     drafter_side.forward(short_ids + suffix[:-1], 1)
     ctx.timings["draft_prefill_s"] = time.perf_counter() - decode_start
-    result = speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta)
+    result = speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta, tail_rule)
     rapid_s = time.perf_counter() - decode_start
     n = len(result.token_ids)
     ctx.timings.update(rapid_decode_s=rapid_s, rapid_tokens_per_s=n / rapid_s,
@@ -274,22 +357,24 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
         target_rate = _target_alone_rate(ctx, prefix, long_kv, suffix, n)
         ctx.timings.update(target_tokens_per_s=target_rate, speedup=(n / rapid_s) / target_rate)
     result.extra.update(ranking=used_ranking, draft_context_tokens=len(short_ids), long_context_tokens=len(long_ids),
+                        draft_budget=(min_tokens, budget), tail_rule=tail_rule,
                         drafter=draft_engine.loaded.name,
                         chunks=[{"start": c.start, "document": c.document, "tokens": len(c.token_ids),
                                  "score": round(c.score, 6)} for c in kept])
     return result
 
 
-def _check_options(gamma: int, eta: float, draft_context_tokens: int, chunk_tokens: int, min_similarity: float,
-                   ranking: str) -> None:
+def _check_options(gamma: int, eta: float, draft_context_tokens: int | None, chunk_tokens: int,
+                   min_similarity: float, ranking: str) -> None:
     if not isinstance(gamma, int) or gamma < 1:
         raise InvalidOptionError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
     if eta < 0:
         raise InvalidOptionError(f"eta must be >= 0 (0 = plain speculative decoding), got {eta}")
-    if chunk_tokens < 1 or draft_context_tokens < chunk_tokens:
-        raise InvalidOptionError(f"need 1 <= chunk_tokens <= draft_context_tokens, got chunk_tokens={chunk_tokens}, "
-                                 f"draft_context_tokens={draft_context_tokens}")
-    if not 0 <= min_similarity <= 1:
-        raise InvalidOptionError(f"min_similarity is a normalised relevance in [0, 1], got {min_similarity}")
+    if chunk_tokens < 1 or (draft_context_tokens is not None and draft_context_tokens < chunk_tokens):
+        raise InvalidOptionError(f"need 1 <= chunk_tokens <= draft_context_tokens (None: the paper's bounds), "
+                                 f"got chunk_tokens={chunk_tokens}, draft_context_tokens={draft_context_tokens}")
+    if not -1 <= min_similarity <= 1:
+        raise InvalidOptionError(f"min_similarity is a cosine similarity or normalised relevance in [-1, 1], "
+                                 f"got {min_similarity}")
     if ranking not in RANKINGS:
         raise InvalidOptionError(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")

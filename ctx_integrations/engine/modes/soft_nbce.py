@@ -1,8 +1,9 @@
-"""Soft-NBCE mode and its named limits, hard NBCE and PCW (METHODS.md "Soft-NBCE").
+"""Soft-NBCE mode and its named limits, hard NBCE and PCW (the Soft-NBCE paper, Algorithm 1).
 
 One stream per chunk (``prefix + chunk + question``) plus a query-only prior (row 0), decoded in
 lockstep by the same streams engine as PCED (:func:`run_expert_streams`); only the per-step rule
-differs (:class:`SoftNBCEFusion`, :class:`NBCEFusion`, :class:`PCWFusion` in ``fusion.py``).
+differs (:class:`SoftNBCEFusion`, :class:`NBCEFusion`, :class:`PCWFusion` below). The default rule is the
+paper's Algorithm 1 (``rule="paper"``); NBCE's reference-code behaviour is the named variant ``rule="nbce_code"``.
 
 Chunks: every document is split on its own into pieces of at most ``chunk_tokens`` tokens, so one
 long document beyond the model's window becomes many chunk streams, and a chunk never spans two
@@ -33,10 +34,18 @@ TINY = torch.finfo(torch.float32).tiny  # floor of chunk weights before their lo
 _RETOKENIZE_SLACK = 4
 
 
-# NBCE's clip value: a token outside a chunk's top-p nucleus scores as if its log-prob were -100.
-# Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary), so a floored
-# token can never outrank a kept one, yet the weighted sum stays finite (no -inf * 0 = NaN).
+RULES = ("paper", "nbce_code")
+
+# The ``nbce_code`` variant's clip value: a token outside a chunk's top-p nucleus scores as if its
+# log-prob were -100. Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary),
+# so a floored token can never outrank a kept one, yet the weighted sum stays finite.
 FILTERED_LOGPROB = -100.0
+
+
+def check_rule(rule: str) -> None:
+    if rule not in RULES:
+        raise InvalidOptionError(f"rule must be one of {', '.join(map(repr, RULES))} ('paper': Algorithm 1 of "
+                                 f"the Soft-NBCE paper; 'nbce_code': NBCE's reference code), got {rule!r}")
 
 
 def nucleus_mask(logprobs: torch.Tensor, rho: float) -> torch.Tensor:
@@ -52,19 +61,65 @@ def nucleus_mask(logprobs: torch.Tensor, rho: float) -> torch.Tensor:
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """NBCE's entropy of a top-p filtered distribution: -sum over kept v of p(v) log p(v), not renormalised.
+def nucleus_logprobs(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """log P_k of Algorithm 1 (lines 6-7): logits masked to -inf outside the nucleus, then renormalised.
 
-    Not renormalising keeps a confident chunk's entropy strictly positive and distinct from another
-    confident chunk's, so hard selection rarely meets exact ties.
+    Log-probs and logits differ by a constant per row, so this is ``log_softmax`` of the masked logits.
     """
+    return torch.log_softmax(torch.where(keep, logprobs, torch.full_like(logprobs, -math.inf)), -1)
+
+
+def nucleus_entropy(masked_logprobs: torch.Tensor) -> torch.Tensor:
+    """H_k of Algorithm 1 (line 7): the entropy of the renormalised top-p distribution (0 log 0 = 0)."""
+    terms = masked_logprobs.exp() * masked_logprobs
+    return -torch.where(torch.isfinite(masked_logprobs), terms, torch.zeros_like(terms)).sum(-1)
+
+
+def paper_contrast(prior: torch.Tensor, chunks: torch.Tensor, beta: float) -> torch.Tensor:
+    """S_k = (1 + beta) L_k - beta L_prior (Algorithm 1, line 10), with L_k -inf outside chunk k's nucleus
+    and the prior unfiltered. Where the prior itself is -inf (a model that masks tokens) the contrast term
+    is dropped, S_k = (1 + beta) L_k, so the score is never +inf or NaN (-inf + inf)."""
+    penalty = torch.where(torch.isfinite(prior), beta * prior, torch.zeros_like(prior))
+    return (1 + beta) * chunks - penalty
+
+
+def paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k S_k(v) (Algorithm 1, line 10) with -inf outside the nuclei, made total.
+
+    Read literally, w_k * -inf = -inf for any w_k > 0, so a token survives only if it lies in the nucleus
+    of every chunk, and the paper leaves two cases open. Our rule (documented in docs/soft_nbce.md):
+    - a chunk whose weight is exactly 0 (underflow at small tau; hard NBCE's losers) neither contributes
+      nor restricts the support (the w_k -> 0 limit, and 0 * -inf would be NaN);
+    - if the nuclei share no token (every token -inf), chunks are taken in increasing entropy (the
+      order of decreasing weight, whatever tau, so the tau -> 0 and tau -> inf limits still hold) and a
+      chunk whose nucleus shares no token with the support of those taken so far is left out, its
+      weight dropped and the rest renormalised. The most confident chunk is always taken, so the
+      support is never empty, and whenever the paper's support is not empty this is the paper's sum.
+    ``weights`` [K], ``scores`` [K, V], ``entropy`` [K]; returns [V].
+    """
+    finite = torch.isfinite(scores)
+    support = torch.ones_like(scores[0], dtype=torch.bool)
+    used = torch.zeros_like(weights, dtype=torch.bool)
+    for k in torch.argsort(entropy, stable=True).tolist():
+        if weights[k] > 0 and bool((support & finite[k]).any()):
+            support &= finite[k]
+            used[k] = True
+    kept = torch.where(used, weights, torch.zeros_like(weights))
+    kept = (kept / kept.sum()).unsqueeze(1)
+    terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
+    return torch.where(support, terms.sum(0), torch.full_like(scores[0], -math.inf))
+
+
+def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``nbce_code``: NBCE's entropy of a top-p filtered distribution, -sum over kept v of p(v) log p(v),
+    not renormalised (keeps a confident chunk's entropy strictly positive and distinct from another's)."""
     terms = logprobs.exp() * logprobs.clamp_min(FILTERED_LOGPROB)
     return -torch.where(keep, terms, torch.zeros_like(terms)).sum(-1)
 
 
 def contrast_chunks(prior: torch.Tensor, chunks: torch.Tensor, prior_keep: torch.Tensor, chunk_keep: torch.Tensor,
                     beta: float) -> torch.Tensor:
-    """Per-chunk scores S_k = (1 + beta) L~_k - beta L_prior, with L~_k floored outside chunk k's nucleus.
+    """``nbce_code``: S_k = (1 + beta) L~_k - beta L_prior, with L~_k floored at -100 outside chunk k's nucleus.
 
     Where the prior filtered a token the contrast is dropped and S_k = L~_k (NBCE's fallback): the
     prior's log-prob is only trusted on its own nucleus. ``prior`` broadcasts against ``chunks`` (chunk axis 0).
@@ -77,17 +132,22 @@ def contrast_chunks(prior: torch.Tensor, chunks: torch.Tensor, prior_keep: torch
 class SoftNBCEFusion:
     """Soft-NBCE: fuse chunk experts with entropy weights w_k = softmax_k(-H_k / tau).
 
-    Rows of the step's logits: 0 = the prior (query only), 1..K = chunks. Per step, log-probs L_k
-    are top-p filtered with ``rho``, H_k is the truncated entropy, and
-    fused(v) = sum_k w_k S_k(v) with S_k from :func:`contrast_chunks`. Filtered tokens: inside the
-    union of the chunks' nuclei a chunk that filtered v contributes the floor -100 (finite, far
-    below any kept token); outside that union fused(v) = -inf. The union always holds every chunk's
-    top token, so the support is never empty and the scores never NaN. Evidence (the citation
-    trace) is log w_k + S_k(v): the chunk that gives the chosen token the most weighted support.
-    ``tau=math.inf`` is exactly the uniform average (:class:`PCWFusion`).
+    Rows of the step's logits: 0 = the prior (query only), 1..K = chunks.
+
+    ``rule="paper"`` (default, the paper's Algorithm 1): each chunk's distribution is top-p masked with
+    ``rho`` (-inf outside its nucleus) and renormalised, H_k is the entropy of that renormalised
+    distribution, the prior is unfiltered, fused(v) = sum_k w_k ((1 + beta) L_k(v) - beta L_prior(v)),
+    so a token survives only inside every weighted chunk's nucleus (the empty case: :func:`paper_fusion`).
+
+    ``rule="nbce_code"`` (the variant of NBCE's reference code): H_k is the truncated, not renormalised
+    entropy; a chunk that filtered v contributes -100 instead of -inf; the prior's contrast applies only
+    on the prior's own nucleus; the support is the union of the chunks' nuclei.
+
+    Evidence (the citation trace) is log w_k + S_k(v): the chunk that gives the chosen token the most
+    weighted support. ``tau=math.inf`` is exactly the uniform average (:class:`PCWFusion`).
     """
 
-    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9):
+    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
         if not (tau > 0):  # also refuses NaN
             raise InvalidOptionError(f"tau must be > 0 (math.inf = uniform average), got {tau!r}")
         self.tau = tau
@@ -95,7 +155,8 @@ class SoftNBCEFusion:
             raise InvalidOptionError(f"beta must be a float >= 0, got {beta!r}")
         if not 0 < rho <= 1:
             raise InvalidOptionError(f"rho (each chunk's top-p) must be in (0, 1], got {rho!r}")
-        self.beta, self.rho = beta, rho
+        check_rule(rule)
+        self.beta, self.rho, self.rule = beta, rho, rule
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
         """Weights over the chunk axis (0) from the chunks' entropies."""
@@ -105,29 +166,37 @@ class SoftNBCEFusion:
         if logits.shape[0] < 2:
             raise InvalidOptionError("Soft-NBCE needs the prior stream plus at least one chunk stream")
         logprobs = torch.log_softmax(logits.float(), -1)
-        keep = nucleus_mask(logprobs, self.rho)
-        scores = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], self.beta)
-        weights = self.chunk_weights(truncated_entropy(logprobs[1:], keep[1:])).unsqueeze(1)
-        fused = (weights * scores).sum(0)
-        fused = torch.where(keep[1:].any(0), fused, torch.full_like(fused, -math.inf))
-        return FusedStep(fused, torch.log(weights.clamp_min(TINY)) + scores)
+        if self.rule == "paper":
+            chunks = nucleus_logprobs(logprobs[1:], nucleus_mask(logprobs[1:], self.rho))
+            scores = paper_contrast(logprobs[0], chunks, self.beta)
+            entropy = nucleus_entropy(chunks)
+            weights = self.chunk_weights(entropy)
+            fused = paper_fusion(weights, scores, entropy)
+        else:
+            keep = nucleus_mask(logprobs, self.rho)
+            scores = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], self.beta)
+            weights = self.chunk_weights(truncated_entropy(logprobs[1:], keep[1:]))
+            fused = (weights.unsqueeze(1) * scores).sum(0)
+            fused = torch.where(keep[1:].any(0), fused, torch.full_like(fused, -math.inf))
+        return FusedStep(fused, torch.log(weights.clamp_min(TINY)).unsqueeze(1) + scores)
 
 
 class NBCEFusion(SoftNBCEFusion):
     """Hard NBCE, the tau -> 0 limit: all weight on the lowest-entropy chunk (the first one on a tie)."""
 
-    def __init__(self, *, beta: float = 0.25, rho: float = 0.9):
-        super().__init__(tau=1.0, beta=beta, rho=rho)
+    def __init__(self, *, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
+        super().__init__(tau=1.0, beta=beta, rho=rho, rule=rule)
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.one_hot(torch.argmin(entropy, dim=0), entropy.shape[0]).movedim(-1, 0).float()
 
 
 class PCWFusion(SoftNBCEFusion):
-    """The tau -> infinity limit: the uniform average of the chunks' contrasted scores."""
+    """The tau -> infinity limit, the uniform average of the chunks; ``beta=0`` by default, the paper's PCW
+    baseline (Ratner et al., 2023: uniform chunk averaging, no prior contrast)."""
 
-    def __init__(self, *, beta: float = 0.25, rho: float = 0.9):
-        super().__init__(tau=math.inf, beta=beta, rho=rho)
+    def __init__(self, *, beta: float = 0.0, rho: float = 0.9, rule: str = "paper"):
+        super().__init__(tau=math.inf, beta=beta, rho=rho, rule=rule)
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
         return torch.full_like(entropy, 1.0 / entropy.shape[0])
@@ -201,26 +270,27 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
 
 @register_mode("soft_nbce")
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9,
-                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
+                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> DecodeResult:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
     beta: contrast with the prior, (1 + beta) L_chunk - beta L_prior (0: no contrast).
-    rho: top-p of each stream before fusion (filtered tokens: see ``fusion.SoftNBCEFusion``).
+    rho: top-p of each chunk before fusion.
     chunk_tokens: split documents into chunks of at most this many tokens (None: one stream per document).
+    rule: "paper" (Algorithm 1) or "nbce_code" (NBCE's reference code); see :class:`SoftNBCEFusion`.
     """
-    return run_chunk_fusion(ctx, SoftNBCEFusion(tau=tau, beta=beta, rho=rho), chunk_tokens)
+    return run_chunk_fusion(ctx, SoftNBCEFusion(tau=tau, beta=beta, rho=rho, rule=rule), chunk_tokens)
 
 
 @register_mode("nbce")
 def run_nbce(ctx: DecodeContext, *, beta: float = 0.25, rho: float = 0.9,
-             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
-    """Hard NBCE (Soft-NBCE's tau -> 0 limit): each token comes from the lowest-entropy chunk."""
-    return run_chunk_fusion(ctx, NBCEFusion(beta=beta, rho=rho), chunk_tokens)
+             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> DecodeResult:
+    """Hard NBCE (Soft-NBCE's tau -> 0 limit, the paper's Vanilla NBCE): each token from the lowest-entropy chunk."""
+    return run_chunk_fusion(ctx, NBCEFusion(beta=beta, rho=rho, rule=rule), chunk_tokens)
 
 
 @register_mode("pcw")
-def run_pcw(ctx: DecodeContext, *, beta: float = 0.25, rho: float = 0.9,
-            chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> DecodeResult:
-    """Uniform chunk average (Soft-NBCE's tau -> infinity limit, the paper's PCW-style baseline)."""
-    return run_chunk_fusion(ctx, PCWFusion(beta=beta, rho=rho), chunk_tokens)
+def run_pcw(ctx: DecodeContext, *, beta: float = 0.0, rho: float = 0.9,
+            chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> DecodeResult:
+    """Uniform chunk average (Soft-NBCE's tau -> infinity limit with beta = 0, the paper's PCW baseline)."""
+    return run_chunk_fusion(ctx, PCWFusion(beta=beta, rho=rho, rule=rule), chunk_tokens)

@@ -1,10 +1,15 @@
-"""The pure math of RAPID's speculative step (METHODS.md "RAPID"), as small tensor functions.
+"""The pure math of RAPID's speculative step (the RAPID paper, Algorithm 1 and Eq. 6-10), as small tensor functions.
 
 Kept apart from the decode loop so every rule can be checked against its closed form:
 
 - ``p = softmax(z / T)`` is the target over the long context, ``q`` the drafter's distribution;
-- tail rule: ``p^ = softmax(z / T + eta * (q - p))`` where ``q >= tail * max(q)``, plain ``z / T`` elsewhere,
-  so the drafter only lends mass to tokens it actually believes in;
+- the retrieval-augmented target (paper Eq. 6): ``p^ = softmax(z / T + eta * (q - p))``;
+- the tail rule (paper Eq. 9, ``tail_rule="paper"``, the default): tokens whose ``p^`` is below
+  ``0.1 * max(p^)`` keep their target probability, ``p^(v) = p(v)``, "to prevent distortion in the
+  tail"; as in the paper the result is not renormalised (the acceptance ratio reads it token by
+  token and the residual is normalised anyway). ``tail_rule="draft_head"`` is our earlier variant,
+  not the paper's: the shift ``eta * (q - p)`` is applied only where ``q >= 0.1 * max(q)`` (a
+  head computed on the drafter's q, not on p^) and the result is renormalised;
 - a drafted token ``x`` is accepted while ``U <= p^(x) / q(x)``;
 - on the first rejection the token is drawn from ``norm(max(p - q, p - p^, 0))``;
 - when every draft is accepted a bonus token is drawn from ``p``.
@@ -21,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-TAIL = 0.1  # the paper's cut-off: only tokens with q >= 0.1 * max(q) get the drafter's push
+from ctx_integrations.errors import InvalidOptionError
+
+TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
+TAIL_RULES = ("paper", "draft_head")
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -41,13 +49,33 @@ def scaled_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
     return nucleus(logits.float() / temperature, top_p)
 
 
+def check_tail_rule(tail_rule: str) -> None:
+    if tail_rule not in TAIL_RULES:
+        raise InvalidOptionError(f"tail_rule must be one of {', '.join(map(repr, TAIL_RULES))} ('paper': Eq. 9 on "
+                                 f"p^; 'draft_head': the shift only where q >= 0.1 max q), got {tail_rule!r}")
+
+
+def augmented_target(scaled: torch.Tensor, p: torch.Tensor, q: torch.Tensor, eta: float) -> torch.Tensor:
+    """Paper Eq. 6: ``p^ = softmax(z / T + eta * (q - p))`` (``scaled`` is ``z / T``), no tail rule."""
+    return torch.softmax(scaled + eta * (q - p), dim=-1)
+
+
 def tail_adjusted(scaled: torch.Tensor, p: torch.Tensor, q: torch.Tensor, eta: float,
-                  tail: float = TAIL) -> torch.Tensor:
-    """The retrieval-augmented target ``p^`` (rows over the last dimension) by the tail rule."""
+                  tail: float = TAIL, rule: str = "paper") -> torch.Tensor:
+    """The retrieval-augmented target ``p^`` (rows over the last dimension) with a tail rule.
+
+    ``rule="paper"`` (Eq. 9): ``p^`` from Eq. 6, then every token with ``p^(v) < tail * max(p^)``
+    takes back ``p(v)``; not renormalised, as written in the paper. ``rule="draft_head"`` (variant):
+    the shift applies only where ``q >= tail * max(q)``, then softmax. ``eta = 0`` gives ``p`` in both.
+    """
+    check_tail_rule(rule)
     if eta == 0:
         return p
-    head = q >= tail * q.amax(dim=-1, keepdim=True)
-    return torch.softmax(torch.where(head, scaled + eta * (q - p), scaled), dim=-1)
+    if rule == "draft_head":
+        head = q >= tail * q.amax(dim=-1, keepdim=True)
+        return torch.softmax(torch.where(head, scaled + eta * (q - p), scaled), dim=-1)
+    p_hat = augmented_target(scaled, p, q, eta)
+    return torch.where(p_hat < tail * p_hat.amax(dim=-1, keepdim=True), p, p_hat)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor, p_hat: torch.Tensor) -> torch.Tensor:
@@ -71,7 +99,7 @@ class Verdict:
 
 
 def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int], *, eta: float,
-           temperature: float, top_p: float, generator: torch.Generator | None) -> Verdict:
+           temperature: float, top_p: float, generator: torch.Generator | None, tail_rule: str = "paper") -> Verdict:
     """Accept or reject ``drafts`` (g tokens) against the target.
 
     ``target_logits`` is ``[g + 1, V]``: row i scores the position of draft i, row g the bonus position.
@@ -81,7 +109,7 @@ def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int]
     g = len(drafts)
     scaled = scaled_logits(target_logits, temperature, top_p)
     p = torch.softmax(scaled, dim=-1)
-    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta)
+    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta, rule=tail_rule)
     index = torch.arange(g, device=p.device)
     tokens = torch.tensor(drafts, device=p.device, dtype=torch.long)
     if temperature == 0:
