@@ -55,8 +55,8 @@ TARGETS = {
                          "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
                         ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
-                          ("tests/test_rapid_eta.py", "tests/test_rapid.py", "-m", "not slow", "-k",
-                           "residual or tail or nucleus or verify or eta")),
+                          ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
+                           "-m", "not slow", "-k", "residual or tail or nucleus or verify or eta or top_p")),
 }
 
 
