@@ -30,3 +30,19 @@ def test_sampled_verification_uses_the_targets_nucleus():
     verdicts = [verify(target, q, [3], eta=0.0, temperature=1.0, top_p=0.5,
                        generator=torch.Generator().manual_seed(seed)) for seed in range(200)]
     assert all(v.accepted == 0 and v.token == 0 for v in verdicts)
+
+
+def test_the_bonus_token_is_drawn_from_the_callers_generator():
+    """Seeded sampling must be reproducible: with every draft accepted (q = p, eta = 0) the bonus token
+    comes from the given generator, not from torch's global one."""
+    target = torch.zeros(2, 50)
+    q = torch.softmax(target[:1], -1)
+    for seed in range(20):
+        tokens = []
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            verdict = verify(target, q, [7], eta=0.0, temperature=1.0, top_p=1.0,
+                             generator=torch.Generator().manual_seed(seed))
+            assert verdict.accepted == 1 and verdict.bonus
+            tokens.append(verdict.token)
+        assert tokens[0] == tokens[1]
