@@ -8,7 +8,8 @@ are mutated (``run_*`` decode loops are the scheduler's business and are tested 
 
     python tools/mutate.py                 # every module
     python tools/mutate.py pced scores     # some modules
-    MUTATE_CHILDREN=2 python tools/mutate.py
+    MUTATE_CHILDREN=2 python tools/mutate.py          # parallel mutants (default 2)
+    MUTATE_WORK=build/mutate-b python tools/mutate.py  # another work folder (two runs side by side)
 
 Prints, per module, killed / survived / other mutants and every survivor's diff; equivalent
 mutants are judged by a person and listed in docs/testing.md. Not part of ``make test`` or CI.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "mutate"
+WORK = Path(os.environ.get("MUTATE_WORK", ROOT / "build" / "mutate"))
 MUTMUT = Path(sys.executable).parent / "mutmut"
 
 
