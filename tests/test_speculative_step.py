@@ -29,7 +29,7 @@ def test_sampled_verification_uses_the_targets_nucleus():
     q = torch.tensor([[0.05, 0.05, 0.05, 0.8, 0.05]])
     verdicts = [verify(target, q, [3], eta=0.0, temperature=1.0, top_p=0.5,
                        generator=torch.Generator().manual_seed(seed)) for seed in range(200)]
-    assert all(v.accepted == 0 and v.token == 0 for v in verdicts)
+    assert all(v.accepted == 0 and v.token == 0 and v.bonus is False for v in verdicts)
 
 
 def test_the_bonus_token_is_drawn_from_the_callers_generator():
