@@ -363,3 +363,40 @@ def test_search_on_a_tiny_model_finds_the_pair_that_reproduces_a_reference_answe
     assert (found.attention_temperature, found.scale) == (1.0, 0.3)
     greedy = search_knobs(engine, dev, grid=(0.3, 1.0), **exact)  # T at S = 1 (all wrong, T = 1 kept), then S
     assert greedy.options == {"attention_temperature": 1.0, "scale": 0.3} and len(greedy.scores) == 3
+
+
+def random_attention_inputs(seed: int, q_len: int = 3, keys: int = 14):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 4, q_len, 8, generator=generator), torch.randn(1, 2, keys, 8, generator=generator),
+            torch.randn(1, 2, keys, 8, generator=generator))
+
+
+def test_the_attention_scaling_is_the_models_or_one_over_sqrt_dim():
+    """A model's own scaling (e.g. Gemma's query_pre_attn_scalar) is used as given; without one, 1 / sqrt(d)."""
+    query, key, value = random_attention_inputs(0)
+    layout = ApeLayout(3, 9, 0.7, 0.8)
+    for scaling in (0.2, 8 ** -0.5):
+        out, _ = ape_attention(nn.Module(), query, key, value, None, scaling=scaling, ape_layout=layout)
+        torch.testing.assert_close(out.double(), reference_ape(query, key, value, 3, 9, 0.7, 0.8, scaling),
+                                   atol=1e-5, rtol=1e-5)
+    default, _ = ape_attention(nn.Module(), query, key, value, None, ape_layout=layout)
+    torch.testing.assert_close(default.double(), reference_ape(query, key, value, 3, 9, 0.7, 0.8, 8 ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_soft_capping_and_sliding_windows_are_refused_by_name():
+    query, key, value = random_attention_inputs(1)
+    layout = ApeLayout(3, 9, 0.9, 0.9)
+    softcap = r"^APE does not support attention logit soft-capping \(e.g. Gemma 2\)$"
+    with pytest.raises(InvalidOptionError, match=softcap):
+        ape_attention(nn.Module(), query, key, value, None, ape_layout=layout, softcap=30.0)
+    window = r"^APE does not support sliding-window attention over 14 keys \(window 13\)$"
+    with pytest.raises(InvalidOptionError, match=window):
+        ape_attention(nn.Module(), query, key, value, None, ape_layout=layout, sliding_window=13)
+    # a window that holds every key changes nothing
+    inside, _ = ape_attention(nn.Module(), query, key, value, None, ape_layout=layout, sliding_window=14)
+    plain, _ = ape_attention(nn.Module(), query, key, value, None, ape_layout=layout)
+    assert torch.equal(inside, plain)
+    with pytest.raises(InvalidOptionError, match=r"^the APE attention ran without an ApeLayout: it is only valid "
+                                                 r"inside mode='ape'$"):
+        ape_attention(nn.Module(), query, key, value, None)

@@ -8,7 +8,8 @@ are mutated (``run_*`` decode loops are the scheduler's business and are tested 
 
     python tools/mutate.py                 # every module
     python tools/mutate.py pced scores     # some modules
-    MUTATE_CHILDREN=2 python tools/mutate.py
+    MUTATE_CHILDREN=2 python tools/mutate.py          # parallel mutants (default 2)
+    MUTATE_WORK=build/mutate-b python tools/mutate.py  # another work folder (two runs side by side)
 
 Prints, per module, killed / survived / other mutants and every survivor's diff; equivalent
 mutants are judged by a person and listed in docs/testing.md. Not part of ``make test`` or CI.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "mutate"
+WORK = Path(os.environ.get("MUTATE_WORK", ROOT / "build" / "mutate"))
 MUTMUT = Path(sys.executable).parent / "mutmut"
 
 
@@ -50,12 +51,13 @@ TARGETS = {
                     "x__check_devices*"),
                    ("tests/test_ippd.py", "-m", "not slow")),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",
-                        ("x_nucleus_mask*", "x_truncated_entropy*", "x_renormalized_entropy*", "x_contrast_chunks*",
-                         "x_masked_chunks*", "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
+                        ("x_check_rule*", "x_nucleus_mask*", "x_nucleus_logprobs*", "x_nucleus_entropy*",
+                         "x_paper_contrast*", "x_paper_fusion*", "x_truncated_entropy*", "x_contrast_chunks*",
+                         "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
                         ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
-                          ("tests/test_rapid_eta.py", "tests/test_rapid.py", "-m", "not slow", "-k",
-                           "residual or tail or nucleus or verify or eta")),
+                          ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
+                           "-m", "not slow", "-k", "residual or tail or nucleus or verify or eta or top_p")),
 }
 
 
