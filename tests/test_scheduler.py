@@ -267,3 +267,22 @@ def test_pooled_answers_equal_transformers_greedy_generate(engine, mode):
     assert engine.generate("Who is the mayor?", [document], mode=mode, max_new_tokens=12, **options).token_ids == \
         expected
     assert asyncio.run(together()).token_ids == expected
+
+
+def test_a_script_that_exits_right_after_an_answer_exits_cleanly():
+    """The scheduler's daemon thread must not be inside torch while the interpreter finalises: without the
+    atexit join the process aborted ("terminate called without an active exception", exit 134) about one
+    run in three."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.serve_support import ROOT
+
+    script = ("from ctx_integrations import Engine\nfrom tests.helpers import tiny_loaded\n"
+              "engine = Engine(tiny_loaded('llama'))\n"
+              "print(len(engine.generate('Who?', ['The code is 4721.'], max_new_tokens=4).token_ids))\n")
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        assert (done.returncode, done.stdout.strip()) == (0, "4"), done.stderr[-500:]

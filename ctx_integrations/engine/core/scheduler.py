@@ -30,6 +30,7 @@ idle time and starts again with the next request; nothing needs closing for the 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
 import weakref
@@ -156,6 +157,7 @@ class Scheduler:
         self._pool: RowPool | None = None
         self._dropped: list[Submission] = []  # failed this step, settled when the step retires them
         self._thread: threading.Thread | None = None
+        self._stopping = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-kv-loader")
         self._pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
 
@@ -206,11 +208,26 @@ class Scheduler:
             self._thread.start()
 
     # -- the model's side ----------------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the step loop at its next step boundary and wait for the thread (at interpreter exit).
+
+        A daemon thread still inside torch while the interpreter finalises aborts the process
+        ("terminate called without an active exception"), so the loop is joined first.
+        """
+        with self._cond:
+            self._stopping = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._ready or self._pooled or self._exclusive):
-                    if not self._cond.wait(timeout=IDLE_EXIT_S) and not (self._ready or self._loading):
+                while not (self._ready or self._pooled or self._exclusive) or self._stopping:
+                    if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S)
+                                          and not (self._ready or self._loading)):
                         self._thread = None
                         return
                 admit = self._take_ready()
@@ -400,6 +417,15 @@ class Scheduler:
 
 _SCHEDULERS: weakref.WeakKeyDictionary[torch.nn.Module, Scheduler] = weakref.WeakKeyDictionary()
 _SCHEDULERS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Join every scheduler's thread before the interpreter finalises (see :meth:`Scheduler.stop`)."""
+    with _SCHEDULERS_LOCK:
+        schedulers = list(_SCHEDULERS.values())
+    for scheduler in schedulers:
+        scheduler.stop()
 
 
 def scheduler_for(loaded: LoadedModel) -> Scheduler:
