@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.modes.soft_nbce import NBCEFusion, SoftNBCEFusion
+from ctx_integrations.engine.modes.soft_nbce import NBCEFusion, PCWFusion, SoftNBCEFusion
 from tests.helpers import last_logits, tiny_loaded
 
 DOCS = [
@@ -83,3 +83,11 @@ def test_a_confident_chunk_is_cited_over_a_vague_one_with_a_higher_score():
     step = SoftNBCEFusion(tau=0.1, beta=0.0, rho=1.0)(torch.log(probs))
     assert int(step.scores.argmax()) == 0
     assert int(step.evidence[:, 0].argmax()) == 0
+
+
+def test_pcw_and_nbce_pass_their_top_p_on():
+    """rho reaches the parent rule (a mutant found by ``make mutate`` dropped PCW's)."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)) * 3
+    for rule in (PCWFusion, NBCEFusion):
+        assert rule(rho=0.5).rho == 0.5
+        assert not torch.equal(rule(rho=0.5)(logits).scores, rule(rho=0.99)(logits).scores)
