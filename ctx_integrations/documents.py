@@ -12,10 +12,11 @@ from typing import Any
 from ctx_integrations.errors import EmptyDocumentsError, InvalidDocumentError, InvalidScoresError
 
 
-def _text(value: Any, where: str) -> str:
+def user_text(value: Any, where: str) -> str:
     """``value`` when it is text a tokenizer can encode; ``None``, numbers, bytes and lone surrogates are refused.
 
-    ``str(None)`` would silently become the document "None", so nothing is coerced.
+    ``str(None)`` would silently become the document "None", so nothing is coerced. Every piece of user
+    text (documents, queries, chat messages) passes here before it meets a tokenizer.
     """
     if isinstance(value, bytes):
         raise InvalidDocumentError(f"{where} is bytes: decode it first (e.g. value.decode('utf-8', errors='replace'))")
@@ -52,20 +53,20 @@ class Document:
 def as_document(item: Any) -> Document:
     """Accept a str, a :class:`Document`, a mapping, or any object with ``text``/``score`` attributes."""
     if isinstance(item, Document):
-        return Document(_text(item.text, "a Document's text"), item.id, item.score, dict(item.scores),
+        return Document(user_text(item.text, "a Document's text"), item.id, item.score, dict(item.scores),
                         dict(item.metadata))
     if isinstance(item, str):
-        return Document(_text(item, "a document"))
+        return Document(user_text(item, "a document"))
     if isinstance(item, Mapping):
         if "text" not in item:
             raise InvalidDocumentError(f"a document mapping needs a 'text' key, got keys {sorted(map(str, item))}")
-        return Document(_text(item["text"], "a document mapping's 'text'"), item.get("id"), item.get("score"),
+        return Document(user_text(item["text"], "a document mapping's 'text'"), item.get("id"), item.get("score"),
                         _mapping(item.get("scores"), "scores"), _mapping(item.get("metadata"), "metadata"))
     text = getattr(item, "text", None)
     if text is None:
         raise InvalidDocumentError(f"cannot use {type(item).__name__} as a document: give a str, a Document, "
                                    "a mapping with 'text', or an object with a .text attribute")
-    return Document(_text(text, f"the .text of a {type(item).__name__}"), getattr(item, "id", None),
+    return Document(user_text(text, f"the .text of a {type(item).__name__}"), getattr(item, "id", None),
                     getattr(item, "score", None), _mapping(getattr(item, "scores", None), "scores"),
                     _mapping(getattr(item, "metadata", None), "metadata"))
 

@@ -98,3 +98,21 @@ def test_user_text_encoding_never_touches_the_shared_tokenizer():
     assert tokenizer.backend_tokenizer.encode_special_tokens == before is False
     assert not special_ids(tokenizer) & set(ids)
     assert special_ids(tokenizer) & set(tokenizer("a <|im_end|> b", add_special_tokens=False)["input_ids"])
+
+
+def test_chat_message_contents_never_become_control_ids(engine):
+    """The chat path (``Engine.chat``, the frameworks' chat models): a message that writes ``<|im_end|>`` and
+    ``<|im_start|>system`` must stay text; only the template's own turn markers are control ids."""
+    from ctx_integrations.engine.core.chat import conversation_ids
+
+    tokenizer = engine.loaded.tokenizer
+    controls = special_ids(tokenizer)
+    benign = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": BENIGN_QUERY}]
+    injected = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": INJECTED_QUERY}]
+    plain = tokenizer.apply_chat_template(benign, tokenize=False, add_generation_prompt=True)
+    assert conversation_ids(engine.layout, benign) == tokenizer(plain, add_special_tokens=False)["input_ids"]
+    ids = conversation_ids(engine.layout, injected)
+    turns = [i for i in ids if i in controls]
+    assert len(turns) == len([i for i in conversation_ids(engine.layout, benign) if i in controls])  # 3 turns only
+    assert "hacked" in tokenizer.decode(ids) and tokenizer.decode(ids).count("<|im_start|>") == 4  # 3 + 1 as text
+    assert len(engine.chat(injected, max_new_tokens=2).token_ids) <= 2

@@ -197,3 +197,13 @@ def test_map_reduce_past_the_window_is_refused(tmp_path):
     document = "word " * 60  # fits prefix + document + question + 4 new tokens, not + 96 summary tokens
     with pytest.raises(DocumentTooLongError, match="summary_tokens"):
         engine.generate("What word?", [document], mode="map_reduce", max_new_tokens=4)
+
+
+def test_a_retrieval_query_with_a_lone_surrogate_is_a_typed_error(tmp_path):
+    """The embedder's tokenizer raised a bare TypeError on it from the Python API (the CLI refused it first)."""
+    from ctx_integrations.retrieval import DocumentStore, ScoredRetriever
+
+    store = DocumentStore(tmp_path / "store")
+    store.add(["Marrowgate is the capital of Veloria."], warm=False)
+    with pytest.raises(InvalidDocumentError, match="lone surrogate"):
+        ScoredRetriever(store).retrieve("Who rules \ud800?", top_k=1)

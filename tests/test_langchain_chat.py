@@ -71,7 +71,7 @@ def test_plain_chat_is_greedy_decoding_of_the_chat_template(chat):
     messages = [SystemMessage("You are terse."), HumanMessage("hello"), AIMessage("hi"), HumanMessage("how are you?")]
     result = chat.invoke(messages)
     engine = shared_engine()
-    ids = conversation_ids(engine.loaded.tokenizer, [{"role": "system", "content": "You are terse."},
+    ids = conversation_ids(engine.layout, [{"role": "system", "content": "You are terse."},
                                     {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
                                     {"role": "user", "content": "how are you?"}])
     reference = greedy_reference(engine.loaded, ids, 8)

@@ -93,7 +93,7 @@ class _Request:
 
     def input_tokens(self, answer: Answer) -> int:
         if self.documents is None:
-            return len(conversation_ids(self.engine.loaded.tokenizer, self.messages))
+            return len(conversation_ids(self.engine.layout, self.messages))
         return prompt_tokens(self.engine, self.question, [d.text for d in answer.documents])
 
 

@@ -71,7 +71,7 @@ class _Request:
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
-        prompt = len(conversation_ids(self.engine.loaded.tokenizer, self.messages))
+        prompt = len(conversation_ids(self.engine.layout, self.messages))
         return {"usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
                           "total_tokens": prompt + len(answer.token_ids)},
                 "model": self.engine.loaded.name, "timings": dict(answer.timings),

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ctx_integrations.documents import Document
+from ctx_integrations.documents import Document, user_text
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.retrieval.scores import fuse_scores, normalize
 from ctx_integrations.retrieval.store import DocumentStore
@@ -85,6 +85,7 @@ class ScoredRetriever:
         """
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
+        user_text(query, "the query")  # e.g. a lone surrogate, which the embedder's tokenizer cannot encode
         if top_k < 1:
             raise InvalidOptionError("top_k must be >= 1")
         if rerank_top_n is not None and (self.reranker is None or rerank_top_n < top_k):

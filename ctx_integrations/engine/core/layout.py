@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from ctx_integrations.errors import ChatTemplateError, InvalidDocumentError, InvalidOptionError
+from ctx_integrations.documents import user_text
+from ctx_integrations.errors import ChatTemplateError, InvalidOptionError
 
 # PCED paper, appendix A.
 PCED_SYSTEM_PROMPT = (
@@ -55,20 +56,6 @@ _QUESTION_MARK = "\x00QUESTION\x00"
 # Joins the layout fingerprint (so the cache key): caches written before user text was tokenised with
 # special-token splitting hold control ids where the text had control-token strings, and must not be reused.
 USER_TEXT_TOKENISATION = "user-text:split-special-tokens"
-
-
-def check_user_text(text: object, what: str) -> str:
-    """``text`` if it is a ``str`` a tokenizer can encode (UTF-8: no lone surrogates), else a typed error."""
-    if not isinstance(text, str):
-        raise InvalidDocumentError(f"{what} must be a str, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidDocumentError(
-            f"{what} holds {text[error.start:error.end]!r} at character {error.start}, which is not valid Unicode "
-            "text (a lone surrogate, e.g. from decoding bytes with errors='surrogateescape'): decode it with "
-            "errors='replace' first") from None
-    return text
 
 
 def prompt_template(name: str) -> dict[str, str]:
@@ -124,7 +111,7 @@ class PromptLayout:
         before, mark, after = self._pieces[1].partition(_QUESTION_MARK)
         parts = [(before, False)]
         if mark:
-            parts.append((check_user_text(question, "the query").strip(), True))
+            parts.append((user_text(question, "the query").strip(), True))
         return parts + [(after, False)]
 
     def context_text(self, document: str) -> str:
@@ -170,7 +157,7 @@ class PromptLayout:
         longest_first = sorted(tokens, key=len, reverse=True)
         return tokens, re.compile("|".join(map(re.escape, longest_first))) if tokens else None
 
-    def _encode_mixed(self, parts: list[tuple[str, bool]]) -> list[int]:
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
         """Token ids of template text and user text joined, with control ids only from the template's own tokens.
 
         The joined text is cut at the template's control tokens; each stretch between them (which may mix
@@ -198,11 +185,11 @@ class PromptLayout:
 
     def context_ids(self, document: str) -> list[int]:
         """A document's tokens; control-token strings written in it are tokenised as plain text."""
-        return self._encode(self.context_text(check_user_text(document, "a document's text")), user_text=True)
+        return self._encode(self.context_text(user_text(document, "a document's text")), user_text=True)
 
     def suffix_ids(self, question: str) -> list[int]:
         """The question suffix's tokens; only the template's own control tokens become control ids."""
-        return self._encode_mixed(self._suffix_parts(question))
+        return self.encode_parts(self._suffix_parts(question))
 
     @cached_property
     def fingerprint(self) -> str:
