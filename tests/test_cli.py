@@ -53,10 +53,13 @@ def test_demo_part_two_compares_modes_on_sixteen_long_passages(demo_run):
     rows = {line.split()[0]: line for line in part.splitlines() if line.split()[:1] and line.split()[0] in modes}
     assert tuple(rows) == modes
     assert re.search(r"concat +[\d.]+ +[\d.]+ +1\.0x +1\.0x +- ", rows["concat"])  # ratios to itself, no citation
-    for mode in ("pced", "soft_nbce"):  # both answer and cite the passage that holds it (greedy, fp32: deterministic)
-        assert rows[mode].split("x  ")[-1].split()[0] == gold, rows[mode]
-        assert expected in rows[mode]
-    assert rows["ape"].split("x  ")[-1].split()[0].startswith("p")  # APE (attribution=True) cites a passage too
+    # PCED answers and cites the passage that holds it (greedy, fp32: deterministic). Soft-NBCE with the paper's
+    # Algorithm 1 (its default since the fidelity work) misses this question on the 135M model, as do 11 of the
+    # 12 seeds probed; it and APE (attribution=True) must still cite a passage.
+    assert rows["pced"].split("x  ")[-1].split()[0] == gold, rows["pced"]
+    assert expected in rows["pced"]
+    for mode in ("soft_nbce", "ape"):
+        assert rows[mode].split("x  ")[-1].split()[0].startswith("p"), rows[mode]
     pced_ttft_ratio = float(re.search(r"pced +[\d.]+ +[\d.]+ +([\d.]+)x", rows["pced"]).group(1))
     assert pced_ttft_ratio > 1  # warm caches reach the first token sooner than reading 4k tokens in one prompt
 
