@@ -1,50 +1,26 @@
-"""Shared benchmark utilities: answer metrics, the evaluation data, timing, table and JSON output."""
+"""Shared benchmark utilities: the evaluation data, timing, table and JSON output.
+
+Answer metrics come from the package (``ctx_integrations.evaluation.metrics``), re-exported here for the scripts.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-import re
 import statistics
-import string
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ctx_integrations.evaluation.metrics import best_f1, normalize_answer, substring_match, token_f1  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MUSIQUE = Path(os.environ.get("CTX_MUSIQUE", REPO.parent / "shared" / "data" / "musique_dev.jsonl"))
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lower-case, drop punctuation and articles, squeeze whitespace."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def best_f1(prediction: str, answers: Sequence[str]) -> float:
-    return max(token_f1(prediction, a) for a in answers)
-
-
-def substring_match(prediction: str, answers: Sequence[str]) -> float:
-    """1.0 when a normalised gold answer occurs in the normalised prediction."""
-    pred = normalize_answer(prediction)
-    return float(any(normalize_answer(a) and normalize_answer(a) in pred for a in answers))
 
 
 def load_musique(limit: int | None = None) -> list[dict[str, Any]]:
