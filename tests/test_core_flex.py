@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ctx_integrations.engine.core.flex import FLEX_ATTENTION, attention_swapped, run_flex, visibility_block_mask
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION, attention_swapped, run_flex
+from ctx_integrations.engine.core.rows import visibility_block_mask
 from ctx_integrations.engine.modes.ippd import PAD_ID, PAD_POSITION, visibility
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded

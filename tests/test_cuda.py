@@ -15,6 +15,7 @@ invariants hold exactly (token for token) and logits to 1e-4.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -24,9 +25,10 @@ from torch import nn
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.cache import batch_streams
-from ctx_integrations.engine.core.flex import run_flex, visibility_block_mask
+from ctx_integrations.engine.core.flex import run_flex
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
 from ctx_integrations.engine.core.registry import available_modes
+from ctx_integrations.engine.core.rows import visibility_block_mask
 from ctx_integrations.engine.core.static_decode import StaticStreams
 from ctx_integrations.engine.core.streams import forward_streams
 from ctx_integrations.engine.core.transfer import prefetch, to_device_async, to_host
@@ -230,6 +232,23 @@ def test_the_pools_forward_with_the_compiled_block_mask_equals_the_boolean_mask(
     for flex, eager in zip(pool_step_logits(model, True), pool_step_logits(model, False)):
         scale = 1e-4 if dtype == torch.float32 else BF16["first_step_relative"] * float(eager.abs().max())
         assert float((flex - eager).abs().max()) <= scale
+
+
+def test_the_engines_pool_runs_flex_on_cuda_and_answers_like_the_eager_pool():
+    # "auto" must pick the block-mask kernel on CUDA (no [rows, Q, K] boolean mask), and its pooled answers must be
+    # the eager pool's in fp32, several requests at once.
+    flex = Engine(on_device(tiny(5), torch.float32))
+    eager = Engine(on_device(tiny(5), torch.float32), attention_kernel="eager")
+    assert flex.scheduler.attention_kernel == ("flex" if ON_CUDA else "eager")
+    requests = [dict(mode=mode, max_new_tokens=10) for mode in ("pced", "concat", "single", "soft_nbce")]
+    alone = [eager.generate(QUESTIONS[i], DOCS, **r).token_ids for i, r in enumerate(requests)]
+
+    async def together():
+        return await asyncio.gather(*(flex.agenerate(QUESTIONS[i], DOCS, **r) for i, r in enumerate(requests)))
+
+    assert [a.token_ids for a in asyncio.run(together())] == alone
+    assert [a.token_ids for a in flex.generate_many(QUESTIONS, DOCS, max_new_tokens=8)] == \
+        [a.token_ids for a in eager.generate_many(QUESTIONS, DOCS, max_new_tokens=8)]
 
 
 # -- cache round trip: GPU <-> pinned host <-> disk ---------------------------------------------------------------

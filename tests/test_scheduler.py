@@ -286,3 +286,31 @@ def test_a_script_that_exits_right_after_an_answer_exits_cleanly():
         done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
         assert (done.returncode, done.stdout.strip()) == (0, "4"), done.stderr[-500:]
+
+
+def test_the_flex_pool_gives_the_eager_pools_answers(monkeypatch):
+    # The row pool under FlexAttention's block mask (the CUDA default; here its unfused reference on CPU) must
+    # batch exactly like the boolean mask: concurrent pooled requests get the eager engine's answers alone.
+    from ctx_integrations.engine.core import flex as flex_module
+
+    flex_calls = []
+    run_flex = flex_module.run_flex
+    monkeypatch.setattr(flex_module, "run_flex", lambda *a, **k: flex_calls.append(1) or run_flex(*a, **k))
+    eager = Engine(tiny_loaded("llama", seed=3, position_sensitive=True), attention_kernel="eager")
+    flex = Engine(tiny_loaded("llama", seed=3, position_sensitive=True), attention_kernel="flex")
+    assert (eager.scheduler.attention_kernel, flex.scheduler.attention_kernel) == ("eager", "flex")
+    pooled = REQUESTS[:6]
+    alone = [eager.generate(**_call(r)).token_ids for r in pooled]
+
+    async def together():
+        return await asyncio.gather(*(flex.agenerate(**_call(r)) for r in pooled))
+
+    assert not flex_calls  # the eager engine never took the flex path
+    assert [a.token_ids for a in asyncio.run(together())] == alone
+    assert len(flex_calls) >= 2 * flex.scheduler.stats.forwards  # every layer of every pooled forward
+    assert flex.scheduler.stats.peak_rows > 2  # the requests shared forwards
+    with pytest.raises(InvalidOptionError, match="attention_kernel='flex'.*share"):
+        Engine(flex.loaded, attention_kernel="eager")  # one pool per model: a second kernel is refused
+    assert Engine(flex.loaded, attention_kernel="flex").scheduler is flex.scheduler
+    with pytest.raises(InvalidOptionError, match="attention_kernel must be one of"):
+        Engine(tiny_loaded("llama", seed=3), attention_kernel="fast")

@@ -87,7 +87,9 @@ class Engine:
     before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
     ``max_queued_requests``: requests waiting for admission beyond this are refused with
     :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
-    per-request timeout (``None``: none); ``timeout=`` on a call overrides it.
+    per-request timeout (``None``: none); ``timeout=`` on a call overrides it. ``attention_kernel``: the
+    row pool's attention (every pooled mode): ``"auto"`` (FlexAttention with a block mask on CUDA, the
+    model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
     never run forward passes at the same time.
@@ -98,7 +100,7 @@ class Engine:
                  max_request_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
-                 context_template: str = DEFAULT_CONTEXT_TEMPLATE):
+                 context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto"):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
@@ -109,7 +111,7 @@ class Engine:
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
-        self.scheduler = scheduler_for(loaded)
+        self.scheduler = scheduler_for(loaded, attention_kernel)
         self._closed = False
 
     @classmethod

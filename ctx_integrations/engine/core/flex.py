@@ -1,5 +1,5 @@
-"""FlexAttention plumbing: kernel choice, the kernel call, a transformers attention function over a block mask,
-and IPPD's visibility rule (the row pool's mask) as a block mask.
+"""FlexAttention plumbing: kernel choice, the kernel call, block masks, and a transformers attention function
+over a block mask (the row pool's visibility rule as a block mask lives with the rule, in ``rows.py``).
 
 ``torch.nn.attention.flex_attention`` takes a ``mask_mod`` (compiled into a ``BlockMask`` that
 skips fully hidden key blocks) and can return the log-sum-exp of every query row, which is all
@@ -78,10 +78,21 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
     return out, (lse.lse if AuxRequest is not None else lse)
 
 
+@functools.cache
+def _compiled_block_mask() -> Callable[..., BlockMask]:
+    return torch.compile(create_block_mask, dynamic=True)
+
+
 def block_mask(mask_mod: Callable[..., torch.Tensor], batch: int | None, q_len: int, kv_len: int,
                device: torch.device) -> BlockMask:
-    """``create_block_mask`` with every head sharing the mask (``H=None``)."""
-    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    """``create_block_mask`` with every head sharing the mask (``H=None``).
+
+    Uncompiled, ``create_block_mask`` evaluates ``mask_mod`` into a dense ``[B, 1, Q, K]`` tensor before
+    reducing it to blocks; compiled (on CUDA) it fuses that away, so a 128k x 128k prefill mask is
+    never materialised. On CPU the uncompiled reference runs (see the module doc).
+    """
+    build = _compiled_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return build(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
 FLEX_ATTENTION = "ctx_flex"
@@ -125,29 +136,3 @@ def attention_swapped(model: torch.nn.Module, implementation: str) -> Iterator[N
         yield
     finally:
         model.set_attn_implementation(previous)
-
-
-def visibility_mask_mod(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
-                        k_ctx: torch.Tensor, k_qid: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The conjunction rule as a ``mask_mod(b, h, q, k)`` over ``[B, Q]`` query and ``[B, K]`` key tensors."""
-
-    def visible(b, h, q, k):
-        later = q_pos[b, q] >= k_pos[b, k]
-        same_context = (q_ctx[b, q] == k_ctx[b, k]) | (k_ctx[b, k] == 0)
-        same_question = (q_qid[b, q] == k_qid[b, k]) | (k_qid[b, k] == 0)
-        return later & same_context & same_question
-
-    return visible
-
-
-def visibility_block_mask(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
-                          k_ctx: torch.Tensor, k_qid: torch.Tensor) -> BlockMask:
-    """The block mask of :func:`visibility_mask_mod` for every row of the batch (heads share it).
-
-    Same rule as IPPD's boolean ``visibility`` (``[B, 1, Q, K]``, the reference), evaluated by
-    FlexAttention from the per-column virtual positions and ids, so no boolean tensor is built and
-    the kernel skips the 128 x 128 tiles nobody sees (other questions' answers, other contexts).
-    Pass it as ``attention_mask`` with the model inside ``attention_swapped(model, FLEX_ATTENTION)``.
-    """
-    rule = visibility_mask_mod(q_pos, q_ctx, q_qid, k_pos, k_ctx, k_qid)
-    return block_mask(rule, q_pos.shape[0], q_pos.shape[1], k_pos.shape[1], q_pos.device)

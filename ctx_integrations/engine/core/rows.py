@@ -12,7 +12,10 @@ Which key a new token may see is IPPD's rule (METHODS.md "IPPD"), which also cov
 A plain stream has context and question id 0 everywhere, so the rule reduces to "causal, padding
 hidden". Keys are stored after RoPE, so a key's column in the buffer does not matter: rows can be
 merged, dropped and left-packed freely, and every new token gets its position through ``position_ids``.
-The mask goes in as a 4D boolean ``attention_mask`` — transformers' standard input, no model patching.
+The mask goes in as a 4D boolean ``attention_mask`` (transformers' standard input, SDPA; the reference)
+or, with the ``"flex"`` kernel (the default on CUDA), as a FlexAttention block mask evaluated from the
+same per-column tensors, so no ``[rows, Q, K]`` mask is built: a 64 x 2048-token prompt prefilled
+through the pool (``concat``) would otherwise need a 16 G-element boolean mask.
 
 transformers' cache classes batch sequences of one request; merging and splitting rows of many
 requests at step boundaries (continuous batching) is what this module adds, by hand.
@@ -20,10 +23,13 @@ requests at step boundaries (continuous batching) is what this module adds, by h
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
 PAD_ID = -1  # context / question id of padding (matches no real token's ids)
@@ -54,13 +60,32 @@ class Run:
     question: int = 0
 
 
+def visible(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
+            k_ctx: torch.Tensor, k_qid: torch.Tensor) -> torch.Tensor:
+    """The rule itself, elementwise (True = the query token may attend to the key token); inputs broadcast."""
+    return (q_pos >= k_pos) & ((q_ctx == k_ctx) | (k_ctx == 0)) & ((q_qid == k_qid) | (k_qid == 0))
+
+
 def visibility(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
                k_ctx: torch.Tensor, k_qid: torch.Tensor) -> torch.Tensor:
-    """The conjunction mask ``[B, 1, Q, K]`` (True = may attend) from per-token virtual positions and ids."""
-    later = q_pos.unsqueeze(2) >= k_pos.unsqueeze(1)
-    same_context = (q_ctx.unsqueeze(2) == k_ctx.unsqueeze(1)) | (k_ctx.unsqueeze(1) == 0)
-    same_question = (q_qid.unsqueeze(2) == k_qid.unsqueeze(1)) | (k_qid.unsqueeze(1) == 0)
-    return (later & same_context & same_question).unsqueeze(1)
+    """The boolean mask ``[B, 1, Q, K]`` from per-token ``[B, Q]`` / ``[B, K]`` virtual positions and ids."""
+    return visible(q_pos.unsqueeze(2), q_ctx.unsqueeze(2), q_qid.unsqueeze(2), k_pos.unsqueeze(1),
+                   k_ctx.unsqueeze(1), k_qid.unsqueeze(1)).unsqueeze(1)
+
+
+def visibility_block_mask(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
+                          k_ctx: torch.Tensor, k_qid: torch.Tensor) -> BlockMask:
+    """The same rule as a FlexAttention block mask (heads share it): no ``[B, Q, K]`` boolean tensor is kept.
+
+    FlexAttention evaluates :func:`visible` per (row, query, key) from the same six tensors and skips
+    the 128 x 128 tiles nobody sees (other contexts, other questions' answers, padding). Pass it as
+    ``attention_mask`` with the model inside ``attention_swapped(model, FLEX_ATTENTION)``.
+    """
+
+    def mask_mod(b, h, q, k):
+        return visible(q_pos[b, q], q_ctx[b, q], q_qid[b, q], k_pos[b, k], k_ctx[b, k], k_qid[b, k])
+
+    return block_mask(mask_mod, q_pos.shape[0], q_pos.shape[1], k_pos.shape[1], q_pos.device)
 
 
 @dataclass
@@ -160,11 +185,14 @@ class RowPool:
                         v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
 
     @torch.inference_mode()
-    def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int) -> list[torch.Tensor]:
+    def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
+                kernel: str = "eager") -> list[torch.Tensor]:
         """Append every row's runs in ONE forward pass; return per row the logits after each run ([runs, V], fp32).
 
         Rows are padded to the longest step; padding tokens have an infinite virtual position, so no
         real token sees them, and only the columns that end a run are sent through the LM head.
+        ``kernel``: ``"eager"`` (boolean mask, the model's own attention) or ``"flex"`` (block mask,
+        FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``.
         """
         device = self.positions.device
         width = max((sum(len(r.ids) for r in row) for row in runs), default=0)
@@ -189,13 +217,16 @@ class RowPool:
         all_positions = torch.cat([self.positions, positions], dim=1)
         all_contexts = torch.cat([self.contexts, contexts], dim=1)
         all_questions = torch.cat([self.questions, questions], dim=1)
-        mask = visibility(positions, contexts, questions, all_positions, all_contexts, all_questions)
+        layout = (positions, contexts, questions, all_positions, all_contexts, all_questions)
+        flex = kernel == "flex"
+        mask = visibility_block_mask(*layout) if flex else visibility(*layout)
         keep = sorted({c for row in ends for c in row})
         cache = DynamicCache(ddp_cache_data=self.layers)
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(width))
-        out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
+        with attention_swapped(model, FLEX_ATTENTION) if flex else nullcontext():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
         self.layers = [(layer.keys, layer.values) for layer in cache.layers]
         self.positions, self.contexts, self.questions = all_positions, all_contexts, all_questions
         self.forwards += 1

@@ -42,10 +42,16 @@ from typing import Any
 
 import torch
 
+from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool
-from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, RequestTimeoutError
+from ctx_integrations.errors import (
+    CtxIntegrationsError,
+    EngineOverloadedError,
+    InvalidOptionError,
+    RequestTimeoutError,
+)
 
 IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work, and restarts on demand
 PACK_AT_PADDING = 0.5  # left-pack the pool when more than this share of its key columns is padding
@@ -145,9 +151,10 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
 class Scheduler:
     """The owner of one model: a queue, a loader thread, and the step loop on its own thread."""
 
-    def __init__(self, loaded: LoadedModel, max_rows: int = 1024):
+    def __init__(self, loaded: LoadedModel, max_rows: int = 1024, attention_kernel: str = "auto"):
         # weak: the engines (and the requests in flight) keep the model alive, not its scheduler
         self._loaded, self.max_rows = weakref.ref(loaded), max_rows
+        self.attention_kernel = resolve_kernel(attention_kernel, loaded.device)  # the row pool's: flex on CUDA
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._loading: list[Submission] = []  # on the loader thread
@@ -266,7 +273,7 @@ class Scheduler:
 
     def _forward(self, pool: RowPool, runs: list) -> list[torch.Tensor]:
         started = time.perf_counter()
-        logits = pool.forward(self.loaded.model, runs, self._pad_token)
+        logits = pool.forward(self.loaded.model, runs, self._pad_token, self.attention_kernel)
         self.stats.forward_s += time.perf_counter() - started
         self.stats.forwards += 1
         self.stats.peak_rows = max(self.stats.peak_rows, pool.rows)
@@ -428,10 +435,20 @@ def _stop_all() -> None:
         scheduler.stop()
 
 
-def scheduler_for(loaded: LoadedModel) -> Scheduler:
-    """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it)."""
+def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto") -> Scheduler:
+    """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
+
+    ``attention_kernel`` is the row pool's (``flex.resolve_kernel``); engines sharing a model share
+    its pool, so a second engine asking for another kernel is refused rather than silently ignored.
+    """
+    kernel = resolve_kernel(attention_kernel, loaded.device)
     with _SCHEDULERS_LOCK:
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
-            scheduler = _SCHEDULERS[loaded.model] = Scheduler(loaded)
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(loaded, attention_kernel=kernel)
+        elif scheduler.attention_kernel != kernel:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs its row pool with attention_kernel="
+                f"{scheduler.attention_kernel!r}, and every engine on one model shares it: build this engine "
+                f"with the same attention_kernel, or load the model again for attention_kernel={kernel!r}")
         return scheduler

@@ -1,0 +1,205 @@
+"""The row pool (``engine/core/rows.py``) on its own: every row's logits equal its tokens run alone.
+
+The reference for a row is one plain forward of the model over the row's whole token sequence, so a
+pool bug (a key written to the wrong column, a wrong virtual position after a merge or a pack, a
+row that sees another row's keys or padding, logits handed to the wrong row) changes the logits.
+The model is the position-sensitive tiny model, so a one-position error is visible too. Every test
+runs with both kernels: the boolean mask (eager, the reference) and the FlexAttention block mask.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ctx_integrations.engine.core.cache import kv_from_cache
+from ctx_integrations.engine.core.rows import (
+    PAD_ID,
+    PAD_POSITION,
+    Piece,
+    RowPool,
+    Run,
+    visibility,
+    visibility_block_mask,
+)
+from tests.helpers import tiny_loaded
+
+KERNELS = ["eager", "flex"]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_loaded("llama", seed=5, position_sensitive=True).model
+
+
+def shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    config = model.config
+    return config.num_hidden_layers, config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+
+
+def tokens(seed: int, count: int, model: torch.nn.Module) -> list[int]:
+    return torch.randint(5, model.config.vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def encoded(model: torch.nn.Module, ids: list[int], start: int = 0) -> torch.Tensor:
+    """The post-RoPE keys/values ``[layers, 2, heads, len, dim]`` of ``ids`` at positions ``start..`` (no prefix)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
+          past_key_values=cache, use_cache=True)
+    return kv_from_cache(cache)
+
+
+@torch.inference_mode()
+def alone(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits ``[len, V]`` of one plain causal forward over ``ids`` at positions 0.. (fp32)."""
+    return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+class Row:
+    """A row's tokens so far (the reference's input) and the pool pieces that hold them."""
+
+    def __init__(self, model: torch.nn.Module, seed: int, cached: int):
+        self.ids = tokens(seed, cached, model)
+        self.pieces = [Piece(encoded(model, self.ids), 0)] if cached else []
+
+    def run(self, new: list[int]) -> Run:
+        run = Run(tuple(new), len(self.ids))
+        self.ids = self.ids + new
+        return run
+
+
+def check(model: torch.nn.Module, rows: list[Row], logits: list[torch.Tensor], runs: list[list[Run]]) -> None:
+    for row, got, row_runs in zip(rows, logits, runs):
+        reference = alone(model, row.ids)
+        ends = [run.first_position + len(run.ids) - 1 for run in row_runs]
+        assert got.shape == (len(ends), model.config.vocab_size)
+        torch.testing.assert_close(got, reference[ends], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_of_different_lengths_step_together_as_if_alone(model, kernel):
+    # Rows with 0, 7 and 19 cached tokens take runs of different lengths (two runs in one row, as IPPD does
+    # with two questions), then three single-token steps; every logit equals the row's own full forward.
+    rows = [Row(model, 1, 7), Row(model, 2, 19), Row(model, 3, 0)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    assert pool.rows == 3 and pool.width == 19
+    runs = [[rows[0].run(tokens(11, 5, model))],
+            [rows[1].run(tokens(12, 2, model)), rows[1].run(tokens(13, 3, model))],
+            [rows[2].run(tokens(14, 9, model))]]
+    check(model, rows, pool.forward(model, runs, pad_token=0, kernel=kernel), runs)
+    for step in range(3):
+        runs = [[row.run(tokens(20 + 3 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, pool.forward(model, runs, pad_token=0, kernel=kernel), runs)
+    assert pool.forwards == 4
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_merged_dropped_and_packed_rows_keep_their_answers(model, kernel):
+    # A pool merges a narrower pool and a wider one (each side padded), drops a row, and is left-packed:
+    # positions, ids and keys must move together, and the padding share must fall when the long row goes.
+    first = [Row(model, 4, 30), Row(model, 5, 3)]
+    pool = RowPool.build([r.pieces for r in first], shape(model), torch.device("cpu"), torch.float32)
+    runs = [[row.run(tokens(40 + b, 2, model))] for b, row in enumerate(first)]
+    check(model, first, pool.forward(model, runs, 0, kernel), runs)
+
+    second = [Row(model, 6, 5)]
+    joining = RowPool.build([r.pieces for r in second], shape(model), torch.device("cpu"), torch.float32)
+    runs = [[second[0].run(tokens(50, 4, model))]]
+    check(model, second, joining.forward(model, runs, 0, kernel), runs)
+    pool.merge(joining)
+    rows = first + second
+    assert pool.rows == 3 and pool.width == 32
+
+    runs = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
+    check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+
+    padding_before = pool.padding_share()
+    pool.keep_rows([1, 2])  # the long row leaves; what remains is packed to the longest remaining row
+    rows = rows[1:]
+    assert pool.rows == 2 and pool.width == max(len(r.ids) for r in rows)
+    assert pool.padding_share() < padding_before
+    for step in range(2):
+        runs = [[row.run(tokens(70 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+
+
+def test_pack_keeps_each_rows_columns_in_order_and_cuts_all_padding_columns():
+    # Row 0 has padding in the middle (a run that took fewer columns than another row's): packing moves its
+    # real columns left in order, with their keys; row 1 is already packed. Width shrinks to the longest row.
+    keys = torch.arange(2 * 6, dtype=torch.float32).reshape(2, 1, 6, 1)
+    positions = torch.tensor([[0, 1, PAD_POSITION, 2, PAD_POSITION, PAD_POSITION],
+                              [0, 1, 2, PAD_POSITION, PAD_POSITION, PAD_POSITION]])
+    contexts = torch.tensor([[0, 1, PAD_ID, 1, PAD_ID, PAD_ID], [0, 0, 2, PAD_ID, PAD_ID, PAD_ID]])
+    questions = torch.tensor([[0, 0, PAD_ID, 3, PAD_ID, PAD_ID], [0, 0, 1, PAD_ID, PAD_ID, PAD_ID]])
+    pool = RowPool([(keys, -keys)], positions, contexts, questions)
+    assert pool.padding_share() == pytest.approx(6 / 12)
+    pool.pack()
+    assert pool.width == 3
+    assert pool.positions.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert pool.contexts.tolist() == [[0, 1, 1], [0, 0, 2]]
+    assert pool.questions.tolist() == [[0, 0, 3], [0, 0, 1]]
+    assert pool.layers[0][0][:, 0, :, 0].tolist() == [[0, 1, 3], [6, 7, 8]]
+    assert pool.layers[0][1][:, 0, :, 0].tolist() == [[0, -1, -3], [-6, -7, -8]]
+    assert pool.padding_share() == 0.0
+    pool.pack()  # already packed: nothing moves
+    assert pool.width == 3
+
+
+def test_build_places_every_piece_at_its_positions_and_context():
+    kv = torch.randn(2, 2, 1, 4, 3)
+    other = torch.randn(2, 2, 1, 2, 3)
+    pool = RowPool.build([[Piece(kv, 0), Piece(other, 4, context=2)], [Piece(other, 10)]], (2, 1, 3),
+                         torch.device("cpu"), torch.float32)
+    assert pool.positions.tolist() == [[0, 1, 2, 3, 4, 5], [10, 11] + [PAD_POSITION] * 4]
+    assert pool.contexts.tolist() == [[0, 0, 0, 0, 2, 2], [0, 0] + [PAD_ID] * 4]
+    assert pool.questions.tolist() == [[0] * 6, [0, 0] + [PAD_ID] * 4]
+    for layer, (keys, values) in enumerate(pool.layers):
+        torch.testing.assert_close(keys[0], torch.cat([kv[layer, 0], other[layer, 0]], dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(values[1, :, :2], other[layer, 1], rtol=0, atol=0)
+        assert not keys[1, :, 2:].any()
+
+
+def brute_force(q_pos, q_ctx, q_qid, k_pos, k_ctx, k_qid) -> torch.Tensor:
+    """The rule of METHODS.md "IPPD" written out one (row, query, key) at a time."""
+    rows, queries, keys = q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]
+    out = torch.zeros(rows, 1, queries, keys, dtype=torch.bool)
+    for b, q, k in itertools.product(range(rows), range(queries), range(keys)):
+        out[b, 0, q, k] = (bool(q_pos[b, q] >= k_pos[b, k])
+                           and (int(q_ctx[b, q]) == int(k_ctx[b, k]) or int(k_ctx[b, k]) == 0)
+                           and (int(q_qid[b, q]) == int(k_qid[b, k]) or int(k_qid[b, k]) == 0))
+    return out
+
+
+def test_visibility_and_its_block_mask_equal_the_rule_written_out():
+    generator = torch.Generator().manual_seed(0)
+    rows, keys, queries = 3, 24, 6
+    k_pos = torch.randint(0, 12, (rows, keys), generator=generator)
+    k_pos[:, -3:] = PAD_POSITION
+    k_ctx = torch.randint(0, 3, (rows, keys), generator=generator)
+    k_qid = torch.randint(0, 3, (rows, keys), generator=generator)
+    q_pos = torch.randint(0, 14, (rows, queries), generator=generator)
+    q_ctx = torch.randint(1, 3, (rows, queries), generator=generator)
+    q_qid = torch.randint(1, 3, (rows, queries), generator=generator)
+    layout = (q_pos, q_ctx, q_qid, k_pos, k_ctx, k_qid)
+    expected = brute_force(*layout)
+    assert 0.1 < expected.float().mean() < 0.9  # neither trivial
+    assert torch.equal(visibility(*layout), expected)
+    dense = visibility_block_mask(*layout).to_dense()  # [B, 1, q blocks, k blocks]: which tiles are not skipped
+    assert dense.shape[:2] == (rows, 1) and bool(dense.all())  # one 128-tile here: kept for every row
+    from torch.nn.attention.flex_attention import create_mask
+
+    rule = visibility_block_mask(*layout).mask_mod
+    assert torch.equal(create_mask(rule, rows, 1, queries, keys, device="cpu"), expected)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_empty_step_returns_empty_logits_without_a_forward(model, kernel):
+    pool = RowPool.build([[], []], shape(model), torch.device("cpu"), torch.float32)
+    assert pool.padding_share() == 0.0
+    out = pool.forward(model, [[], []], 0, kernel)
+    assert [t.numel() for t in out] == [0, 0] and pool.forwards == 0
