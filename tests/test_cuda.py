@@ -276,6 +276,30 @@ def test_cache_round_trip_between_device_host_and_disk(tmp_path):
     assert again.token_ids == first.token_ids and again.cache_misses == 0
 
 
+def test_the_host_tier_pins_evicted_entries_and_returns_them_intact(tmp_path):
+    # The device tier holds one document; the others are evicted to page-locked host memory (asynchronously) and
+    # come back by DMA. A copy read before it finished, an unpinned host tier, or a prefetch that skipped the host
+    # tier would break the bitwise checks, the pinning check or the hit counts.
+    loaded = on_device(tiny(7), torch.bfloat16)
+    reference = Engine(loaded)
+    originals = [e.kv.clone() for e in reference.store.documents(reference.layout, DOCS)]
+    largest = max(kv.numel() * kv.element_size() for kv in originals)
+    engine = Engine(loaded, cache_dir=tmp_path, memory_bytes=largest, host_bytes=1 << 30)
+    assert engine.store.host_bytes == (1 << 30)
+    engine.store.documents(engine.layout, DOCS)
+    hosted = list(engine.store._host.values())
+    assert hosted and all(e.kv.device.type == "cpu" and e.kv.is_pinned() == ON_CUDA for e in hosted)
+    again = engine.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8)
+    assert again.cache_hits_by_tier["host"] >= len(DOCS) - 1 and again.cache_misses == 0
+    assert again.token_ids == reference.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8).token_ids
+    assert all(torch.equal(e.kv, kv) for e, kv in zip(engine.store.documents(engine.layout, DOCS), originals))
+    cold = Engine(loaded, cache_dir=tmp_path, host_bytes=1 << 30)  # prefetch: disk -> pinned host -> device
+    cold.store.prefetch(cold.layout, [cold.layout.context_ids(d) for d in DOCS])
+    assert cold.store.host_used > 0
+    answer = cold.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8)
+    assert answer.cache_hits_by_tier["disk"] == len(DOCS) and answer.token_ids == again.token_ids
+
+
 # -- a random-weight model of real shape (Llama-3.2-1B) ----------------------------------------------------------------
 @pytest.mark.skipif(not ON_CUDA, reason="a 1B model is too slow for the CPU check of this file")
 def test_real_shape_model_runs_the_main_modes_in_bf16():

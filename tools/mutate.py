@@ -47,7 +47,10 @@ TARGETS = {
     "ape": Target("ctx_integrations/engine/modes/ape.py", ("x_ape_attention*", "x_check_knobs*", "xǁApeLayoutǁ*"),
                   ("tests/test_ape.py", "-m", "not slow")),
     "ippd": Target("ctx_integrations/engine/modes/ippd.py", ("*",), ("tests/test_ippd.py", "-m", "not slow")),
-    "rows": Target("ctx_integrations/engine/core/rows.py", ("*",), ("tests/test_rows.py", "tests/test_core_flex.py")),
+    # FlexAttention traces the block mask's mask_mod with dynamo, which cannot trace mutmut's trampolines (a
+    # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
+    "rows": Target("ctx_integrations/engine/core/rows.py", ("x_visible*", "x_visibility__*", "xǁRowPoolǁ*", "x__pad*"),
+                   ("tests/test_rows.py", "-k", "not flex")),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",
                         ("x_check_rule*", "x_nucleus_mask*", "x_nucleus_logprobs*", "x_nucleus_entropy*",
                          "x_paper_contrast*", "x_paper_fusion*", "x_truncated_entropy*", "x_contrast_chunks*",

@@ -18,7 +18,8 @@ class Answer:
     ``trace`` has one entry per generated token: the index (into ``documents``) of the document
     that won that token and its fused score (``None`` for modes without per-token attribution).
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``. ``cache_hits_by_tier``
-    splits ``cache_hits`` into the tier that served them (``memory``, ``disk``).
+    splits ``cache_hits`` into the tier that served them (``memory``: the model's device, ``host``:
+    pinned host memory in front of a GPU, ``disk``).
     """
 
     text: str

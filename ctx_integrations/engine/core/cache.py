@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
 from ctx_integrations.errors import InvalidOptionError
 
 
@@ -55,14 +56,18 @@ def kv_from_cache(cache: DynamicCache, start: int = 0) -> torch.Tensor:
 
 
 DEFAULT_MEMORY_BYTES = 4 << 30  # 4 GiB of KV in the memory tier (device memory on a GPU, host RAM on CPU)
+DEFAULT_HOST_BYTES = 16 << 30  # 16 GiB of pinned host memory behind a GPU's memory tier (none on CPU)
 
 
 @dataclass
 class KVCacheStore:
-    """Content-addressed store of document KV caches: a memory tier in front of a disk tier.
+    """Content-addressed store of document KV caches: a memory tier, a pinned host tier, a disk tier.
 
     The memory tier lives on the model's device (GPU memory when there is one, host RAM otherwise) and
-    keeps at most ``memory_bytes`` of entries, evicting the least recently used. ``directory=None``
+    keeps at most ``memory_bytes`` of entries, evicting the least recently used. On a GPU, entries it
+    evicts move to the host tier: at most ``host_bytes`` (default 16 GiB on CUDA, none on CPU, where
+    the memory tier already is host RAM) of page-locked host memory, from which an entry returns to
+    the GPU by DMA on a side stream (``transfer.py``) instead of a disk read. ``directory=None``
     keeps everything in memory only; otherwise every document entry is also written to the disk tier
     (:class:`~ctx_integrations.engine.core.disk.DiskTier`). ``half_on_disk`` stores fp32 caches as fp16
     (half the disk, values rounded, so logits are no longer bit-identical to a fresh prefill).
@@ -71,7 +76,10 @@ class KVCacheStore:
     summary layout) live in the memory tier only, so they never fill the disk.
 
     Thread-safe: the scheduler's loader thread reads disk entries into memory (:meth:`prefetch`) while
-    the model's thread looks entries up and computes misses. Every lookup counts into the store's
+    the model's thread looks entries up and computes misses. With a host tier, the loader thread
+    reads disk entries into pinned memory and starts their copies to the GPU; the model's thread
+    only makes its CUDA stream wait for a copy's event where the entry is first used, so copies
+    overlap the forward passes of the requests already running. Every lookup counts into the store's
     ``stats`` and, when given, into a request's own ``stats`` (hits per tier, misses).
     """
 
@@ -82,16 +90,25 @@ class KVCacheStore:
     batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
     disk_bytes: int | None = None  # the disk tier's budget (least recently used entries evicted); None: unbounded
+    host_bytes: int | None = None  # the host tier's budget; None: DEFAULT_HOST_BYTES on CUDA, 0 (none) elsewhere
 
     def __post_init__(self) -> None:
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise InvalidOptionError(f"memory_bytes must be an int >= 0 (0: no memory tier), got {self.memory_bytes!r}")
+        if self.host_bytes is None:
+            self.host_bytes = DEFAULT_HOST_BYTES if self.loaded.device.type == "cuda" else 0
+        if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes < 0:
+            raise InvalidOptionError(f"host_bytes must be an int >= 0 (0: no host tier) or None, got "
+                                     f"{self.host_bytes!r}")
         self.disk: DiskTier | None = None
         if self.directory is not None:
             self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats, self.disk_bytes)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
-        self._prefetched: set[str] = set()  # read from disk ahead of use: their first use is a disk hit
+        self._host: OrderedDict[str, CachedKV] = OrderedDict()  # host tensors (page-locked when CUDA is usable)
+        self._host_used = 0
+        self._in_flight: dict[str, Transfer] = {}  # memory-tier entries whose copy from the host may still run
+        self._prefetched: dict[str, str] = {}  # key -> the tier it was read from ahead of use (counted at first use)
         self._lock = threading.RLock()
 
     # -- keys ------------------------------------------------------------------------------------
@@ -148,46 +165,74 @@ class KVCacheStore:
         return [found[key] for key, _ in wanted]
 
     def prefetch(self, layout: PromptLayout, token_lists: list[list[int]]) -> None:
-        """Read the disk entries among ``token_lists`` into the memory tier (no counting, no computing).
+        """Bring the host and disk entries among ``token_lists`` into the memory tier (no counting, no computing).
 
-        The scheduler runs this on its loader thread, so disk reads overlap with the model's work.
+        The scheduler runs this on its loader thread, so disk reads and host-to-GPU copies overlap with
+        the model's work. With a host tier a disk entry is read into pinned memory (and kept in the host
+        tier), then copied to the device asynchronously; the first lookup waits for the copy on the GPU.
         """
-        if self.disk is None:
-            return
         for ids in token_lists:
+            ids = tuple(ids)
             key = self.entry_key(layout, ids)
             with self._lock:
                 if key in self._memory:
                     continue
-            kv = self.disk.load(key, tuple(ids))
-            if kv is not None:
+                host = self._host.get(key)
+            tier = "host"
+            if host is None:
+                if self.disk is None:
+                    continue
+                tier = "disk"
+                kv = self.disk.load(key, ids, torch.device("cpu") if self.host_bytes else None)
+                if kv is None:
+                    continue
+                if not self.host_bytes:  # no host tier: straight into the memory tier
+                    with self._lock:
+                        self._remember(CachedKV(key, ids, kv))
+                        self._prefetched[key] = tier
+                    continue
+                host = CachedKV(key, ids, pinned(kv))
                 with self._lock:
-                    self._remember(CachedKV(key, tuple(ids), kv))
-                    self._prefetched.add(key)
+                    self._keep_on_host(host)
+            transfer = to_device_async(host.kv, self.loaded.device)
+            with self._lock:
+                if key not in self._memory:
+                    self._remember(CachedKV(key, ids, transfer.tensor))
+                    if key in self._memory:
+                        self._in_flight[key] = transfer
+                        self._prefetched[key] = tier
 
     def contains(self, layout: PromptLayout, text: str) -> bool:
         key = self.entry_key(layout, layout.context_ids(text))
         with self._lock:
-            return key in self._memory or (self.disk is not None and self.disk.contains(key))
+            return key in self._memory or key in self._host or (self.disk is not None and self.disk.contains(key))
 
     def forget(self, layout: PromptLayout, text: str) -> None:
-        """Drop a document's entry (used when a stored document is changed or deleted)."""
+        """Drop a document's entry from every tier (used when a stored document is changed or deleted)."""
         key = self.entry_key(layout, layout.context_ids(text))
         with self._lock:
             self._drop(key)
+            self._drop_host(key)
             if self.disk is not None:
                 self.disk.delete(key)
 
     def clear_memory(self) -> None:
-        """Empty the memory tier; entries on disk stay (benchmarks use this to time cold calls)."""
+        """Empty the memory and host tiers; entries on disk stay (benchmarks use this to time cold calls)."""
         with self._lock:
-            self._memory.clear()
-            self._memory_used = 0
+            for key in list(self._memory):
+                self._drop(key)
+            for key in list(self._host):
+                self._drop_host(key)
 
     @property
     def memory_used(self) -> int:
         """Bytes of KV in the memory tier now."""
         return self._memory_used
+
+    @property
+    def host_used(self) -> int:
+        """Bytes of KV in the host tier now."""
+        return self._host_used
 
     def disk_used(self) -> int:
         """Bytes of entries in the disk tier now (0 without one); walks the folder, so not for hot paths."""
@@ -201,13 +246,17 @@ class KVCacheStore:
             entry = self._memory.get(key)
             if entry is not None:
                 self._memory.move_to_end(key)
-                from_disk = key in self._prefetched
-                self._prefetched.discard(key)
-                for counter in counters:
-                    if from_disk:
-                        counter.disk_hits += 1
-                    else:
-                        counter.memory_hits += 1
+                _count(counters, self._prefetched.pop(key, "memory"))
+                transfer = self._in_flight.pop(key, None)
+                if transfer is not None:
+                    transfer.wait()  # the compute stream waits for the copy (the CPU does not)
+                return entry
+            host = self._host.get(key)
+            if host is not None:
+                self._host.move_to_end(key)
+                _count(counters, "host")
+                entry = CachedKV(key, token_ids, to_device_async(host.kv, self.loaded.device).wait())
+                self._remember(entry)
                 return entry
             if self.disk is None:
                 return None
@@ -218,8 +267,7 @@ class KVCacheStore:
             if kv is None:
                 return None
             entry = CachedKV(key, token_ids, kv)
-            for counter in counters:
-                counter.disk_hits += 1
+            _count(counters, "disk")
             self._remember(entry)
             return entry
 
@@ -231,25 +279,55 @@ class KVCacheStore:
         return entry
 
     def _remember(self, entry: CachedKV) -> None:
-        """Put an entry in the memory tier and evict the least recently used ones beyond ``memory_bytes``.
+        """Put an entry in the memory tier and evict the least recently used ones beyond ``memory_bytes``
+        (to the host tier, when there is one).
 
         An entry larger than the whole tier is not kept (it is used once by the request that needed it).
         """
-        size = entry.kv.numel() * entry.kv.element_size()
+        size = _size(entry)
         with self._lock:
             if size > self.memory_bytes:
+                self._keep_on_host(entry)
                 return
             self._drop(entry.key)
             self._memory[entry.key] = entry
             self._memory_used += size
             while self._memory_used > self.memory_bytes:
-                self._drop(next(iter(self._memory)))
+                evicted = self._memory[next(iter(self._memory))]
+                self._drop(evicted.key)
+                self._keep_on_host(evicted)
+
+    def _keep_on_host(self, entry: CachedKV) -> None:
+        """Copy an entry into the host tier (pinned; from the GPU asynchronously) unless it is there or does not fit.
+
+        Copies to and from the host tier run in order on one side stream per GPU (``transfer.py``), so a
+        copy back to the GPU never reads a host tensor whose copy from the GPU is still running.
+        """
+        size = _size(entry)
+        with self._lock:
+            if entry.key in self._host:
+                self._host.move_to_end(entry.key)
+                return
+            if size > self.host_bytes:
+                return
+            # a host tensor (read from disk into pinned memory, or a CPU model's entry) is kept as it is
+            kv = entry.kv if entry.kv.device.type == "cpu" else to_host(entry.kv).tensor
+            self._host[entry.key] = CachedKV(entry.key, entry.token_ids, kv)
+            self._host_used += size
+            while self._host_used > self.host_bytes:
+                self._drop_host(next(iter(self._host)))
 
     def _drop(self, key: str) -> None:
-        self._prefetched.discard(key)
+        self._prefetched.pop(key, None)
+        self._in_flight.pop(key, None)
         entry = self._memory.pop(key, None)
         if entry is not None:
-            self._memory_used -= entry.kv.numel() * entry.kv.element_size()
+            self._memory_used -= _size(entry)
+
+    def _drop_host(self, key: str) -> None:
+        entry = self._host.pop(key, None)
+        if entry is not None:
+            self._host_used -= _size(entry)
 
     @torch.inference_mode()
     def _compute(self, token_ids: tuple[int, ...], prefix: CachedKV | None) -> torch.Tensor:
@@ -282,6 +360,16 @@ class KVCacheStore:
         spans = [slice(start, start + len(t)) for t in token_lists]
         return [torch.stack([torch.stack([layer.keys[b, :, span], layer.values[b, :, span]]) for layer in cache.layers])
                 .contiguous() for b, span in enumerate(spans)]
+
+def _size(entry: CachedKV) -> int:
+    return entry.kv.numel() * entry.kv.element_size()
+
+
+def _count(counters: tuple[CacheStats, ...], tier: str) -> None:
+    """One hit served by ``tier`` ("memory", "host" or "disk") in every counter."""
+    for counter in counters:
+        setattr(counter, f"{tier}_hits", getattr(counter, f"{tier}_hits") + 1)
+
 
 def _token_budget_groups(items: list, budget: int) -> list[list]:
     """Split (key, token_ids) items into groups whose padded size (count x longest) stays within ``budget``."""

@@ -75,17 +75,22 @@ class CacheStats:
     """Counts of a store's (or one request's) lookups: hits per tier, misses, entries discarded as corrupt."""
 
     memory_hits: int = 0
+    host_hits: int = 0
     disk_hits: int = 0
     misses: int = 0
     corrupt: int = 0
 
     @property
     def hits(self) -> int:
-        return self.memory_hits + self.disk_hits
+        return self.memory_hits + self.host_hits + self.disk_hits
+
+    def by_tier(self) -> dict[str, int]:
+        """Hits per tier: ``memory`` (the model's device), ``host`` (pinned host memory, on a GPU), ``disk``."""
+        return {"memory": self.memory_hits, "host": self.host_hits, "disk": self.disk_hits}
 
     def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "memory_hits": self.memory_hits, "disk_hits": self.disk_hits,
-                "misses": self.misses, "corrupt": self.corrupt}
+        return {"hits": self.hits, "memory_hits": self.memory_hits, "host_hits": self.host_hits,
+                "disk_hits": self.disk_hits, "misses": self.misses, "corrupt": self.corrupt}
 
 
 @dataclass
@@ -215,8 +220,8 @@ class DiskTier:
             self.evicted += 1
         return used + incoming <= budget
 
-    def load(self, key: str, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        """The entry's ``[layers, 2, kv_heads, tokens, head_dim]`` tensor on the model's device, or ``None``.
+    def load(self, key: str, token_ids: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor | None:
+        """The entry's ``[layers, 2, kv_heads, tokens, head_dim]`` tensor on ``device`` (default: the model's).
 
         ``None`` when there is no file, or when the file fails a check (then it is deleted and reported).
         """
@@ -245,7 +250,7 @@ class DiskTier:
             os.utime(path)  # least recently used eviction goes by mtime
         except OSError:
             pass  # read-only folder: eviction order is only approximate then
-        return tensors["kv"].to(device=self.loaded.device, dtype=self.loaded.dtype)
+        return tensors["kv"].to(device=self.loaded.device if device is None else device, dtype=self.loaded.dtype)
 
     def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
         config = self.loaded.model.config

@@ -65,7 +65,7 @@ def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[s
                "new_tokens": float(len(result.token_ids)), **ctx.timings}
     return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
                   documents=ctx.documents, mode=mode, cache_hits=ctx.cache.hits, cache_misses=ctx.cache.misses,
-                  cache_hits_by_tier={"memory": ctx.cache.memory_hits, "disk": ctx.cache.disk_hits},
+                  cache_hits_by_tier=ctx.cache.by_tier(),
                   finish_reason=result.finish_reason, options=dict(options), extra=result.extra)
 
 
@@ -83,7 +83,9 @@ class Engine:
     ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only), at most
     ``disk_bytes`` of them (``None``: unbounded; least recently used entries are evicted).
     ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
-    used entries are evicted). ``max_request_bytes``: the most KV one request may allocate, checked
+    used entries are evicted). ``host_bytes``: the pinned host tier behind a GPU's memory tier, which
+    takes the entries the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on
+    CPU). ``max_request_bytes``: the most KV one request may allocate, checked
     before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
     ``max_queued_requests``: requests waiting for admission beyond this are refused with
     :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
@@ -97,6 +99,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
                  half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int | None = None,
+                 host_bytes: int | None = None,
                  max_request_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
@@ -107,7 +110,7 @@ class Engine:
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template, context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
-                                  memory_bytes, disk_bytes=disk_bytes)
+                                  memory_bytes, disk_bytes=disk_bytes, host_bytes=host_bytes)
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
@@ -356,9 +359,11 @@ class Engine:
                 "answered": scheduler.answered, "failed": scheduler.failed, "cancelled": scheduler.cancelled,
                 "timed_out": scheduler.timed_out, "steps": scheduler.steps, "forwards": scheduler.forwards,
                 "forward_s": scheduler.forward_s, "busy_s": scheduler.busy_s,
-                "cache": {**cache, "hits_by_tier": {"memory": cache["memory_hits"], "disk": cache["disk_hits"]}},
-                "bytes": {"memory": self.store.memory_used, "disk": self.store.disk_used()},
-                "budgets": {"memory": self.store.memory_bytes, "disk": self.store.disk_bytes}}
+                "cache": {**cache, "hits_by_tier": self.store.stats.by_tier()},
+                "bytes": {"memory": self.store.memory_used, "host": self.store.host_used,
+                          "disk": self.store.disk_used()},
+                "budgets": {"memory": self.store.memory_bytes, "host": self.store.host_bytes,
+                            "disk": self.store.disk_bytes}}
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new requests and wait (up to ``timeout`` seconds) for this engine's requests in flight."""

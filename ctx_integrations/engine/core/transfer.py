@@ -49,6 +49,11 @@ def pinned_empty_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=_cuda_usable())
 
 
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory when CUDA is usable (a copy unless it already is), else itself."""
+    return tensor.pin_memory() if _cuda_usable() and not tensor.is_pinned() else tensor
+
+
 def to_host(kv: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Transfer:
     """Copy ``kv`` into a new pinned host tensor; from the GPU the copy runs asynchronously on ``stream``.
 
