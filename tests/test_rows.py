@@ -16,6 +16,7 @@ import torch
 
 from ctx_integrations.engine.core.cache import kv_from_cache
 from ctx_integrations.engine.core.rows import (
+    GROW_COLUMNS,
     PAD_ID,
     PAD_POSITION,
     Piece,
@@ -139,15 +140,17 @@ def test_pack_keeps_each_rows_columns_in_order_and_cuts_all_padding_columns():
     pool = RowPool([(keys, -keys)], positions, contexts, questions)
     assert pool.padding_share() == pytest.approx(6 / 12)
     pool.pack()
-    assert pool.width == 3
-    assert pool.positions.tolist() == [[0, 1, 2], [0, 1, 2]]
-    assert pool.contexts.tolist() == [[0, 1, 1], [0, 0, 2]]
-    assert pool.questions.tolist() == [[0, 0, 3], [0, 0, 1]]
-    assert pool.layers[0][0][:, 0, :, 0].tolist() == [[0, 1, 3], [6, 7, 8]]
-    assert pool.layers[0][1][:, 0, :, 0].tolist() == [[0, -1, -3], [-6, -7, -8]]
+    assert pool.width == 3 and pool.capacity == GROW_COLUMNS  # room for the next steps, all of it padding
+    assert pool.positions[:, :3].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert pool.contexts[:, :3].tolist() == [[0, 1, 1], [0, 0, 2]]
+    assert pool.questions[:, :3].tolist() == [[0, 0, 3], [0, 0, 1]]
+    assert pool.layers[0][0][:, 0, :3, 0].tolist() == [[0, 1, 3], [6, 7, 8]]
+    assert pool.layers[0][1][:, 0, :3, 0].tolist() == [[0, -1, -3], [-6, -7, -8]]
+    assert (pool.positions[:, 3:] == PAD_POSITION).all() and (pool.contexts[:, 3:] == PAD_ID).all()
+    assert (pool.questions[:, 3:] == PAD_ID).all() and not pool.layers[0][0][:, :, 3:].any()
     assert pool.padding_share() == 0.0
     pool.pack()  # already packed: nothing moves
-    assert pool.width == 3
+    assert pool.width == 3 and pool.capacity == GROW_COLUMNS
 
 
 def test_build_places_every_piece_at_its_positions_and_context():
@@ -203,3 +206,42 @@ def test_an_empty_step_returns_empty_logits_without_a_forward(model, kernel):
     assert pool.padding_share() == 0.0
     out = pool.forward(model, [[], []], 0, kernel)
     assert [t.numel() for t in out] == [0, 0] and pool.forwards == 0
+
+
+def test_steps_write_in_place_until_the_capacity_is_used_up(model):
+    # Single-token steps must reuse the preallocated buffers (same storage, same shapes: what a CUDA graph needs),
+    # and the pool grows by whole GROW_COLUMNS only when a step does not fit.
+    rows = [Row(model, 8, 10), Row(model, 9, 4)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    runs = [[row.run(tokens(80 + b, 3, model))] for b, row in enumerate(rows)]
+    pool.forward(model, runs, 0)
+    assert (pool.width, pool.capacity) == (13, GROW_COLUMNS)
+    storage = [k.data_ptr() for k, _ in pool.layers]
+    for step in range(3):
+        runs = [[row.run(tokens(90 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, pool.forward(model, runs, 0), runs)
+    assert [k.data_ptr() for k, _ in pool.layers] == storage and pool.width == 16
+    long_run = [[rows[0].run(tokens(99, GROW_COLUMNS, model))], [rows[1].run(tokens(98, 1, model))]]
+    check(model, rows, pool.forward(model, long_run, 0), long_run)
+    assert pool.capacity == 2 * GROW_COLUMNS and pool.width == 16 + GROW_COLUMNS
+    pool.keep_rows([1])  # the long row leaves: the short one is packed and the room trimmed
+    assert pool.width == len(rows[1].ids) and pool.capacity == GROW_COLUMNS
+
+
+def test_a_failed_forward_leaves_the_pool_as_it_was(model):
+    rows = [Row(model, 10, 6), Row(model, 11, 9)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+
+    def broken(**kwargs):
+        model(**kwargs)  # writes its keys into the buffers, then fails (say, out of memory in the LM head)
+        raise RuntimeError("boom")
+
+    before = (pool.width, pool.positions.clone(), pool.contexts.clone(), pool.questions.clone())
+    with pytest.raises(RuntimeError, match="boom"):
+        pool.forward(broken, [[Run((5, 6), 6)], [Run((7,), 9)]], 0)
+    assert pool.width == before[0] and pool.forwards == 0
+    assert torch.equal(pool.positions[:, : pool.width], before[1][:, : pool.width])
+    assert (pool.positions[:, pool.width:] == PAD_POSITION).all() and (pool.contexts[:, pool.width:] == PAD_ID).all()
+    assert (pool.questions[:, pool.width:] == PAD_ID).all()
+    runs = [[row.run(tokens(110 + b, 2, model))] for b, row in enumerate(rows)]
+    check(model, rows, pool.forward(model, runs, 0), runs)  # the half-written columns are overwritten, unseen

@@ -3,7 +3,8 @@
 A *row* is one stream: a KV cache (a shared prefix, then the stream's own cached context, then the
 tokens it has been fed) plus, per key column, a virtual position, a context id and a question id.
 Rows of different requests have different lengths; they sit side by side in one right-padded
-``DynamicCache``, and padding columns get an infinite virtual position so nothing attends to them.
+batched cache (preallocated and written in place, :class:`PoolLayer`), and padding columns get an
+infinite virtual position so nothing attends to them.
 
 Which key a new token may see is IPPD's rule (METHODS.md "IPPD"), which also covers every plain stream:
 
@@ -27,7 +28,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
 
@@ -88,26 +89,71 @@ def visibility_block_mask(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch
     return block_mask(mask_mod, q_pos.shape[0], q_pos.shape[1], k_pos.shape[1], q_pos.device)
 
 
+class PoolLayer(CacheLayerMixin):
+    """One layer of the pool as a transformers cache layer: preallocated buffers, new keys written in place.
+
+    ``DynamicCache`` concatenates every step, copying each layer's whole cache (8 rows x 2048 columns
+    of SmolLM2-135M: ~0.75 GB copied per step, 3x the step's own time on CPU). Like transformers'
+    ``StaticLayer``, this layer writes the step's keys/values into columns ``start ..`` of buffers
+    sized ``capacity`` and returns the whole buffers (the columns not written yet are padding, hidden
+    by the mask), so shapes stay fixed between the pool's growths. Its buffers belong to the pool
+    (which merges, drops and packs rows), hence this small subclass instead of a ``StaticCache``.
+    """
+
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.start = torch.tensor(start, device=keys.device)  # a tensor, as StaticLayer's: no recompile per step
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("a pool layer is built over the pool's buffers")  # never called: is_initialized
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = torch.arange(key_states.shape[-2], device=self.keys.device) + self.start
+        self.keys.index_copy_(2, columns, key_states)
+        self.values.index_copy_(2, columns, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return int(self.start)
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
 @dataclass
 class RowPool:
     """Rows side by side in one batched cache, with each key column's virtual position and ids.
 
-    ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, columns, head_dim]``;
-    ``positions`` / ``contexts`` / ``questions`` are ``[rows, columns]``.
+    ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, capacity, head_dim]``;
+    ``positions`` / ``contexts`` / ``questions`` are ``[rows, capacity]``. Columns ``width ..`` are
+    room for the next steps (padding until written); the capacity grows by :data:`GROW_COLUMNS` at a
+    time, so most steps write in place and keep every tensor's shape.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     positions: torch.Tensor
     contexts: torch.Tensor
     questions: torch.Tensor
+    width: int = -1  # columns in use; -1: all of them
     forwards: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.width < 0:
+            self.width = self.capacity
 
     @property
     def rows(self) -> int:
         return self.positions.shape[0]
 
     @property
-    def width(self) -> int:
+    def capacity(self) -> int:
         return self.positions.shape[1]
 
     @classmethod
@@ -138,15 +184,18 @@ class RowPool:
                    questions.to(device))
 
     def merge(self, other: RowPool) -> None:
-        """Append ``other``'s rows after this pool's rows (the narrower side is padded on the right)."""
-        width = max(self.width, other.width)
-        self.layers = [(torch.cat([_pad(k, width), _pad(ok, width)]), torch.cat([_pad(v, width), _pad(ov, width)]))
+        """Append ``other``'s rows after this pool's rows (the smaller side is padded on the right)."""
+        capacity = max(self.capacity, other.capacity)
+        self.layers = [(torch.cat([_pad(k, capacity), _pad(ok, capacity)]),
+                        torch.cat([_pad(v, capacity), _pad(ov, capacity)]))
                        for (k, v), (ok, ov) in zip(self.layers, other.layers)]
-        self.positions = torch.cat([_pad_ids(self.positions, width, PAD_POSITION),
-                                    _pad_ids(other.positions, width, PAD_POSITION)])
-        self.contexts = torch.cat([_pad_ids(self.contexts, width, PAD_ID), _pad_ids(other.contexts, width, PAD_ID)])
-        self.questions = torch.cat([_pad_ids(self.questions, width, PAD_ID),
-                                    _pad_ids(other.questions, width, PAD_ID)])
+        self.positions = torch.cat([_pad_ids(self.positions, capacity, PAD_POSITION),
+                                    _pad_ids(other.positions, capacity, PAD_POSITION)])
+        self.contexts = torch.cat([_pad_ids(self.contexts, capacity, PAD_ID),
+                                   _pad_ids(other.contexts, capacity, PAD_ID)])
+        self.questions = torch.cat([_pad_ids(self.questions, capacity, PAD_ID),
+                                    _pad_ids(other.questions, capacity, PAD_ID)])
+        self.width = max(self.width, other.width)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Drop every row not in ``keep`` (finished or cancelled requests), then left-pack what remains."""
@@ -158,31 +207,46 @@ class RowPool:
         self.pack()
 
     def padding_share(self) -> float:
-        """The share of key columns that are padding (attention reads them for nothing)."""
-        if self.positions.numel() == 0:
+        """The share of the columns in use that are padding (attention reads them for nothing)."""
+        used = self.positions[:, : self.width]
+        if used.numel() == 0:
             return 0.0
-        return float((self.positions == PAD_POSITION).float().mean())
+        return float((used == PAD_POSITION).float().mean())
 
     def pack(self) -> None:
-        """Move each row's real columns to the left (order kept) and cut the all-padding columns off the end.
+        """Move each row's real columns to the left (order kept), cut the all-padding columns off the end and
+        shrink the room for next steps to less than :data:`GROW_COLUMNS`.
 
         Rows that joined next to a much longer row, and rows that got padding while another row took
         several tokens per step (IPPD), otherwise keep making every later step attend over padding.
         """
-        real = self.positions != PAD_POSITION
+        real = self.positions[:, : self.width] != PAD_POSITION
         counts = real.sum(1)
         width = int(counts.max()) if counts.numel() else 0
         packed = torch.arange(self.width, device=real.device) < counts.unsqueeze(1)
-        if width == self.width and torch.equal(real, packed):
+        if width == self.width and torch.equal(real, packed) and self.capacity < _room(width) + GROW_COLUMNS:
             return
         # stable order: real columns first, in their order; then padding
         order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        self.positions = self.positions.gather(1, order)
-        self.contexts = self.contexts.gather(1, order)
-        self.questions = self.questions.gather(1, order)
+        capacity = _room(width)
+        self.positions = _pad_ids(self.positions.gather(1, order), capacity, PAD_POSITION)
+        self.contexts = _pad_ids(self.contexts.gather(1, order), capacity, PAD_ID)
+        self.questions = _pad_ids(self.questions.gather(1, order), capacity, PAD_ID)
         gather = order[:, None, :, None]
-        self.layers = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
-                        v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
+        self.layers = [(_pad(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])), capacity),
+                        _pad(v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3])), capacity))
+                       for k, v in self.layers]
+        self.width = width
+
+    def _reserve(self, columns: int) -> None:
+        """Make room for ``columns`` more columns, growing the capacity to a multiple of :data:`GROW_COLUMNS`."""
+        if self.width + columns <= self.capacity:
+            return
+        capacity = _room(self.width + columns)
+        self.layers = [(_pad(k, capacity), _pad(v, capacity)) for k, v in self.layers]
+        self.positions = _pad_ids(self.positions, capacity, PAD_POSITION)
+        self.contexts = _pad_ids(self.contexts, capacity, PAD_ID)
+        self.questions = _pad_ids(self.questions, capacity, PAD_ID)
 
     @torch.inference_mode()
     def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
@@ -195,11 +259,11 @@ class RowPool:
         FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``.
         """
         device = self.positions.device
-        width = max((sum(len(r.ids) for r in row) for row in runs), default=0)
-        if width == 0:
+        step = max((sum(len(r.ids) for r in row) for row in runs), default=0)
+        if step == 0:
             return [torch.empty(0) for _ in runs]
-        ids = torch.full((self.rows, width), pad_token, dtype=torch.long)
-        positions = torch.full((self.rows, width), PAD_POSITION, dtype=torch.long)
+        ids = torch.full((self.rows, step), pad_token, dtype=torch.long)
+        positions = torch.full((self.rows, step), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
         ends: list[list[int]] = []
@@ -214,29 +278,41 @@ class RowPool:
                 row_ends.append(column - 1)
             ends.append(row_ends)
         ids, positions, contexts, questions = (t.to(device) for t in (ids, positions, contexts, questions))
-        all_positions = torch.cat([self.positions, positions], dim=1)
-        all_contexts = torch.cat([self.contexts, contexts], dim=1)
-        all_questions = torch.cat([self.questions, questions], dim=1)
-        layout = (positions, contexts, questions, all_positions, all_contexts, all_questions)
+        self._reserve(step)
+        new = slice(self.width, self.width + step)
+        self.positions[:, new], self.contexts[:, new], self.questions[:, new] = positions, contexts, questions
+        layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
-        mask = visibility_block_mask(*layout) if flex else visibility(*layout)
         keep = sorted({c for row in ends for c in row})
-        cache = DynamicCache(ddp_cache_data=self.layers)
+        cache = Cache(layers=[PoolLayer(k, v, self.width) for k, v in self.layers])
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-        keep_all = keep == list(range(width))
-        with attention_swapped(model, FLEX_ATTENTION) if flex else nullcontext():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
-        self.layers = [(layer.keys, layer.values) for layer in cache.layers]
-        self.positions, self.contexts, self.questions = all_positions, all_contexts, all_questions
+        keep_all = keep == list(range(step))
+        try:
+            mask = visibility_block_mask(*layout) if flex else visibility(*layout)
+            with attention_swapped(model, FLEX_ATTENTION) if flex else nullcontext():
+                out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
+        except BaseException:
+            self.positions[:, new] = PAD_POSITION  # the columns stay unused: no row may see what was written
+            self.contexts[:, new] = self.questions[:, new] = PAD_ID
+            raise
+        self.width += step
         self.forwards += 1
         logits = out.logits.float()
         column_of = {c: i for i, c in enumerate(keep)}
         return [logits[b, [column_of[c] for c in row_ends]] for b, row_ends in enumerate(ends)]
 
 
+GROW_COLUMNS = 256  # the pool's capacity grows (and is trimmed) in steps of this many columns
+
+
+def _room(width: int) -> int:
+    """The capacity for ``width`` columns in use: the next multiple of :data:`GROW_COLUMNS` (0 for 0)."""
+    return -(-width // GROW_COLUMNS) * GROW_COLUMNS
+
+
 def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad a ``[rows, heads, columns, dim]`` tensor with zeros to ``width`` columns."""
+    """Right-pad a ``[rows, heads, columns, dim]`` tensor with zeros to ``width`` columns (itself if it has them)."""
     missing = width - tensor.shape[2]
     return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, 0, missing))
 
