@@ -22,3 +22,12 @@ def test_map_reduce_maps_with_the_summary_prompt_and_reduces_over_the_summaries(
     assert all(s.strip() for s in summaries)  # no summary fell back to its raw document
     reduce_ids = layout.prefix_ids + [t for s in summaries for t in layout.context_ids(s.strip())]
     assert answer.token_ids == greedy_reference(loaded, reduce_ids + layout.suffix_ids(QUESTION), 8)
+
+
+def test_map_reduce_refuses_an_unknown_compile_mode_by_name(tiny_engine):
+    import pytest
+
+    from ctx_integrations.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="compile_mode must be one of"):
+        tiny_engine.generate(QUESTION, DOCS, mode="map_reduce", compile_mode="fastest")

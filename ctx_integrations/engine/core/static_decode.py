@@ -20,6 +20,14 @@ from transformers import StaticCache
 from ctx_integrations.engine.core.cache import StreamBatch
 from ctx_integrations.errors import InvalidOptionError
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_compile_mode(mode: object) -> None:
+    """Refuse anything but ``None`` or a ``torch.compile`` mode, by name, before any work."""
+    if mode not in COMPILE_MODES:
+        raise InvalidOptionError(f"compile_mode must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
+
 
 def default_compile_mode(device: torch.device) -> str | None:
     """``"reduce-overhead"`` (CUDA graphs) on CUDA; ``None`` (eager) elsewhere (compiling costs more than it saves)."""

@@ -24,6 +24,7 @@ from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Stream, si
 from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece
+from ctx_integrations.engine.core.static_decode import StaticStreams, check_compile_mode
 from ctx_integrations.engine.core.streams import (
     DecodeResult,
     StopCriteria,
@@ -135,7 +136,8 @@ def reduce_texts(documents: list[Document], sources: list[int], summaries: list[
     return texts
 
 
-def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int) -> Generator[None, None, DecodeResult]:
+def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
+                      compile_mode: str | None) -> Generator[None, None, DecodeResult]:
     engine, loaded = ctx.engine, ctx.engine.loaded
     summary_layout = PromptLayout(loaded.tokenizer, SUMMARY_SYSTEM_PROMPT, SUMMARY_QUESTION_TEMPLATE)
     suffix = summary_layout.suffix_ids("")
@@ -149,10 +151,10 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int) -> Generator[None
     streams = batch_streams(prefix, caches)
     suffix_batch = torch.tensor([suffix], device=loaded.device).expand(len(context_ids), -1)
     first_logits = forward_streams(loaded.model, streams, suffix_batch)
+    mapping = StaticStreams(loaded.model, streams, summary_tokens, compile_mode)  # one token per stream per step
     yield
     map_stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
-    summaries = yield from independent_steps(lambda ids: forward_streams(loaded.model, streams, ids), loaded.tokenizer,
-                                             first_logits, ctx.sampler, map_stop)
+    summaries = yield from independent_steps(mapping.step, loaded.tokenizer, first_logits, ctx.sampler, map_stop)
     ctx.timings["map_s"] = time.perf_counter() - ctx.started
     ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]),
                            f"map_reduce's reduce step (the summaries of {len(ctx.documents)} documents: lower "
@@ -160,23 +162,28 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int) -> Generator[None
     reduce = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
                          torch.zeros(1, dtype=torch.long, device=loaded.device))
     first_logits = forward_streams(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
+    reducing = StaticStreams(loaded.model, reduce, ctx.stop.max_new_tokens, compile_mode)
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
     yield
-    result = yield from fused_steps(lambda step_ids: forward_streams(loaded.model, reduce, step_ids), loaded.tokenizer,
-                                    first_logits, single_stream, ctx.sampler, ctx.stop, ctx.on_token, ctx.started)
+    result = yield from fused_steps(reducing.step, loaded.tokenizer, first_logits, single_stream, ctx.sampler, ctx.stop,
+                                    ctx.on_token, ctx.started)
     result.extra.update(summaries=[s.text for s in summaries], summary_documents=[i for i, _ in inputs],
                         map_input_tokens=[len(ids) for ids in context_ids])
     return result
 
 
 @register_mode("map_reduce")
-def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> ExclusiveJob:
+def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96, compile_mode: str | None = None) -> ExclusiveJob:
     """MapReduce: summarise each document (one batch, from cached KV), then answer from the summaries.
 
     Documents too long for the summary prompt are summarised piece by piece (:func:`map_inputs`); the
     reduce prompt joins each document's piece summaries in order. If the summaries together do not fit
     the window the reduce step raises ``DocumentTooLongError`` (lower ``summary_tokens``). Runs as an
-    exclusive job (two phases with their own streams), one forward per scheduler step.
+    exclusive job (two phases with their own streams), one forward per scheduler step. Both phases decode
+    one token per stream per step from a fixed-size cache written in place (``static_decode.py``);
+    ``compile_mode``: ``None`` (eager, the default) or a ``torch.compile`` mode for that step, e.g.
+    ``"reduce-overhead"`` (CUDA graphs on a GPU: the first request of each shape pays the compile).
     """
     summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
-    return ExclusiveJob([ctx], single_result(_map_reduce_steps(ctx, summary_tokens)))
+    check_compile_mode(compile_mode)
+    return ExclusiveJob([ctx], single_result(_map_reduce_steps(ctx, summary_tokens, compile_mode)))
