@@ -171,3 +171,53 @@ def test_caches_on_cuda_0_match_a_model_on_cuda():
     # Without a GPU no tensor can live on cuda:0: the check reads only .device, so a stand-in carries it.
     entry = CachedKV("a", (1,), SimpleNamespace(device=torch.device("cuda:0")))
     _check_devices(torch.device("cuda"), [entry])
+
+
+def _entry(key: str, length: int) -> CachedKV:
+    return CachedKV(key, tuple(range(length)), torch.zeros(1, 2, 1, length, 1))
+
+
+def _question(index: int, suffix: int):
+    from ctx_integrations.engine.modes.ippd import _Question
+
+    return _Question(index, None, 0, 0, 0, list(range(suffix)), None, 0)
+
+
+def test_stacks_are_filled_in_order_with_each_context_once_up_to_the_exact_budget():
+    # prefix 10; context a (30 tokens) with questions of 5 and 3 tokens, context b (20) with one of 4; 8 new tokens
+    # each. Stack 0: 10 + 30 + (5 + 8) + (3 + 8) = 64, exactly the budget (a question that fits exactly joins);
+    # context b then opens stack 1: 10 + 20 + (4 + 8) = 42. A context counted twice, a question counted without
+    # its context, or ">=" instead of ">" at the budget changes the stacks or their token counts.
+    from ctx_integrations.engine.modes.ippd import _pack
+
+    a, b = _entry("a", 30), _entry("b", 20)
+    questions = [_question(0, 5), _question(1, 3), _question(2, 4)]
+    stacks = _pack([(a, questions[:2]), (b, questions[2:])], prefix_len=10, budget=64, max_new_tokens=8)
+    assert [s.tokens for s in stacks] == [64, 42]
+    assert [[e.key for e in s.contexts] for s in stacks] == [["a"], ["b"]]
+    assert [s.context_keys for s in stacks] == [["a"], ["b"]]
+    assert [(q.stack, q.context, q.qid) for q in questions] == [(0, 1, 1), (0, 1, 2), (1, 1, 1)]
+    # one token less of budget: the second question of context a opens stack 1 and brings its context along
+    questions = [_question(0, 5), _question(1, 3), _question(2, 4)]
+    stacks = _pack([(a, questions[:2]), (b, questions[2:])], prefix_len=10, budget=63, max_new_tokens=8)
+    assert [s.tokens for s in stacks] == [53, 10 + 30 + 11, 10 + 20 + 12]  # b beside a in stack 1: 83 > 63
+    assert [(q.stack, q.context, q.qid) for q in questions] == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+
+
+def test_two_contexts_share_a_stack_while_they_fit():
+    from ctx_integrations.engine.modes.ippd import _pack
+
+    a, b = _entry("a", 12), _entry("b", 7)
+    questions = [_question(0, 2), _question(1, 3), _question(2, 1)]
+    stacks = _pack([(a, questions[:1]), (b, questions[1:])], prefix_len=4, budget=1000, max_new_tokens=5)
+    assert len(stacks) == 1 and stacks[0].context_keys == ["a", "b"]
+    assert stacks[0].tokens == 4 + 12 + (2 + 5) + 7 + (3 + 5) + (1 + 5)
+    assert [(q.context, q.qid) for q in questions] == [(1, 1), (2, 2), (2, 3)]
+
+
+def test_ippd_answers_report_their_prefill_time_once(tiny_engine):
+    answers = tiny_engine.generate_many(QUESTIONS[:3], DOCS, max_new_tokens=12)
+    for answer in answers:
+        prefill, ttft, total = (answer.timings[k] for k in ("prefill_s", "ttft_s", "total_s"))
+        assert isinstance(prefill, float) and 0 < prefill <= ttft < total  # set at the first step, not later ones
+    assert len({a.timings["prefill_s"] for a in answers}) == 1  # one stacked prefill serves every question
