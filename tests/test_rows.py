@@ -103,7 +103,7 @@ def test_rows_of_different_lengths_step_together_as_if_alone(model, kernel):
 def test_merged_dropped_and_packed_rows_keep_their_answers(model, kernel):
     # A pool merges a narrower pool and a wider one (each side padded), drops a row, and is left-packed:
     # positions, ids and keys must move together, and the padding share must fall when the long row goes.
-    first = [Row(model, 4, 30), Row(model, 5, 3)]
+    first = [Row(model, 4, 300), Row(model, 5, 3)]  # 300 + 2 columns: a capacity of 512, the joining pool's 256
     pool = RowPool.build([r.pieces for r in first], shape(model), torch.device("cpu"), torch.float32)
     runs = [[row.run(tokens(40 + b, 2, model))] for b, row in enumerate(first)]
     check(model, first, pool.forward(model, runs, 0, kernel), runs)
@@ -112,9 +112,10 @@ def test_merged_dropped_and_packed_rows_keep_their_answers(model, kernel):
     joining = RowPool.build([r.pieces for r in second], shape(model), torch.device("cpu"), torch.float32)
     runs = [[second[0].run(tokens(50, 4, model))]]
     check(model, second, joining.forward(model, runs, 0, kernel), runs)
+    assert (pool.capacity, joining.capacity) == (2 * GROW_COLUMNS, GROW_COLUMNS)
     pool.merge(joining)
     rows = first + second
-    assert pool.rows == 3 and pool.width == 32
+    assert pool.rows == 3 and pool.width == 302 and pool.capacity == 2 * GROW_COLUMNS
 
     runs = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
     check(model, rows, pool.forward(model, runs, 0, kernel), runs)
@@ -245,3 +246,38 @@ def test_a_failed_forward_leaves_the_pool_as_it_was(model):
     assert (pool.questions[:, pool.width:] == PAD_ID).all()
     runs = [[row.run(tokens(110 + b, 2, model))] for b, row in enumerate(rows)]
     check(model, rows, pool.forward(model, runs, 0), runs)  # the half-written columns are overwritten, unseen
+
+
+def column_pool(positions: list[list[int]], capacity: int) -> RowPool:
+    """A pool whose keys are the column numbers, with the given real positions (PAD_POSITION = padding) per row."""
+    rows, width = len(positions), len(positions[0])
+    pos = torch.full((rows, capacity), PAD_POSITION)
+    pos[:, :width] = torch.tensor(positions)
+    contexts = torch.where(pos == PAD_POSITION, PAD_ID, 0)
+    keys = torch.arange(rows * capacity, dtype=torch.float32).reshape(rows, 1, capacity, 1)
+    return RowPool([(keys, keys.clone())], pos, contexts, contexts.clone(), width=width)
+
+
+def test_pack_moves_interior_padding_even_when_the_width_stays():
+    # Row 0 has a hole in the middle, row 1 is full: the width stays 3, but row 0 must still be packed.
+    pool = column_pool([[0, PAD_POSITION, 1, 2], [0, 1, 2, 3]], GROW_COLUMNS)
+    pool.pack()
+    assert pool.width == 4 and pool.positions[:, :4].tolist() == [[0, 1, 2, PAD_POSITION], [0, 1, 2, 3]]
+    assert pool.layers[0][0][0, 0, :3, 0].tolist() == [0, 2, 3]
+
+
+def test_pack_leaves_a_packed_pool_alone_and_trims_an_oversized_one():
+    pool = column_pool([[0, 1, 2], [0, 1, PAD_POSITION]], GROW_COLUMNS)
+    storage = pool.layers[0][0].data_ptr()
+    pool.pack()  # packed, room < GROW_COLUMNS beyond what is needed: nothing is copied
+    assert pool.layers[0][0].data_ptr() == storage and pool.capacity == GROW_COLUMNS
+    pool = column_pool([[0, 1, 2], [0, 1, PAD_POSITION]], 2 * GROW_COLUMNS)  # packed, but 512 columns for 3
+    pool.pack()
+    assert pool.capacity == GROW_COLUMNS and pool.width == 3
+    assert pool.positions[:, :3].tolist() == [[0, 1, 2], [0, 1, PAD_POSITION]]
+
+
+def test_dropping_every_row_leaves_an_empty_pool():
+    pool = column_pool([[0, 1], [0, PAD_POSITION]], GROW_COLUMNS)
+    pool.keep_rows([])
+    assert (pool.rows, pool.width, pool.padding_share()) == (0, 0, 0.0)
