@@ -452,3 +452,25 @@ def test_embedded_greedy_with_eta_zero_equals_concat(embedded_engine):
     concat = embedded_engine.generate(example.question, example.documents, mode="concat", **options)
     assert rapid.token_ids == concat.token_ids and rapid.token_ids
     assert rapid.extra["drafted"] > 0 and rapid.extra["draft_context_tokens"] <= 256
+
+
+def test_draft_head_variant_per_row_with_a_token_exactly_at_the_boundary():
+    # Two rows (the rule works along the last dimension of a [g + 1, V] batch), eta = 1 (the eta = 0 shortcut must
+    # not fire), and in row 0 a token whose q is exactly 0.1 max q: the head is q >= 0.1 max q, so it is shifted.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, -0.5, 1.5, 0.0]])
+    p = torch.softmax(logits, -1)
+    q = torch.tensor([[0.5, 0.05, 0.449, 0.001], [0.1, 0.2, 0.3, 0.4]])  # row 1: 0.1 >= 0.04, all shifted
+    expected = []
+    for row in range(2):
+        head = [qv >= 0.1 * max(q[row].tolist()) for qv in q[row].tolist()]
+        shifted = [float(z) + (float(qv - pv) if h else 0.0) for z, qv, pv, h in zip(logits[row], q[row], p[row], head)]
+        expected.append(torch.softmax(torch.tensor(shifted), -1))
+    assert [qv >= 0.1 * 0.5 for qv in q[0].tolist()] == [True, True, True, False]
+    torch.testing.assert_close(tail_adjusted(logits, p, q, 1.0, rule="draft_head"), torch.stack(expected))
+
+
+def test_the_tail_rule_error_names_both_rules_and_what_they_do():
+    message = (r"tail_rule must be one of 'paper', 'draft_head' \('paper': Eq. 9 on p\^; 'draft_head': the shift only "
+               r"where q >= 0.1 max q\), got 'eq9'")
+    with pytest.raises(InvalidOptionError, match=message):
+        tail_adjusted(torch.zeros(3), torch.full((3,), 1 / 3), torch.full((3,), 1 / 3), 1.0, rule="eq9")
