@@ -153,7 +153,9 @@ def test_caches_on_another_device_are_refused():
     here = CachedKV("a", (1,), torch.zeros(1, 2, 1, 1, 1))
     elsewhere = CachedKV("b", (1,), torch.zeros(1, 2, 1, 1, 1, device="meta"))
     _check_devices(torch.device("cpu"), [here])
-    with pytest.raises(InvalidOptionError, match="meta"):
+    with pytest.raises(InvalidOptionError, match=r"IPPD got cached contexts on \['cpu', 'meta'\] for a model on cpu: "
+                       r"compute the caches with this engine \(its store moves them to the model's device\) instead "
+                       r"of mixing engines or devices"):
         _check_devices(torch.device("cpu"), [here, elsewhere])
 
 
@@ -221,3 +223,19 @@ def test_ippd_answers_report_their_prefill_time_once(tiny_engine):
         prefill, ttft, total = (answer.timings[k] for k in ("prefill_s", "ttft_s", "total_s"))
         assert isinstance(prefill, float) and 0 < prefill <= ttft < total  # set at the first step, not later ones
     assert len({a.timings["prefill_s"] for a in answers}) == 1  # one stacked prefill serves every question
+
+
+def test_ippd_traces_carry_each_tokens_log_probability_and_context_attribution(tiny_engine):
+    # The trace's score is the chosen token's log-probability given its own prompt (checked against one plain forward
+    # over prompt + answer); the attribution tells citations.py that each answer saw only its own context.
+    layout, model = tiny_engine.layout, tiny_engine.loaded.model
+    answers = tiny_engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=6)
+    for question, answer in zip(QUESTIONS[:2], answers):
+        prompt = layout.prefix_ids + [t for d in DOCS for t in layout.context_ids(d)] + layout.suffix_ids(question)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + answer.token_ids])).logits[0].float()
+        steps = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+        expected = steps.gather(1, torch.tensor(answer.token_ids).unsqueeze(1)).squeeze(1)
+        assert all(isinstance(step.score, float) for step in answer.trace)
+        torch.testing.assert_close(torch.tensor([s.score for s in answer.trace]), expected, atol=1e-4, rtol=1e-4)
+        assert answer.extra["attribution"] == "context" and answer.extra["stacked_questions"] == 2
