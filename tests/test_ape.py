@@ -400,3 +400,35 @@ def test_soft_capping_and_sliding_windows_are_refused_by_name():
     with pytest.raises(InvalidOptionError, match=r"^the APE attention ran without an ApeLayout: it is only valid "
                                                  r"inside mode='ape'$"):
         ape_attention(nn.Module(), query, key, value, None)
+
+
+def test_attribution_records_each_documents_merged_attention_mass_for_the_last_query():
+    # The mass the merge gives document j for the last query token, averaged over heads: w_context * (sum of the
+    # context softmax over j's keys), per the reference formula above written out head by head in float64.
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, q_len, dim, prefix, ends = 4, 2, 3, 8, 5, (4, 9, 11)
+    keys = prefix + ends[-1] + q_len
+    query = torch.randn(2, heads, q_len, dim, generator=generator)
+    key, value = torch.randn(2, 2, kv_heads, keys, dim, generator=generator)
+    temperature, scale, scaling = 0.7, 0.8, dim ** -0.5
+    layout = ApeLayout(prefix, prefix + ends[-1], temperature, scale, document_ends=ends, masses=[])
+    ape_attention(nn.Module(), query, key, value, None, scaling=scaling, ape_layout=layout)
+    expected = torch.zeros(len(ends), dtype=torch.float64)
+    for h in range(heads):  # batch row 0, last query token
+        k = key[0, h // (heads // kv_heads)].double()
+        s = k @ query[0, h, -1].double() * scaling
+        context = s[prefix:prefix + ends[-1]] / temperature
+        outside = torch.cat([s[:prefix], s[prefix + ends[-1]:]])
+        w = torch.softmax(torch.stack([scale * temperature * torch.logsumexp(context, 0),
+                                       torch.logsumexp(outside, 0)]), 0)
+        p = torch.softmax(context, 0)
+        for j, (a, b) in enumerate(zip((0,) + ends[:-1], ends)):
+            expected[j] += w[0] * p[a:b].sum() / heads
+    assert len(layout.masses) == 1
+    torch.testing.assert_close(layout.masses[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_attention_returns_the_querys_dtype():
+    query, key, value = (t.to(torch.bfloat16) for t in random_attention_inputs(3))
+    out, _ = ape_attention(nn.Module(), query, key, value, None, ape_layout=ApeLayout(2, 9, 0.8, 0.9))
+    assert out.dtype == torch.bfloat16
