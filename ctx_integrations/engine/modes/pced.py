@@ -60,7 +60,6 @@ class PCEDFusion:
         real_number("gamma", gamma, minimum=0.0)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
-        self.fixed_beta = beta
         self.beta: torch.Tensor | None = None if beta is None else torch.full((len(relevance),), float(beta))
 
     def __call__(self, logits: torch.Tensor) -> FusedStep:
