@@ -88,15 +88,16 @@ def run(name: str, target: Target, children: int) -> dict[str, int]:
     meta = json.loads((folder / "mutants" / (target.path + ".meta")).read_text())
     chosen = {key: code for key, code in meta["exit_code_by_key"].items()
               if any(_matches(key, module, f) for f in target.functions)}
-    counts = {"killed": 0, "survived": 0, "other": 0}
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "other": 0}
     survivors = []
     for key, code in sorted(chosen.items()):
-        status = "killed" if code in (1, 3) else "survived" if code == 0 else "other"
+        # -24 (SIGXCPU): mutmut stopped a mutant past its time limit (a mutant that loops): detected, not killed
+        status = "killed" if code in (1, 3) else "timeout" if code == -24 else "survived" if code == 0 else "other"
         counts[status] += 1
-        if status != "killed":
+        if status in ("survived", "other"):
             survivors.append((key, code))
-    print(f"== {name}: {counts['killed']} killed, {counts['survived']} survived, {counts['other']} other "
-          f"(of {len(chosen)})", flush=True)
+    print(f"== {name}: {counts['killed']} killed, {counts['timeout']} timed out, {counts['survived']} survived, "
+          f"{counts['other']} other (of {len(chosen)})", flush=True)
     for key, code in survivors:
         diff = subprocess.run([str(MUTMUT), "show", key], cwd=folder, env=env, capture_output=True, text=True).stdout
         print(f"-- {key} (exit code {code})")
