@@ -432,3 +432,20 @@ def test_the_attention_returns_the_querys_dtype():
     query, key, value = (t.to(torch.bfloat16) for t in random_attention_inputs(3))
     out, _ = ape_attention(nn.Module(), query, key, value, None, ape_layout=ApeLayout(2, 9, 0.8, 0.9))
     assert out.dtype == torch.bfloat16
+
+
+def test_knob_errors_name_the_knob_and_the_papers_range():
+    from ctx_integrations.engine.modes.ape import check_knobs
+
+    hint = r" \(a number in \(0, 1\]; the authors use 0.6-1.0; 1 = no correction\)"
+    with pytest.raises(InvalidOptionError, match=r"^APE's attention_temperature must be in \(0, 1\], got 0.0" + hint):
+        check_knobs(0.0, 0.5)
+    with pytest.raises(InvalidOptionError, match=r"^APE's scale must be in \(0, 1\], got 1.5" + hint):
+        check_knobs(0.5, 1.5)
+
+
+def test_the_layout_needs_a_non_empty_document_span_from_column_zero_on():
+    assert ApeLayout(0, 4, 1.0, 1.0).context_start == 0  # a model without a system prompt: documents first
+    for start, end in ((3, 3), (-1, 4), (5, 2)):
+        with pytest.raises(InvalidOptionError, match=rf"^APE needs a non-empty document span, got \[{start}, {end}\)$"):
+            ApeLayout(start, end, 1.0, 1.0)
