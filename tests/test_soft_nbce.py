@@ -19,6 +19,7 @@ from ctx_integrations.engine.modes.soft_nbce import (
     nucleus_entropy,
     nucleus_logprobs,
     nucleus_mask,
+    paper_fusion,
     split_documents,
     truncated_entropy,
 )
@@ -385,3 +386,67 @@ def test_split_documents(tiny_engine):
         split_documents(tokenizer, [text], 0)
     with pytest.raises(InvalidOptionError):
         tiny_engine.generate("q?", [text], mode="pcw", chunk_tokens=-5, max_new_tokens=2)
+
+
+def test_the_nucleus_stops_where_the_mass_before_a_token_reaches_rho_exactly():
+    # Probabilities exact in binary: the mass before the third-ranked token is exactly 0.75, so at rho = 0.75
+    # the nucleus is {1, 3} (the smallest head whose mass reaches rho).
+    logprobs = torch.log(torch.tensor([0.125, 0.5, 0.125, 0.25]))  # sorted: 1, 3, then 0 and 2
+    assert nucleus_mask(logprobs, 0.75).tolist() == [False, True, False, True]
+    assert nucleus_mask(logprobs, 0.5).tolist() == [False, True, False, False]
+    assert nucleus_mask(logprobs, 1.0).all()
+
+
+def test_the_rules_work_along_the_last_axis_of_any_batch_shape():
+    # Distillation passes [batch, positions, V] tensors; each [V] row must get what it gets alone.
+    logprobs = torch.log_softmax(torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0)) * 2, -1)
+    keep = nucleus_mask(logprobs, 0.8)
+    rows, row_keeps = logprobs.reshape(6, 7), keep.reshape(6, 7)
+    assert torch.equal(row_keeps, torch.stack([nucleus_mask(r, 0.8) for r in rows]))
+    assert not row_keeps.all() and row_keeps.any(-1).all()  # the nuclei really cut something
+    masked = nucleus_logprobs(logprobs, keep)
+    torch.testing.assert_close(masked.reshape(6, 7), torch.stack([nucleus_logprobs(r, k) for r, k in
+                                                                   zip(rows, row_keeps)]))
+    entropy = nucleus_entropy(masked)
+    assert entropy.shape == (2, 3)
+    torch.testing.assert_close(entropy.reshape(6), torch.stack([nucleus_entropy(r) for r in masked.reshape(6, 7)]))
+    truncated = truncated_entropy(logprobs, keep)
+    assert truncated.shape == (2, 3)
+    torch.testing.assert_close(truncated.reshape(6), torch.stack([truncated_entropy(r, k) for r, k in
+                                                                  zip(rows, row_keeps)]))
+
+
+def test_a_chunk_left_out_of_the_support_gives_its_weight_to_the_others():
+    # Chunk 2's nucleus shares no token with chunks 0 and 1 (all finite on tokens 0-2): it is left out and the
+    # weights 0.5 and 0.3 are renormalised to 0.625 and 0.375 over the shared support.
+    inf = math.inf
+    scores = torch.tensor([[-1.0, -2.0, -3.0, -inf], [-2.0, -1.0, -inf, -inf], [-inf, -inf, -inf, -0.5]])
+    fused = paper_fusion(torch.tensor([0.5, 0.3, 0.2]), scores, entropy=torch.tensor([0.1, 0.2, 0.3]))
+    expected = [0.625 * -1.0 + 0.375 * -2.0, 0.625 * -2.0 + 0.375 * -1.0, -inf, -inf]
+    assert fused.tolist() == pytest.approx(expected)
+
+
+def test_defaults_are_the_papers_settings():
+    # Soft-NBCE: tau = 0.1, beta = 0.25, top-p 0.9, Algorithm 1; hard NBCE keeps NBCE's beta; PCW is the uniform
+    # average without the prior's contrast (beta = 0).
+    soft, hard, pcw = SoftNBCEFusion(), NBCEFusion(), PCWFusion()
+    assert (soft.tau, soft.beta, soft.rho, soft.rule) == (0.1, 0.25, 0.9, "paper")
+    assert (hard.beta, hard.rho, hard.rule) == (0.25, 0.9, "paper")
+    assert (pcw.beta, pcw.rho, pcw.rule) == (0.0, 0.9, "paper")
+    assert pcw.chunk_weights(torch.tensor([0.1, 2.0, 5.0])).tolist() == pytest.approx([1 / 3] * 3)
+
+
+def test_knob_errors_name_the_knob_and_say_what_it_means():
+    with pytest.raises(InvalidOptionError,
+                       match=r"^tau must be in \(0, inf\], got 0.0 \(math.inf = uniform average\)$"):
+        SoftNBCEFusion(tau=0)
+    with pytest.raises(InvalidOptionError, match=r"^beta must be in \[0, inf\], got -1.0$"):
+        SoftNBCEFusion(beta=-1)
+    with pytest.raises(InvalidOptionError, match=r"^rho must be in \(0, 1\], got 0.0 \(each chunk's top-p\)$"):
+        SoftNBCEFusion(rho=0)
+    with pytest.raises(InvalidOptionError, match=r"^rule must be one of 'paper', 'nbce_code' \('paper': Algorithm 1 "
+                                                 r"of the Soft-NBCE paper; 'nbce_code': NBCE's reference code\), "
+                                                 r"got 'x'$"):
+        SoftNBCEFusion(rule="x")
+    with pytest.raises(InvalidOptionError, match=r"^Soft-NBCE needs the prior stream plus at least one chunk stream$"):
+        SoftNBCEFusion()(torch.zeros(1, 5))
