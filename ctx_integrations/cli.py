@@ -488,6 +488,9 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
                         help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
                              "secret_code: the PCED paper's synthetic set (default world)")
     parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
+    parser.add_argument("--variant", action="append", default=[], metavar="MODE:KEY=VALUE[:KEY=VALUE...]",
+                        help="also score a mode with options, as its own row, e.g. --variant soft_nbce:rule=nbce_code "
+                             "(repeatable; values parsed as JSON, as ask's --option)")
     parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
                                                                     "musique 12)")
     parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
@@ -506,18 +509,38 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
 
 
+def _parse_variant(text: str) -> Any:
+    """``MODE:KEY=VALUE[:KEY=VALUE...]`` -> an evaluation system named ``"MODE KEY=VALUE ..."`` (checked now).
+
+    The options go on top of the ones ``--modes`` runs that mode with, so the row differs in them only.
+    """
+    from ctx_integrations.engine.core.registry import check_options, resolve_mode
+    from ctx_integrations.evaluation.runner import EVAL_OPTIONS, System
+
+    mode, *pairs = text.split(":")
+    if not pairs:
+        raise InvalidOptionError(f"--variant {text!r} names no option: write MODE:KEY=VALUE, e.g. "
+                                 "soft_nbce:rule=nbce_code (a plain mode goes in --modes)")
+    options = _parse_options(pairs)
+    resolve_mode(mode)
+    check_options(mode, options)
+    return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
+
+
 @register_command("eval", help="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
                   configure=_configure_eval)
 def run_eval(args: argparse.Namespace) -> int:
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.registry import resolve_mode
     from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
+    from ctx_integrations.evaluation.runner import default_systems
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise InvalidOptionError("--modes names no mode")
     for mode in modes:
         resolve_mode(mode)  # refuse a typo before loading the model
+    variants = [_parse_variant(text) for text in args.variant]
     if args.set == "musique":  # fail on a missing file before loading the model
         load_set("musique", path=args.data, n_questions=args.questions)
     started = time.perf_counter()
@@ -525,9 +548,9 @@ def run_eval(args: argparse.Namespace) -> int:
     examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
                         document_tokens=args.document_tokens, seed=args.seed, path=args.data)
     print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
+    systems = default_systems(modes, baselines=not args.no_baselines, pced_ablation=not args.no_baselines)
     report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
-                      baselines=not args.no_baselines, pced_ablation=not args.no_baselines, set_name=args.set,
-                      progress=print if args.verbose else None)
+                      set_name=args.set, systems=systems + variants, progress=print if args.verbose else None)
     print(markdown_table(report))
     paths = write_report(report, args.output, plots=not args.no_plots)
     print(f"wrote {', '.join(str(p) for p in paths.values())}; {time.perf_counter() - started:.1f} s")

@@ -102,6 +102,25 @@ def test_eval_cli_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["world.json", "world.md"]
     assert run_cli("eval", "--modes", "pcde") == 2
     assert "unknown mode 'pcde'" in capsys.readouterr().err
+    calls = []
+    generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(k) or generate(self, *a, **k))
+    assert run_cli("eval", "--set", "world", "--questions", "1", "--documents", "2", "--document-tokens", "24",
+                   "--modes", "soft_nbce", "--variant", "soft_nbce:rule=nbce_code:rho=0.8", "--no-baselines",
+                   "--max-new-tokens", "2", "--output", str(out), "--no-plots") == 0
+    printed = capsys.readouterr().out
+    assert "| soft_nbce | 1 |" in printed and "| soft_nbce rule=nbce_code rho=0.8 | 1 |" in printed
+    import json
+
+    rows = {row["system"]: row for row in json.loads((out / "world.json").read_text())["rows"]}
+    assert set(rows) == {"soft_nbce", "soft_nbce rule=nbce_code rho=0.8"}
+    variant_calls = [k for k in calls if k.get("rule") == "nbce_code"]
+    assert variant_calls and all(k["rho"] == 0.8 and k["mode"] == "soft_nbce" for k in variant_calls)
+    assert any(k["mode"] == "soft_nbce" and "rule" not in k and k["max_new_tokens"] == 2 for k in calls)
+    for bad, message in (("soft_nbce", "names no option"), ("soft_nbce:gama=1", "does not accept gama"),
+                         ("pcde:gamma=1", "unknown mode 'pcde'"), ("pced:gamma", "not KEY=VALUE")):
+        assert run_cli("eval", "--variant", bad) == 2
+        assert message in capsys.readouterr().err
     assert run_cli("eval", "--set", "musique", "--data", str(tmp_path / "none.jsonl")) == 2
     assert "not found" in capsys.readouterr().err
 
