@@ -155,17 +155,36 @@ def test_pack_keeps_each_rows_columns_in_order_and_cuts_all_padding_columns():
 
 
 def test_build_places_every_piece_at_its_positions_and_context():
-    kv = torch.randn(2, 2, 1, 4, 3)
-    other = torch.randn(2, 2, 1, 2, 3)
-    pool = RowPool.build([[Piece(kv, 0), Piece(other, 4, context=2)], [Piece(other, 10)]], (2, 1, 3),
-                         torch.device("cpu"), torch.float32)
-    assert pool.positions.tolist() == [[0, 1, 2, 3, 4, 5], [10, 11] + [PAD_POSITION] * 4]
-    assert pool.contexts.tolist() == [[0, 0, 0, 0, 2, 2], [0, 0] + [PAD_ID] * 4]
-    assert pool.questions.tolist() == [[0] * 6, [0, 0] + [PAD_ID] * 4]
+    kv = torch.randn(2, 2, 1, 4, 3, dtype=torch.bfloat16)
+    other = torch.randn(2, 2, 1, 2, 3, dtype=torch.bfloat16)
+    third = torch.randn(2, 2, 1, 1, 3, dtype=torch.bfloat16)
+    pool = RowPool.build([[Piece(kv, 0), Piece(other, 4, context=2), Piece(third, 4, context=3)], [Piece(other, 10)]],
+                         (2, 1, 3), torch.device("cpu"), torch.bfloat16)
+    assert pool.positions.tolist() == [[0, 1, 2, 3, 4, 5, 4], [10, 11] + [PAD_POSITION] * 5]
+    assert pool.contexts.tolist() == [[0, 0, 0, 0, 2, 2, 3], [0, 0] + [PAD_ID] * 5]
+    assert pool.questions.tolist() == [[0] * 7, [0, 0] + [PAD_ID] * 5]
     for layer, (keys, values) in enumerate(pool.layers):
-        torch.testing.assert_close(keys[0], torch.cat([kv[layer, 0], other[layer, 0]], dim=1), rtol=0, atol=0)
+        assert keys.dtype == values.dtype == torch.bfloat16  # the model's dtype, not the default float32
+        torch.testing.assert_close(keys[0], torch.cat([kv[layer, 0], other[layer, 0], third[layer, 0]], dim=1),
+                                   rtol=0, atol=0)
         torch.testing.assert_close(values[1, :, :2], other[layer, 1], rtol=0, atol=0)
         assert not keys[1, :, 2:].any()
+    empty = RowPool.build([], (2, 1, 3), torch.device("cpu"), torch.float32)
+    assert (empty.rows, empty.width, empty.capacity) == (0, 0, 0)
+
+
+def test_an_explicit_width_is_kept_and_the_helpers_pad_by_exactly_what_is_missing():
+    from ctx_integrations.engine.core.rows import _pad, _pad_ids
+
+    pool = RowPool([(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1))], torch.full((1, 4), PAD_POSITION),
+                   torch.full((1, 4), PAD_ID), torch.full((1, 4), PAD_ID), width=0)
+    assert (pool.width, pool.capacity) == (0, 4)
+    keys = torch.ones(2, 1, 3, 2)
+    for missing in (0, 1, 2):
+        padded = _pad(keys, 3 + missing)
+        assert padded.shape == (2, 1, 3 + missing, 2) and not padded[:, :, 3:].any() and padded[:, :, :3].all()
+        ids = _pad_ids(torch.zeros(2, 3, dtype=torch.long), 3 + missing, PAD_POSITION)
+        assert ids.shape == (2, 3 + missing) and (ids[:, 3:] == PAD_POSITION).all() and not ids[:, :3].any()
 
 
 def brute_force(q_pos, q_ctx, q_qid, k_pos, k_ctx, k_qid) -> torch.Tensor:
@@ -222,9 +241,12 @@ def test_steps_write_in_place_until_the_capacity_is_used_up(model):
         runs = [[row.run(tokens(90 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
         check(model, rows, pool.forward(model, runs, 0), runs)
     assert [k.data_ptr() for k, _ in pool.layers] == storage and pool.width == 16
-    long_run = [[rows[0].run(tokens(99, GROW_COLUMNS, model))], [rows[1].run(tokens(98, 1, model))]]
+    filling = [[rows[0].run(tokens(97, GROW_COLUMNS - 16, model))], [rows[1].run(tokens(96, 2, model))]]
+    check(model, rows, pool.forward(model, filling, 0), filling)  # exactly fills the capacity: no growth
+    assert [k.data_ptr() for k, _ in pool.layers] == storage and pool.width == pool.capacity == GROW_COLUMNS
+    long_run = [[rows[0].run(tokens(99, 5, model))], [rows[1].run(tokens(98, 1, model))]]
     check(model, rows, pool.forward(model, long_run, 0), long_run)
-    assert pool.capacity == 2 * GROW_COLUMNS and pool.width == 16 + GROW_COLUMNS
+    assert pool.capacity == 2 * GROW_COLUMNS and pool.width == GROW_COLUMNS + 5
     pool.keep_rows([1])  # the long row leaves: the short one is packed and the room trimmed
     assert pool.width == len(rows[1].ids) and pool.capacity == GROW_COLUMNS
 
@@ -281,3 +303,21 @@ def test_dropping_every_row_leaves_an_empty_pool():
     pool = column_pool([[0, 1], [0, PAD_POSITION]], GROW_COLUMNS)
     pool.keep_rows([])
     assert (pool.rows, pool.width, pool.padding_share()) == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_smaller_pool_takes_a_larger_pools_rows(model, kernel):
+    # The pool already running has 256 columns, the joining one 512: the running rows are the ones padded.
+    small_rows, large_rows = [Row(model, 12, 3)], [Row(model, 13, 300)]
+    small = RowPool.build([r.pieces for r in small_rows], shape(model), torch.device("cpu"), torch.float32)
+    large = RowPool.build([r.pieces for r in large_rows], shape(model), torch.device("cpu"), torch.float32)
+    for pool, rows in ((small, small_rows), (large, large_rows)):
+        runs = [[row.run(tokens(120 + len(row.ids), 2, model))] for row in rows]
+        check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+    assert (small.capacity, large.capacity) == (GROW_COLUMNS, 2 * GROW_COLUMNS)
+    small.merge(large)
+    rows = small_rows + large_rows
+    assert (small.rows, small.width, small.capacity) == (2, 302, 2 * GROW_COLUMNS)
+    for step in range(2):
+        runs = [[row.run(tokens(130 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, small.forward(model, runs, 0, kernel), runs)
