@@ -46,3 +46,27 @@ def test_the_bonus_token_is_drawn_from_the_callers_generator():
             assert verdict.accepted == 1 and verdict.bonus
             tokens.append(verdict.token)
         assert tokens[0] == tokens[1]
+
+
+def test_a_greedy_rejection_takes_the_residuals_argmax_every_time():
+    # p = (0.1, 0.5, 0.4), the draft put everything on token 0: greedy verification rejects it, and the correction is
+    # argmax of the residual norm(max(p - q, 0)) = (0, 5/9, 4/9): token 1, never a draw from the residual.
+    target = torch.log(torch.tensor([[0.1, 0.5, 0.4], [1 / 3, 1 / 3, 1 / 3]]))
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    for seed in range(30):
+        verdict = verify(target, q, [0], eta=0.0, temperature=0.0, top_p=1.0,
+                         generator=torch.Generator().manual_seed(seed))
+        assert (verdict.accepted, verdict.token, verdict.bonus) == (0, 1, False)
+
+
+def test_the_paper_tail_rule_works_per_row():
+    # A [g + 1, V] batch: each row's threshold is 0.1 of its own max p^ (a max over the whole batch would restore
+    # row 1's second token, whose p^ is above 0.1 of its row's max but below 0.1 of row 0's).
+    from ctx_integrations.engine.modes.speculative import augmented_target, tail_adjusted
+
+    z = torch.tensor([[6.0, 0.0, -2.0], [0.0, -1.5, -2.6]])  # row 1, token 2: p^ = 0.081, between 0.053 and 0.099
+    p, q = torch.softmax(z, -1), torch.tensor([[0.8, 0.1, 0.1], [0.3, 0.6, 0.1]])
+    p_hat = augmented_target(z, p, q, 2.0)
+    expected = torch.stack([torch.where(row < 0.1 * row.max(), p_row, row) for row, p_row in zip(p_hat, p)])
+    assert not torch.equal(expected, torch.where(p_hat < 0.1 * p_hat.max(), p, p_hat))  # the per-row max matters
+    torch.testing.assert_close(tail_adjusted(z, p, q, 2.0), expected)

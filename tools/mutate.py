@@ -58,7 +58,9 @@ TARGETS = {
                         ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
-                           "-m", "not slow", "-k", "residual or tail or nucleus or verify or eta or top_p")),
+                           "-m", "not slow", "-k",
+                           "test_speculative_step or test_rapid_eta or residual or tail or nucleus or verify or eta "
+                           "or top_p or rule")),
 }
 
 
