@@ -35,7 +35,7 @@ from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.streams import DecodeResult, TraceStep, forward_streams, fused_steps, single_stream
 from ctx_integrations.engine.core.validation import real_number
-from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION
+from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -76,14 +76,7 @@ def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     ``[context_start, context_end)`` are the documents; everything else is the prefix. Query heads
     are grouped by their KV head (GQA) instead of repeating keys, so no key is copied.
     """
-    if ape_layout is None:
-        raise InvalidOptionError("the APE attention ran without an ApeLayout: it is only valid inside mode='ape'")
-    if kwargs.get("softcap") is not None:
-        raise InvalidOptionError("APE does not support attention logit soft-capping (e.g. Gemma 2)")
-    window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
-        raise InvalidOptionError(f"APE does not support sliding-window attention over {key.shape[2]} keys "
-                                 f"(window {window})")
+    check_call(ape_layout, key, kwargs)
     batch, heads, q_len, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads

@@ -45,10 +45,8 @@ def ape_block_masks(q_len: int, kv_len: int, start: int, end: int, device: str) 
     return block_mask(documents, None, q_len, kv_len, target), block_mask(outside, None, q_len, kv_len, target)
 
 
-def ape_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                       ape_layout: object | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
-    """APE attention for ``query`` [B, H, q, d] over ``key``/``value`` [B, Hkv, K, d]; returns ([B, q, H, d], None)."""
+def check_call(ape_layout: object | None, key: torch.Tensor, kwargs: dict) -> None:
+    """What both APE kernels refuse: a call outside mode='ape', soft-capping, keys beyond a sliding window."""
     if ape_layout is None:
         raise InvalidOptionError("the APE attention ran without an ApeLayout: it is only valid inside mode='ape'")
     if kwargs.get("softcap") is not None:
@@ -57,6 +55,13 @@ def ape_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if window is not None and key.shape[2] > window:
         raise InvalidOptionError(f"APE does not support sliding-window attention over {key.shape[2]} keys "
                                  f"(window {window})")
+
+
+def ape_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       ape_layout: object | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """APE attention for ``query`` [B, H, q, d] over ``key``/``value`` [B, Hkv, K, d]; returns ([B, q, H, d], None)."""
+    check_call(ape_layout, key, kwargs)
     q_len, dim = query.shape[2], query.shape[3]
     start, end = ape_layout.context_start, ape_layout.context_end
     temperature, scale = ape_layout.temperature, ape_layout.scale
