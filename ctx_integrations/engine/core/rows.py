@@ -102,10 +102,10 @@ class PoolLayer(CacheLayerMixin):
 
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor):
         super().__init__()
         self.keys, self.values, self.is_initialized = keys, values, True
-        self.start = torch.tensor(start, device=keys.device)  # a tensor, as StaticLayer's: no recompile per step
+        self.start = start  # the first column to write: a tensor (as StaticLayer's), so no recompile per step
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise AssertionError("a pool layer is built over the pool's buffers")  # never called: is_initialized
@@ -284,7 +284,8 @@ class RowPool:
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
         keep = sorted({c for row in ends for c in row})
-        cache = Cache(layers=[PoolLayer(k, v, self.width) for k, v in self.layers])
+        start = torch.tensor(self.width, device=device)  # one copy to the device per step, shared by the layers
+        cache = Cache(layers=[PoolLayer(k, v, start) for k, v in self.layers])
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
         try:
