@@ -314,3 +314,49 @@ def test_the_flex_pool_gives_the_eager_pools_answers(monkeypatch):
     assert Engine(flex.loaded, attention_kernel="flex").scheduler is flex.scheduler
     with pytest.raises(InvalidOptionError, match="attention_kernel must be one of"):
         Engine(tiny_loaded("llama", seed=3), attention_kernel="fast")
+
+
+def test_a_job_that_breaks_while_being_admitted_fails_alone(engine, monkeypatch):
+    # A pooled job whose rows() raises (a bug in a mode) must fail its own request, not end the scheduler thread
+    # (which would leave every caller waiting forever); an exclusive request admitted beside it is answered.
+    from ctx_integrations.engine.core.jobs import FusedJob
+
+    def broken_rows(self):
+        raise RuntimeError("rows broke")
+
+    monkeypatch.setattr(FusedJob, "rows", broken_rows)
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(
+            engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=4),
+            engine.agenerate("Tell me about the city.", DOCS[:2], mode="ape", max_new_tokens=4),
+            return_exceptions=True), timeout=60)
+
+    broken, ape = asyncio.run(run())
+    assert isinstance(broken, RuntimeError) and "rows broke" in str(broken)
+    assert len(ape.token_ids) == 4
+    monkeypatch.undo()
+    assert len(engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=4).token_ids) == 4
+
+
+def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_goes_on(engine, monkeypatch):
+    decode = scheduler_module.Scheduler._decode
+    calls = []
+
+    def decode_once_broken(self):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step after both requests were admitted
+            raise RuntimeError("the step broke")
+        decode(self)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_decode", decode_once_broken)
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(
+            *(engine.agenerate(q, DOCS[:2], max_new_tokens=8) for q in ("Who is the mayor?", "Where is it?")),
+            return_exceptions=True), timeout=60)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RuntimeError) and "the step broke" in str(r) for r in results)
+    assert engine.stats()["active_requests"] == 0 and engine.stats()["active_rows"] == 0
+    assert len(engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=4).token_ids) == 4

@@ -239,9 +239,29 @@ class Scheduler:
                         return
                 admit = self._take_ready()
             started = time.perf_counter()
-            self._step(admit)
+            try:
+                self._step(admit)
+            except Exception as error:  # noqa: BLE001 - a bug outside any one request: fail what runs, keep serving
+                self._fail_all(admit, error)
             self.stats.busy_s += time.perf_counter() - started
             self.stats.steps += 1
+
+    def _fail_all(self, admit: list[Submission], error: BaseException) -> None:
+        """Fail every running request and the ones being admitted, and start over with an empty pool.
+
+        The last guard of the step loop: without it an unexpected error would end the thread and every
+        caller would wait forever. Errors of one request are caught closer to it and fail it alone.
+        """
+        with self._cond:
+            running = [s for _, s, _ in self._pooled] + [s for _, s in self._exclusive]
+            for job, _ in self._exclusive:
+                job.close()
+            self._pooled, self._exclusive, self._pool = [], [], None
+        for submission in (*running, *admit):
+            self._fail(submission, error)
+        dropped, self._dropped = self._dropped, []
+        for submission in dropped:
+            _settle(submission.future, error=submission.error)
 
     def _take_ready(self) -> list[Submission]:
         """Waiting requests that fit under ``max_rows`` (one is always admitted when nothing runs)."""
@@ -306,6 +326,7 @@ class Scheduler:
                 continue
             try:
                 job = submission.plan()
+                rows = 0 if isinstance(job, ExclusiveJob) else len(job.rows())
             except Exception as error:  # noqa: BLE001 - a request that cannot be planned fails alone
                 self._fail(submission, error)
                 continue
@@ -313,7 +334,7 @@ class Scheduler:
                 with self._cond:
                     self._exclusive.append((job, submission))
             else:
-                incoming.append((job, submission, len(job.rows())))
+                incoming.append((job, submission, rows))
         if not incoming:
             return
         loaded = self.loaded
