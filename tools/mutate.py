@@ -60,7 +60,7 @@ TARGETS = {
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
                            "-m", "not slow", "-k",
                            "test_speculative_step or test_rapid_eta or residual or tail or nucleus or verify or eta "
-                           "or top_p or rule")),
+                           "or top_p or rule or draft_head")),
 }
 
 
