@@ -10,6 +10,7 @@ are mutated (``run_*`` decode loops are the scheduler's business and are tested 
     python tools/mutate.py pced scores     # some modules
     MUTATE_CHILDREN=2 python tools/mutate.py          # parallel mutants (default 2)
     MUTATE_WORK=build/mutate-b python tools/mutate.py  # another work folder (two runs side by side)
+    MUTATE_SURVIVORS_OF=build/mutate python tools/mutate.py soft_nbce  # after adding tests: rerun survivors only
 
 Prints, per module, killed / survived / other mutants and every survivor's diff; equivalent
 mutants are judged by a person and listed in docs/testing.md. Not part of ``make test`` or CI.
@@ -80,15 +81,35 @@ def prepare(name: str, target: Target) -> Path:
     return folder
 
 
+def previous_results(name: str, target: Target, earlier: Path) -> dict[str, int]:
+    """Exit codes of an earlier run of ``name`` in ``earlier`` (a MUTATE_WORK folder), if its module is unchanged.
+
+    Tests are only ever added, so a mutant an earlier run killed stays killed while the module is
+    byte-identical; only its survivors need running again.
+    """
+    old = earlier / name
+    if (old / target.path).read_bytes() != (ROOT / target.path).read_bytes():
+        raise SystemExit(f"{target.path} changed since the run in {old}: run every mutant again")
+    return json.loads((old / "mutants" / (target.path + ".meta")).read_text())["exit_code_by_key"]
+
+
 def run(name: str, target: Target, children: int) -> dict[str, int]:
-    folder = prepare(name, target)
     module = target.path.removesuffix(".py").replace("/", ".")
-    patterns = [f"{module}.{f}" for f in target.functions]
+    earlier = os.environ.get("MUTATE_SURVIVORS_OF")
+    before = previous_results(name, target, Path(earlier)) if earlier else {}
+    folder = prepare(name, target)
+    if before:
+        patterns = [key for key, code in before.items() if code == 0
+                    and any(_matches(key, module, f) for f in target.functions)]
+    else:
+        patterns = [f"{module}.{f}" for f in target.functions]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    subprocess.run([str(MUTMUT), "run", "--max-children", str(children), *patterns], cwd=folder, env=env,
-                   stdout=subprocess.DEVNULL, check=False)
+    if patterns:
+        subprocess.run([str(MUTMUT), "run", "--max-children", str(children), *patterns], cwd=folder, env=env,
+                       stdout=subprocess.DEVNULL, check=False)
     meta = json.loads((folder / "mutants" / (target.path + ".meta")).read_text())
-    chosen = {key: code for key, code in meta["exit_code_by_key"].items()
+    results = {**before, **{key: code for key, code in meta["exit_code_by_key"].items() if key in patterns}}
+    chosen = {key: code for key, code in (results if before else meta["exit_code_by_key"]).items()
               if any(_matches(key, module, f) for f in target.functions)}
     counts = {"killed": 0, "timeout": 0, "survived": 0, "other": 0}
     survivors = []
