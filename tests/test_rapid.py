@@ -459,13 +459,15 @@ def test_draft_head_variant_per_row_with_a_token_exactly_at_the_boundary():
     # not fire), and in row 0 a token whose q is exactly 0.1 max q: the head is q >= 0.1 max q, so it is shifted.
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, -0.5, 1.5, 0.0]])
     p = torch.softmax(logits, -1)
-    q = torch.tensor([[0.5, 0.05, 0.449, 0.001], [0.1, 0.2, 0.3, 0.4]])  # row 1: 0.1 >= 0.04, all shifted
+    # row 1: 0.045 >= 0.1 * 0.4 of its own row (shifted), though below 0.1 * 0.5, row 0's max (a batch-wide max)
+    q = torch.tensor([[0.5, 0.05, 0.449, 0.001], [0.045, 0.255, 0.3, 0.4]])
     expected = []
     for row in range(2):
         head = [qv >= 0.1 * max(q[row].tolist()) for qv in q[row].tolist()]
         shifted = [float(z) + (float(qv - pv) if h else 0.0) for z, qv, pv, h in zip(logits[row], q[row], p[row], head)]
         expected.append(torch.softmax(torch.tensor(shifted), -1))
     assert [qv >= 0.1 * 0.5 for qv in q[0].tolist()] == [True, True, True, False]
+    assert float(q[1, 0]) >= 0.1 * float(q[1].max()) and float(q[1, 0]) < 0.1 * float(q.max())
     torch.testing.assert_close(tail_adjusted(logits, p, q, 1.0, rule="draft_head"), torch.stack(expected))
 
 
