@@ -186,15 +186,9 @@ class RowPool:
     def merge(self, other: RowPool) -> None:
         """Append ``other``'s rows after this pool's rows (the smaller side is padded on the right)."""
         capacity = max(self.capacity, other.capacity)
-        self.layers = [(torch.cat([_pad(k, capacity), _pad(ok, capacity)]),
-                        torch.cat([_pad(v, capacity), _pad(ov, capacity)]))
-                       for (k, v), (ok, ov) in zip(self.layers, other.layers)]
-        self.positions = torch.cat([_pad_ids(self.positions, capacity, PAD_POSITION),
-                                    _pad_ids(other.positions, capacity, PAD_POSITION)])
-        self.contexts = torch.cat([_pad_ids(self.contexts, capacity, PAD_ID),
-                                   _pad_ids(other.contexts, capacity, PAD_ID)])
-        self.questions = torch.cat([_pad_ids(self.questions, capacity, PAD_ID),
-                                    _pad_ids(other.questions, capacity, PAD_ID)])
+        (layers, *ids), (other_layers, *other_ids) = self._padded(capacity), other._padded(capacity)
+        self.layers = [(torch.cat([k, ok]), torch.cat([v, ov])) for (k, v), (ok, ov) in zip(layers, other_layers)]
+        self.positions, self.contexts, self.questions = (torch.cat(pair) for pair in zip(ids, other_ids))
         self.width = max(self.width, other.width)
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -228,25 +222,27 @@ class RowPool:
             return
         # stable order: real columns first, in their order; then padding
         order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        capacity = _room(width)
-        self.positions = _pad_ids(self.positions.gather(1, order), capacity, PAD_POSITION)
-        self.contexts = _pad_ids(self.contexts.gather(1, order), capacity, PAD_ID)
-        self.questions = _pad_ids(self.questions.gather(1, order), capacity, PAD_ID)
+        self.positions = self.positions.gather(1, order)
+        self.contexts = self.contexts.gather(1, order)
+        self.questions = self.questions.gather(1, order)
         gather = order[:, None, :, None]
-        self.layers = [(_pad(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])), capacity),
-                        _pad(v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3])), capacity))
-                       for k, v in self.layers]
+        self.layers = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
+                        v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
+        self.layers, self.positions, self.contexts, self.questions = self._padded(_room(width))
         self.width = width
 
     def _reserve(self, columns: int) -> None:
         """Make room for ``columns`` more columns, growing the capacity to a multiple of :data:`GROW_COLUMNS`."""
         if self.width + columns <= self.capacity:
             return
-        capacity = _room(self.width + columns)
-        self.layers = [(_pad(k, capacity), _pad(v, capacity)) for k, v in self.layers]
-        self.positions = _pad_ids(self.positions, capacity, PAD_POSITION)
-        self.contexts = _pad_ids(self.contexts, capacity, PAD_ID)
-        self.questions = _pad_ids(self.questions, capacity, PAD_ID)
+        self.layers, self.positions, self.contexts, self.questions = self._padded(_room(self.width + columns))
+
+    def _padded(self, capacity: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+        """Layers, positions, contexts and questions right-padded (as padding) to ``capacity`` columns."""
+        return ([(_pad(k, capacity), _pad(v, capacity)) for k, v in self.layers],
+                _pad_ids(self.positions, capacity, PAD_POSITION), _pad_ids(self.contexts, capacity, PAD_ID),
+                _pad_ids(self.questions, capacity, PAD_ID))
 
     @torch.inference_mode()
     def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
