@@ -178,23 +178,20 @@ class KVCacheStore:
                 if key in self._memory:
                     continue
                 host = self._host.get(key)
-            tier = "host"
-            if host is None:
+            if host is not None:
+                tier, kv = "host", host.kv
+            else:
                 if self.disk is None:
                     continue
-                tier = "disk"
-                kv = self.disk.load(key, ids, torch.device("cpu") if self.host_bytes else None)
+                # with a host tier: read into pinned memory (kept there), else straight onto the device
+                tier, kv = "disk", self.disk.load(key, ids, torch.device("cpu") if self.host_bytes else None)
                 if kv is None:
                     continue
-                if not self.host_bytes:  # no host tier: straight into the memory tier
+                if self.host_bytes:
+                    kv = pinned(kv)
                     with self._lock:
-                        self._remember(CachedKV(key, ids, kv))
-                        self._prefetched[key] = tier
-                    continue
-                host = CachedKV(key, ids, pinned(kv))
-                with self._lock:
-                    self._keep_on_host(host)
-            transfer = to_device_async(host.kv, self.loaded.device)
+                        self._keep_on_host(CachedKV(key, ids, kv))
+            transfer = to_device_async(kv, self.loaded.device)  # already there (no host tier): no copy, no event
             with self._lock:
                 if key not in self._memory:
                     self._remember(CachedKV(key, ids, transfer.tensor))
