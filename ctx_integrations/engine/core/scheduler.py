@@ -151,10 +151,10 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
 class Scheduler:
     """The owner of one model: a queue, a loader thread, and the step loop on its own thread."""
 
-    def __init__(self, loaded: LoadedModel, max_rows: int = 1024, attention_kernel: str = "auto"):
+    def __init__(self, loaded: LoadedModel, attention_kernel: str, max_rows: int = 1024):
         # weak: the engines (and the requests in flight) keep the model alive, not its scheduler
         self._loaded, self.max_rows = weakref.ref(loaded), max_rows
-        self.attention_kernel = resolve_kernel(attention_kernel, loaded.device)  # the row pool's: flex on CUDA
+        self.attention_kernel = attention_kernel  # the row pool's, resolved by scheduler_for: "eager" or "flex"
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._loading: list[Submission] = []  # on the loader thread
