@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core.layout import PromptLayout
 from tests.helpers import tiny_loaded
 
 
@@ -18,3 +19,15 @@ def embedded_engine() -> Engine:
 def tiny_engine(tmp_path) -> Engine:
     """A fresh tiny random Llama engine whose caches persist under a per-test folder."""
     return Engine(tiny_loaded("llama"), cache_dir=tmp_path / "kv")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """The tiny random Llama (seed 0) of the cache-store tests, one per test module."""
+    return tiny_loaded("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def layout(loaded) -> PromptLayout:
+    """The default prompt layout over ``loaded``'s tokenizer."""
+    return PromptLayout(loaded.tokenizer)

@@ -15,22 +15,10 @@ import torch
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import CacheStats
-from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.errors import InvalidOptionError
-from tests.helpers import tiny_loaded
 
 DOCS = ["Marrowgate is the capital of Veloria.", "The mayor of Marrowgate is Ilsa Brenn.",
         "The Lantern Fair is held every October in the harbour district.", "The vault code is 4721."]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return tiny_loaded("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def layout(loaded):
-    return PromptLayout(loaded.tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,6 @@ DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 
 QUESTION = "How many bridges does Marrowgate have?"
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return tiny_loaded("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def layout(loaded):
-    return PromptLayout(loaded.tokenizer)
-
-
 def cached_logits(loaded, layout, store, documents):
     prefix = store.prefix(layout)
     streams = batch_streams(prefix, [store.document(layout, d) for d in documents])

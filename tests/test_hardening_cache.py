@@ -21,23 +21,12 @@ from ctx_integrations import Engine
 from ctx_integrations.engine.core import disk as disk_module
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import DiskTier, checksum
-from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning
 from tests.helpers import tiny_loaded
 
 DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 1621."
 OTHER = "Velden sits on the Ost, a river the same length as the Ast, with four ferries."
 DOCS = [DOC, OTHER, "The third passage is about the harbour of Lisk.", "A fourth one, on the mills of Tarn."]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return tiny_loaded("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def layout(loaded):
-    return PromptLayout(loaded.tokenizer)
 
 
 @pytest.fixture(autouse=True)
