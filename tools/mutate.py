@@ -107,10 +107,10 @@ def run(name: str, target: Target, children: int) -> dict[str, int]:
     if patterns:
         subprocess.run([str(MUTMUT), "run", "--max-children", str(children), *patterns], cwd=folder, env=env,
                        stdout=subprocess.DEVNULL, check=False)
-    meta = json.loads((folder / "mutants" / (target.path + ".meta")).read_text())
-    results = {**before, **{key: code for key, code in meta["exit_code_by_key"].items() if key in patterns}}
-    chosen = {key: code for key, code in (results if before else meta["exit_code_by_key"]).items()
-              if any(_matches(key, module, f) for f in target.functions)}
+    results = json.loads((folder / "mutants" / (target.path + ".meta")).read_text())["exit_code_by_key"]
+    if before:  # the earlier run's codes, with its survivors' new ones
+        results = {**before, **{key: results[key] for key in patterns}}
+    chosen = {key: code for key, code in results.items() if any(_matches(key, module, f) for f in target.functions)}
     counts = {"killed": 0, "timeout": 0, "survived": 0, "other": 0}
     survivors = []
     for key, code in sorted(chosen.items()):
