@@ -239,3 +239,33 @@ def test_ippd_traces_carry_each_tokens_log_probability_and_context_attribution(t
         assert all(isinstance(step.score, float) for step in answer.trace)
         torch.testing.assert_close(torch.tensor([s.score for s in answer.trace]), expected, atol=1e-4, rtol=1e-4)
         assert answer.extra["attribution"] == "context" and answer.extra["stacked_questions"] == 2
+
+
+@pytest.mark.parametrize("max_stack_tokens", [None, 170])
+def test_a_finished_question_stops_costing_tokens_and_a_finished_stack_its_row(monkeypatch, max_stack_tokens):
+    """Question 0 ends at its 3rd token while question 1 decodes 16: from then on each forward takes no token
+    of question 0 (one stack) or no row at all for its stack (one stack per question), and both answers stay
+    exact. Catches a job that keeps feeding a finished answer, or a stack row left in the pool until the end."""
+    from ctx_integrations.engine.core import rows
+
+    loaded = tiny_loaded("llama", seed=2)
+    engine = Engine(loaded)
+    early = independent(engine, DOCS, QUESTIONS[0], 16)[3]
+    loaded.model.generation_config.eos_token_id = [loaded.tokenizer.eos_token_id, early]
+    forwards: list[tuple[int, int]] = []  # (pool rows, tokens taken) per forward
+    forward = rows.RowPool.forward
+
+    def spy(pool, model, runs, *args, **kwargs):
+        forwards.append((pool.rows, sum(len(run.ids) for row in runs for run in row)))
+        return forward(pool, model, runs, *args, **kwargs)
+
+    monkeypatch.setattr(rows.RowPool, "forward", spy)
+    answers = engine.generate_many(QUESTIONS[:2], DOCS, max_new_tokens=16, max_stack_tokens=max_stack_tokens)
+    assert [len(a.token_ids) for a in answers] == [3, 16]
+    for question, answer in zip(QUESTIONS, answers):
+        assert answer.token_ids == independent(engine, DOCS, question, 16)
+    stacks = int(answers[0].timings["stacks"])
+    assert stacks == (1 if max_stack_tokens is None else 2)
+    assert len(forwards) == 16  # the prefill, then one forward per token of the longer answer
+    assert forwards[1:4] == [(stacks, 2)] * 3  # both answers decode
+    assert forwards[4:] == [(1, 1)] * 12  # question 0 is done: one token per step, and one row left

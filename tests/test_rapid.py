@@ -476,3 +476,42 @@ def test_the_tail_rule_error_names_both_rules_and_what_they_do():
                r"where q >= 0.1 max q\), got 'eq9'")
     with pytest.raises(InvalidOptionError, match=message):
         tail_adjusted(torch.zeros(3), torch.full((3,), 1 / 3), torch.full((3,), 1 / 3), 1.0, rule="eq9")
+
+
+# -- the tail rule end to end --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tail_rule", ["paper", "draft_head"])
+def test_the_chosen_tail_rule_reaches_every_verification_step(monkeypatch, tail_rule):
+    """``generate(..., tail_rule=...)`` must arrive at ``verify`` in every round, not only in the rule's own tests.
+
+    Catches a call chain that drops the option (the loop's default, "paper", would then run silently).
+    """
+    from ctx_integrations.engine.modes import rapid
+
+    seen: list[str] = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["tail_rule"])
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(rapid, "verify", spy)
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05))
+    engine.generate(QUESTION, DOCS, mode="rapid", drafter=drafter, gamma=3, eta=1.0, tail_rule=tail_rule,
+                    max_new_tokens=8, temperature=1.0, seed=0, **WHOLE_CONTEXT)
+    assert seen and set(seen) == {tail_rule}
+
+
+def test_the_two_tail_rules_sample_differently_end_to_end():
+    """Same seeds, eta > 0: the variant shifts only the drafter's head, so some sampled answers must differ.
+
+    With the option lost on the way to verification both runs would use one rule and agree seed for seed.
+    """
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, logit_scale=0.5))
+    options = dict(mode="rapid", drafter=drafter, gamma=2, eta=3.0, max_new_tokens=6, temperature=1.0,
+                   **WHOLE_CONTEXT)
+    paper = [engine.generate(QUESTION, DOCS, seed=s, tail_rule="paper", **options).token_ids for s in range(12)]
+    head = [engine.generate(QUESTION, DOCS, seed=s, tail_rule="draft_head", **options).token_ids for s in range(12)]
+    assert paper != head

@@ -56,6 +56,15 @@ class PooledJob(Job):
         """Per row, the logits after each of its runs (``[runs, V]``): choose tokens, emit, decide the next runs."""
         raise NotImplementedError
 
+    def take_finished_rows(self) -> list[int]:
+        """Rows (indices among the job's rows still in the pool) that take no more tokens while the job goes on.
+
+        The scheduler drops them from the pool after the step, so a finished part of a request (an
+        IPPD stack whose questions are all answered) stops costing a row of every forward. From then
+        on ``runs`` and ``consume`` speak of the remaining rows only. Most jobs finish all rows at once.
+        """
+        return []
+
 
 @dataclass(frozen=True)
 class Stream:

@@ -397,7 +397,8 @@ class Scheduler:
             self._dropped.append(submission)
 
     def _retire(self) -> None:
-        """Hand back finished answers and errors; drop the rows of every request that is over.
+        """Hand back finished answers and errors; drop the rows of every request that is over, and the rows a
+        running job has finished with (:meth:`PooledJob.take_finished_rows`).
 
         The bookkeeping is updated before any caller is woken, so a caller that reads ``stats()`` right
         after its answer arrives no longer sees its own request running.
@@ -407,8 +408,9 @@ class Scheduler:
             if submission.over or job.done:
                 finished.append((job, submission))
             else:
-                keep_jobs.append((job, submission, rows))
-                keep_rows.extend(range(offset, offset + rows))
+                gone = set(job.take_finished_rows())
+                keep_jobs.append((job, submission, rows - len(gone)))
+                keep_rows.extend(offset + row for row in range(rows) if row not in gone)
             offset += rows
         still = []
         for job, submission in self._exclusive:
@@ -418,7 +420,7 @@ class Scheduler:
             else:
                 still.append((job, submission))
         with self._cond:
-            if len(keep_jobs) != len(self._pooled):
+            if len(keep_rows) != sum(rows for _, _, rows in self._pooled):
                 self._pooled = keep_jobs
                 if not keep_jobs:
                     self._pool = None

@@ -106,10 +106,19 @@ class StackedJob(PooledJob):
         self._next = [[Run(tuple(q.suffix), q.next_position - len(q.suffix), q.context, q.qid) for q in s.questions]
                       for s in stacks]
         self._waiting: list[list[_Question]] = [list(s.questions) for s in stacks]
+        self._live = list(range(len(stacks)))  # the stacks whose rows are still in the pool, in row order
 
     @property
     def done(self) -> bool:
         return not any(self._waiting)
+
+    def take_finished_rows(self) -> list[int]:
+        """A stack whose questions are all answered leaves the pool while the other stacks decode."""
+        finished = [row for row, stack in enumerate(self._live) if not self._waiting[stack]]
+        if finished and not self.done:
+            self._live = [stack for stack in self._live if self._waiting[stack]]
+            return finished
+        return []
 
     def rows(self) -> list[list[Piece]]:
         return [[Piece(self.prefix.kv, 0)] + [Piece(entry.kv, self.prefix_len, context)
@@ -117,7 +126,7 @@ class StackedJob(PooledJob):
                 for stack in self.stacks]
 
     def runs(self) -> list[list[Run]]:
-        return self._next
+        return [self._next[stack] for stack in self._live]
 
     def consume(self, logits: list[torch.Tensor]) -> None:
         first_step = "prefill_s" not in self.contexts[0].timings
@@ -125,19 +134,16 @@ class StackedJob(PooledJob):
             prefill = time.perf_counter() - self.contexts[0].started
             for ctx in self.contexts:
                 ctx.timings["prefill_s"] = prefill
-        growing: list[list[_Question]] = []
-        for questions, row in zip(self._waiting, logits):
+        for stack, row in zip(self._live, logits):
             still = []
-            for question, scores in zip(questions, row):
+            for question, scores in zip(self._waiting[stack], row):
                 token = question.ctx.sampler(scores)
                 if not question.emitter.push(TraceStep(token, None, float(torch.log_softmax(scores, -1)[token]))):
                     still.append(question)
-            growing.append(still)
-        self._waiting = growing
-        self._next = []
-        for row in growing:
-            self._next.append([Run((q.emitter.trace[-1].token_id,), q.next_position, q.context, q.qid) for q in row])
-            for question in row:
+            self._waiting[stack] = still
+            self._next[stack] = [Run((q.emitter.trace[-1].token_id,), q.next_position, q.context, q.qid)
+                                 for q in still]
+            for question in still:
                 question.next_position += 1
 
     def results(self) -> list[DecodeResult]:
