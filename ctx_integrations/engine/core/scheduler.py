@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import sys
 import threading
 import time
 import weakref
@@ -55,6 +56,7 @@ from ctx_integrations.errors import (
 
 IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work, and restarts on demand
 PACK_AT_PADDING = 0.5  # left-pack the pool when more than this share of its key columns is padding
+EXIT_NOTICE_S = 5.0  # at interpreter exit, say why the process still waits for a step after this long
 
 
 class RequestCancelledError(CtxIntegrationsError, RuntimeError):
@@ -215,18 +217,26 @@ class Scheduler:
             self._thread.start()
 
     # -- the model's side ----------------------------------------------------------------------------
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, notice_after: float = EXIT_NOTICE_S) -> None:
         """Stop the step loop at its next step boundary and wait for the thread (at interpreter exit).
 
         A daemon thread still inside torch while the interpreter finalises aborts the process
-        ("terminate called without an active exception"), so the loop is joined first.
+        ("terminate called without an active exception": CPython ends such a thread with pthread_exit
+        when it takes the GIL back, and that unwinding through torch's C++ frames calls
+        std::terminate). So the loop is joined with no time limit: a step always ends, and on a busy
+        CPU one prefill can outlast any fixed limit (a 10 s limit aborted runs on a loaded machine).
+        Past ``notice_after`` seconds the wait is explained on stderr.
         """
         with self._cond:
             self._stopping = True
             thread = self._thread
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(notice_after)
+            if thread.is_alive():
+                print("ctx-integrations: waiting for the model's current step to end before exiting",
+                      file=sys.stderr, flush=True)
+                thread.join()
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
@@ -447,13 +457,15 @@ class Scheduler:
 
 _SCHEDULERS: weakref.WeakKeyDictionary[torch.nn.Module, Scheduler] = weakref.WeakKeyDictionary()
 _SCHEDULERS_LOCK = threading.Lock()
+# every scheduler alive, also one whose model is gone from _SCHEDULERS (its thread keeps it alive)
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
 @atexit.register
 def _stop_all() -> None:
     """Join every scheduler's thread before the interpreter finalises (see :meth:`Scheduler.stop`)."""
     with _SCHEDULERS_LOCK:
-        schedulers = list(_SCHEDULERS.values())
+        schedulers = list(_LIVE)
     for scheduler in schedulers:
         scheduler.stop()
 
@@ -469,6 +481,7 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto") -> Schedu
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
             scheduler = _SCHEDULERS[loaded.model] = Scheduler(loaded, attention_kernel=kernel)
+            _LIVE.add(scheduler)
         elif scheduler.attention_kernel != kernel:
             raise InvalidOptionError(
                 f"this model's scheduler already runs its row pool with attention_kernel="
