@@ -438,7 +438,9 @@ def test_knob_errors_name_the_knob_and_the_papers_range():
     from ctx_integrations.engine.modes.ape import check_knobs
 
     hint = r" \(a number in \(0, 1\]; the authors use 0.6-1.0; 1 = no correction\)"
-    with pytest.raises(InvalidOptionError, match=r"^APE's attention_temperature must be in \(0, 1\], got 0.0" + hint):
+    temperature_hint = r" \(a number in \[0.01, 1\]; the authors use 0.6-1.0; 1 = no correction\)"
+    with pytest.raises(InvalidOptionError,
+                       match=r"^APE's attention_temperature must be in \[0.01, 1\], got 0.0" + temperature_hint):
         check_knobs(0.0, 0.5)
     with pytest.raises(InvalidOptionError, match=r"^APE's scale must be in \(0, 1\], got 1.5" + hint):
         check_knobs(0.5, 1.5)
