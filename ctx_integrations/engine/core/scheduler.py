@@ -259,7 +259,7 @@ class Scheduler:
 
     def _prefetch(self, submission: Submission) -> None:
         try:
-            if submission.prefetch is not None and not submission.cancelled.is_set():
+            if submission.prefetch is not None and not (submission.cancelled.is_set() or submission.over):
                 submission.prefetch()
         except Exception:  # noqa: BLE001 - a failed read is retried (and reported) by the job's own lookup
             pass
