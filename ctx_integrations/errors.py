@@ -84,3 +84,25 @@ class CacheStoreWarning(UserWarning):
 
 class StoreConnectionError(CtxIntegrationsError, ConnectionError):
     """A document store server (a Chroma URL) that cannot be reached."""
+
+
+class CallbackError(CtxIntegrationsError, RuntimeError):
+    """A request's own callback (``on_token``) raised a ``BaseException`` that is not an ``Exception``
+    (``GeneratorExit``, ``SystemExit``, ``KeyboardInterrupt``) on the scheduler's thread.
+
+    The request is stopped and its rows freed; the requests beside it go on. ``original`` is what the
+    callback raised (also the ``__cause__``). A synchronous caller (``generate``, ``chat``,
+    ``generate_many``) gets ``SystemExit`` / ``KeyboardInterrupt`` re-raised as such in its own thread,
+    as if the callback had run there; everything else (and async callers) gets this error.
+    """
+
+    def __init__(self, message: str, original: BaseException):
+        super().__init__(message)
+        self.original = original
+
+
+class NonFiniteScoresError(CtxIntegrationsError, FloatingPointError):
+    """The scores a token is chosen from became NaN or infinite (all ``-inf``, or ``+inf``) during decoding.
+
+    Raised instead of emitting token id 0 (what ``argmax`` returns over NaN) again and again.
+    """

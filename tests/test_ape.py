@@ -156,7 +156,8 @@ def test_caches_are_reused_and_positions_follow_the_longest_document(tiny_engine
 @pytest.mark.parametrize("knobs", [dict(attention_temperature=0.0), dict(scale=1.5), dict(attention_temperature=-0.2),
                                    dict(scale=float("nan")), dict(scale=True)])
 def test_knobs_outside_the_unit_interval_are_refused(tiny_engine, knobs):
-    with pytest.raises(InvalidOptionError, match=r"\(0, 1\]"):
+    interval = r"\[0.01, 1\]" if "attention_temperature" in knobs else r"\(0, 1\]"  # T's floor keeps float32 finite
+    with pytest.raises(InvalidOptionError, match=interval):
         tiny_engine.generate(QUESTION, DOCS, mode="ape", **knobs)
 
 
@@ -438,7 +439,9 @@ def test_knob_errors_name_the_knob_and_the_papers_range():
     from ctx_integrations.engine.modes.ape import check_knobs
 
     hint = r" \(a number in \(0, 1\]; the authors use 0.6-1.0; 1 = no correction\)"
-    with pytest.raises(InvalidOptionError, match=r"^APE's attention_temperature must be in \(0, 1\], got 0.0" + hint):
+    temperature_hint = r" \(a number in \[0.01, 1\]; the authors use 0.6-1.0; 1 = no correction\)"
+    with pytest.raises(InvalidOptionError,
+                       match=r"^APE's attention_temperature must be in \[0.01, 1\], got 0.0" + temperature_hint):
         check_knobs(0.0, 0.5)
     with pytest.raises(InvalidOptionError, match=r"^APE's scale must be in \(0, 1\], got 1.5" + hint):
         check_knobs(0.5, 1.5)

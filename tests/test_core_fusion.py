@@ -175,8 +175,8 @@ def test_a_stream_count_that_does_not_match_the_scores_is_named():
     ([], {}, "^PCED needs at least one expert$"),
     ([0.5], dict(score_space="probs"), r"^score_space must be one of logprobs, logits, got 'probs' \(str\)$"),
     ([0.5], dict(aggregation="mean"), r"^aggregation must be one of max, mixture, product, got 'mean' \(str\)$"),
-    ([0.5], dict(beta=-1.0), r"^beta must be in \[0, inf\], got -1.0 \(or None: dynamic\)$"),
-    ([0.5], dict(gamma=-0.1), r"^gamma must be in \[0, inf\], got -0.1$")])
+    ([0.5], dict(beta=-1.0), r"^beta must be in \[0, 100\], got -1.0 \(or None: dynamic\)$"),
+    ([0.5], dict(gamma=-0.1), r"^gamma must be in \[0, 100\], got -0.1$")])
 def test_invalid_arguments_are_named_in_the_error(relevance, kwargs, message):
     with pytest.raises(InvalidOptionError, match=message):
         PCEDFusion(relevance, **kwargs)

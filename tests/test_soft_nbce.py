@@ -438,9 +438,10 @@ def test_defaults_are_the_papers_settings():
 
 def test_knob_errors_name_the_knob_and_say_what_it_means():
     with pytest.raises(InvalidOptionError,
-                       match=r"^tau must be in \(0, inf\], got 0.0 \(math.inf = uniform average\)$"):
+                       match=r"^tau must be in \[1e-09, inf\], got 0.0 \(math.inf = uniform average; mode='nbce' is "
+                             r"the tau -> 0 limit\)$"):
         SoftNBCEFusion(tau=0)
-    with pytest.raises(InvalidOptionError, match=r"^beta must be in \[0, inf\], got -1.0$"):
+    with pytest.raises(InvalidOptionError, match=r"^beta must be in \[0, 100\], got -1.0$"):
         SoftNBCEFusion(beta=-1)
     with pytest.raises(InvalidOptionError, match=r"^rho must be in \(0, 1\], got 0.0 \(each chunk's top-p\)$"):
         SoftNBCEFusion(rho=0)

@@ -39,7 +39,7 @@ from ctx_integrations.engine.core.registry import (
 from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
 from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler, single_stream
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
-from ctx_integrations.engine.core.validation import optional_whole_number
+from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -77,6 +77,27 @@ def _check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
+def _token_batches(token_lists: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Consecutive slices of ``token_lists`` of at most ``budget`` tokens each (one document at least)."""
+    batches: list[list[list[int]]] = [[]]
+    used = 0
+    for ids in token_lists:
+        if batches[-1] and used + len(ids) > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(ids)
+        used += len(ids)
+    return batches
+
+
+def _check_callback(on_token: Any) -> Callable[[str], None] | None:
+    """Refuse a non-callable ``on_token`` now, in the caller's thread (it would fail on the scheduler's, mid-answer)."""
+    if on_token is not None and not callable(on_token):
+        raise InvalidOptionError(f"on_token must be a callable taking one str (or None), got "
+                                 f"{type(on_token).__name__}")
+    return on_token
+
+
 class Engine:
     """A local decoder with per-document KV caches and every decoding mode, serving concurrent requests.
 
@@ -107,7 +128,8 @@ class Engine:
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
-        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template, context_template)
+        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template_text(question_template),
+                                   context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
                                   memory_bytes, disk_bytes=disk_bytes, host_bytes=host_bytes)
@@ -134,15 +156,20 @@ class Engine:
         return available_modes()
 
     # -- requests ------------------------------------------------------------------------------------
-    def _submit(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
-                prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> RequestHandle:
+    def _submission(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
+                    prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> Submission:
         if self._closed:
             raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
         timeout = _check_timeout(timeout) if timeout is not None else self.request_timeout_s
         submission = Submission(plan, finish, self, prefetch=prefetch, rows_hint=rows_hint)
         if timeout is not None:
             submission.deadline = submission.submitted + timeout
-        return self.scheduler.submit(submission, self.max_queued_requests)
+        return submission
+
+    def _submit(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
+                prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> RequestHandle:
+        return self.scheduler.submit(self._submission(plan, finish, timeout=timeout, prefetch=prefetch,
+                                                      rows_hint=rows_hint), self.max_queued_requests)
 
     def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
                  on_token: Callable[[str], None] | None, timeout: float | None, max_new_tokens: int,
@@ -227,9 +254,10 @@ class Engine:
               max_new_tokens: int, temperature: float, top_p: float, seed: int | None, stop: Sequence[str] | str,
               timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
         run = self._check_call(mode, options)
-        if isinstance(questions, str) or not questions:
-            raise InvalidOptionError("questions must be a non-empty list of strings (got "
-                                     f"{'a single string' if isinstance(questions, str) else 'nothing'})")
+        if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
+            got = "a single string" if isinstance(questions, (str, bytes)) else (
+                f"a {type(questions).__name__}" if not isinstance(questions, Sequence) else "nothing")
+            raise InvalidOptionError(f"questions must be a non-empty list of strings (got {got})")
         per_question = _documents_per_question(documents, len(questions))
         if per_question is None:
             shared = prepare_documents(documents, scores)
@@ -246,13 +274,13 @@ class Engine:
             return [self._submit(lambda: run(contexts, **options),
                                  lambda job: [_answer(c, r, mode, options) for c, r in zip(contexts, job.results())],
                                  timeout=timeout, prefetch=self._prefetcher(contexts), rows_hint=len(contexts))]
-        handles = []
-        for ctx in contexts:  # independent requests: the scheduler batches them
-            handles.append(self._submit(lambda ctx=ctx: run(ctx, **options),
-                                        lambda job, ctx=ctx: [_answer(ctx, job.results()[0], mode, options)],
-                                        timeout=timeout, prefetch=self._prefetcher([ctx]),
-                                        rows_hint=len(ctx.documents) + 1))
-        return handles
+        # independent requests, which the scheduler batches; queued all or nothing, so an overload refusal
+        # leaves none of them running for nobody
+        return self.scheduler.submit_all([
+            self._submission(lambda ctx=ctx: run(ctx, **options),
+                             lambda job, ctx=ctx: [_answer(ctx, job.results()[0], mode, options)],
+                             timeout=timeout, prefetch=self._prefetcher([ctx]), rows_hint=len(ctx.documents) + 1)
+            for ctx in contexts], self.max_queued_requests)
 
     def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
                       mode: str = "ippd", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -269,7 +297,12 @@ class Engine:
         """
         handles = self._many(questions, documents, scores, mode, max_new_tokens, temperature, top_p, seed, stop,
                              timeout, options)
-        return [answer for handle in handles for answer in handle.result()]
+        try:
+            return [answer for handle in handles for answer in handle.result()]
+        except BaseException:  # one question failed: the others stop too instead of decoding for nobody
+            for handle in handles:
+                handle.cancel()
+            raise
 
     async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
                              scores: Sequence[float] | None = None, mode: str = "ippd", *, max_new_tokens: int = 128,
@@ -297,7 +330,7 @@ class Engine:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={max_new_tokens}, more than the model's "
                 f"window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        ctx = DecodeContext(self, "", [], sampler, criteria, on_token)
+        ctx = DecodeContext(self, "", [], sampler, criteria, _check_callback(on_token))
         ctx.timings["prompt_tokens"] = float(len(ids))
         return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream),
                             lambda job: [_answer(ctx, job.results()[0], CHAT_MODE, {})], timeout=timeout)
@@ -341,9 +374,12 @@ class Engine:
         ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1))
 
         def steps() -> Generator[None, None, list[DecodeResult]]:
-            self.store.documents(self.layout, [doc.text for doc in docs], stats=ctx.cache)
+            # one batched forward's worth of documents per step: other requests run (and time out) in between
+            # instead of waiting for the whole corpus
+            for batch in _token_batches([self.layout.context_ids(doc.text) for doc in docs], self.store.batch_tokens):
+                self.store.documents_tokens(self.layout, batch, stats=ctx.cache)
+                yield
             return []
-            yield  # a generator: the scheduler runs it as one exclusive step
 
         counts = self._submit(lambda: ExclusiveJob([ctx], steps()), lambda job: ctx.cache.as_dict(),
                               prefetch=self._prefetcher([ctx])).result()
@@ -390,4 +426,4 @@ class Engine:
                  on_token: Callable[[str], None] | None) -> DecodeContext:
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
-        return DecodeContext(self, query, documents, sampler, stop, on_token)
+        return DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token))

@@ -113,7 +113,7 @@ def mode_options(name: str) -> dict[str, Any]:
 
 def resolve_mode(name: str) -> ModeFunction:
     modes = available_modes()
-    if name not in _MODES:
+    if not isinstance(name, str) or name not in _MODES:  # a list or dict would raise TypeError (unhashable)
         raise UnknownModeError(f"unknown mode {name!r}: choose one of {', '.join(modes)}")
     return _MODES[name]
 

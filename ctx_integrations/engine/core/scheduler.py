@@ -4,7 +4,8 @@ Shaped like vLLM v1's engine core, on top of transformers: requests enter a queu
 reads their documents' KV caches from disk into the memory tier (so disk reads overlap with the
 model's work); at every step the scheduler thread
 
-1. retires cancelled and timed-out requests (their rows leave the pool),
+1. retires cancelled and timed-out requests (their rows leave the pool; a deadline watcher thread has
+   already failed a late request on time, even while a long step held the model),
 2. runs ONE forward over the rows of every running pooled job (PCED / Soft-NBCE experts and their
    context-free rows, ``single`` / ``concat`` / chat sequences, IPPD stacks) and hands each job the
    logits of its own rows, which it turns into tokens with its own per-step rule,
@@ -21,6 +22,11 @@ running request one step of latency, once.
 
 Exactness: each request's rows see exactly their own keys (the mask), so a greedy answer is the
 same token for token whether the request runs alone or batched (tests/test_scheduler.py).
+
+A request's own code (its ``on_token`` callback, its mode's rule) can raise anything, ``SystemExit``
+and ``GeneratorExit`` included: every call into it is guarded, so it fails that request alone (a
+``BaseException`` that is not an ``Exception`` becomes :class:`~ctx_integrations.errors.CallbackError`)
+and the thread and the requests beside it go on.
 
 One scheduler per loaded model, shared by every :class:`~ctx_integrations.Engine` built on it, so two
 engines on one model never run forward passes at the same time. The thread exits after a short
@@ -48,6 +54,7 @@ from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool
 from ctx_integrations.errors import (
+    CallbackError,
     CtxIntegrationsError,
     EngineOverloadedError,
     InvalidOptionError,
@@ -105,16 +112,31 @@ class RequestHandle:
         self._scheduler.wake()
 
     def result(self) -> Any:
-        """Block until the request is done; re-raises its error."""
+        """Block until the request is done; re-raises its error.
+
+        A callback's ``SystemExit`` / ``KeyboardInterrupt`` (contained on the scheduler's thread as a
+        :class:`CallbackError`) is re-raised as itself here, in the caller's thread, as if the callback
+        had run there: a ``sys.exit()`` in ``on_token`` must not turn into an ``Exception`` that an
+        ``except Exception`` swallows (``concurrent.futures`` hands it back the same way).
+        """
         try:
             return self.future.result()
+        except CallbackError as error:
+            self.cancel()
+            if isinstance(error.original, (SystemExit, KeyboardInterrupt)):
+                raise error.original from error
+            raise
         except BaseException:
             self.cancel()
             raise
 
     async def wait(self) -> Any:
         """Await the request without blocking the event loop (no thread per request); cancelling the await
-        cancels the request."""
+        cancels the request.
+
+        A callback's ``SystemExit`` / ``KeyboardInterrupt`` stays a :class:`CallbackError` here: raised
+        inside a task, either would stop the whole event loop and every other request it serves.
+        """
         waiting = asyncio.wrap_future(self.future)
         try:
             return await asyncio.shield(waiting)
@@ -139,15 +161,40 @@ class SchedulerStats:
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
 
 
-def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete a future once; a future its caller already cancelled is left alone."""
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
+    """Complete a future once (whether this call did); a future its caller already cancelled is left alone."""
     try:
         if error is not None:
             future.set_exception(error)
         else:
             future.set_result(result)
     except InvalidStateError:
-        pass
+        return False
+    return True
+
+
+def contained(error: BaseException) -> BaseException:
+    """The error a request fails with when its own code raised ``error`` on the scheduler's thread.
+
+    An ``Exception`` is handed to the caller as it is. Any other ``BaseException`` (``GeneratorExit``,
+    ``SystemExit``, ``KeyboardInterrupt`` raised by a callback; the scheduler's thread never receives a
+    signal's ``KeyboardInterrupt``, only the main thread does) would end the scheduler's thread and
+    strand every request in flight, so it is wrapped in a typed :class:`CallbackError`.
+    """
+    if isinstance(error, Exception):
+        return error
+    wrapped = CallbackError(
+        f"a callback of this request (e.g. on_token) raised {type(error).__name__}{f': {error}' if str(error) else ''}"
+        " on the scheduler's thread: the request was stopped and its rows freed (other requests go on); raise an "
+        "Exception in a callback to stop a request", error)
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _timeout_error(submission: Submission) -> RequestTimeoutError:
+    return RequestTimeoutError(
+        f"the request ran past its timeout ({submission.deadline - submission.submitted:.3g} s) and was "
+        "cancelled: raise timeout=..., lower max_new_tokens, or send fewer concurrent requests")
 
 
 class Scheduler:
@@ -165,7 +212,9 @@ class Scheduler:
         self._exclusive: list[tuple[ExclusiveJob, Submission]] = []
         self._pool: RowPool | None = None
         self._dropped: list[Submission] = []  # failed this step, settled when the step retires them
+        self._deadlines: list[Submission] = []  # requests with a deadline, until they are over (the watcher's)
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._stopping = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-kv-loader")
         self._pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
@@ -173,16 +222,27 @@ class Scheduler:
     # -- the caller's side ---------------------------------------------------------------------------
     def submit(self, submission: Submission, max_queued: int | None = None) -> RequestHandle:
         """Queue a request; refuse it at once with :class:`EngineOverloadedError` when its owner's queue is full."""
+        return self.submit_all([submission], max_queued)[0]
+
+    def submit_all(self, submissions: list[Submission], max_queued: int | None = None) -> list[RequestHandle]:
+        """Queue several requests all or nothing (``generate_many``): when they do not all fit in their owner's
+        queue, none is queued and :class:`EngineOverloadedError` is raised, so a refusal leaves no request
+        behind running for nobody."""
         with self._cond:
-            waiting = sum(1 for s in (*self._loading, *self._ready) if s.owner is submission.owner)
-            if max_queued is not None and waiting >= max_queued:
+            owner = submissions[0].owner
+            waiting = sum(1 for s in (*self._loading, *self._ready) if s.owner is owner)
+            if max_queued is not None and waiting + len(submissions) > max_queued:
+                many = f"these {len(submissions)} requests do not fit: " if len(submissions) > 1 else ""
                 raise EngineOverloadedError(
-                    f"{waiting} requests are already waiting (max_queued_requests={max_queued}): retry later, or "
-                    "raise Engine(max_queued_requests=...)")
-            self._loading.append(submission)
+                    f"{many}{waiting} requests are already waiting (max_queued_requests={max_queued}): retry later, "
+                    "send fewer at once, or raise Engine(max_queued_requests=...)")
+            self._loading.extend(submissions)
+            self._deadlines.extend(s for s in submissions if s.deadline is not None)
             self._ensure_thread()
-        self._loader.submit(self._prefetch, submission)
-        return RequestHandle(submission, self)
+            self._cond.notify_all()  # the watcher may need to wake earlier for a new deadline
+        for submission in submissions:
+            self._loader.submit(self._prefetch, submission)
+        return [RequestHandle(submission, self) for submission in submissions]
 
     def wake(self) -> None:
         with self._cond:
@@ -201,7 +261,7 @@ class Scheduler:
 
     def _prefetch(self, submission: Submission) -> None:
         try:
-            if submission.prefetch is not None and not submission.cancelled.is_set():
+            if submission.prefetch is not None and not (submission.cancelled.is_set() or submission.over):
                 submission.prefetch()
         except Exception:  # noqa: BLE001 - a failed read is retried (and reported) by the job's own lookup
             pass
@@ -215,6 +275,40 @@ class Scheduler:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="ctx-scheduler", daemon=True)
             self._thread.start()
+        if self._deadlines and (self._watcher is None or not self._watcher.is_alive()):
+            self._watcher = threading.Thread(target=self._watch_deadlines, name="ctx-deadlines", daemon=True)
+            self._watcher.start()
+
+    def _watch_deadlines(self) -> None:
+        """Fail every request whose deadline passed, at its deadline, whatever the model's thread is doing.
+
+        The step loop checks deadlines only between steps, and one step can be long (``warm()`` or a
+        request's cold cache computed in one go, a long prefill): a request with ``timeout=0.5`` queued
+        behind such a step would get its error minutes late. This thread (one per scheduler, alive only
+        while some request has a deadline; it never touches the model) settles the request's future
+        with :class:`RequestTimeoutError` on time and takes a waiting request out of the queue; a running
+        one leaves the pool at the next step boundary.
+        """
+        with self._cond:
+            while not self._stopping:
+                now = time.perf_counter()
+                for submission in self._deadlines:
+                    if not submission.over and submission.deadline <= now:
+                        self._time_out_now(submission)
+                self._deadlines = [s for s in self._deadlines if not s.over]
+                if not self._deadlines:
+                    break
+                self._cond.wait(timeout=min(s.deadline for s in self._deadlines) - now)
+            self._watcher = None
+
+    def _time_out_now(self, submission: Submission) -> None:
+        """The watcher's side of a timeout (holding ``_cond``): a request still waiting leaves the queue now."""
+        if submission in self._loading:
+            self._loading.remove(submission)
+        elif submission in self._ready:
+            self._ready.remove(submission)
+        if _settle(submission.future, error=_timeout_error(submission)):
+            self.stats.timed_out += 1
 
     # -- the model's side ----------------------------------------------------------------------------
     def stop(self, notice_after: float = EXIT_NOTICE_S) -> None:
@@ -251,8 +345,8 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 self._step(admit)
-            except Exception as error:  # noqa: BLE001 - a bug outside any one request: fail what runs, keep serving
-                self._fail_all(admit, error)
+            except BaseException as error:  # noqa: BLE001 - a bug outside any one request: fail what runs, keep serving
+                self._fail_all(admit, contained(error))
             self.stats.busy_s += time.perf_counter() - started
             self.stats.steps += 1
 
@@ -337,8 +431,12 @@ class Scheduler:
             try:
                 job = submission.plan()
                 rows = 0 if isinstance(job, ExclusiveJob) else len(job.rows())
-            except Exception as error:  # noqa: BLE001 - a request that cannot be planned fails alone
-                self._fail(submission, error)
+            except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
+                self._fail(submission, contained(error))
+                continue
+            if submission.over:  # timed out (the watcher) while its plan computed caches
+                if isinstance(job, ExclusiveJob):
+                    job.close()
                 continue
             if isinstance(job, ExclusiveJob):
                 with self._cond:
@@ -373,8 +471,8 @@ class Scheduler:
     def _guard(self, submission: Submission, call: Callable[..., None], *args: Any) -> None:
         try:
             call(*args)
-        except Exception as error:  # noqa: BLE001 - a request's own failure (e.g. its on_token raised)
-            self._fail(submission, error)
+        except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its on_token raised)
+            self._fail(submission, contained(error))
 
     def _expired(self, submission: Submission) -> bool:
         """Whether the request must not run on: over already, or cancelled / timed out (then failed now)."""
@@ -385,9 +483,7 @@ class Scheduler:
             self._fail(submission, RequestCancelledError("the request was cancelled by its caller"), count=False)
         elif submission.deadline is not None and time.perf_counter() > submission.deadline:
             self.stats.timed_out += 1
-            self._fail(submission, RequestTimeoutError(
-                f"the request ran past its timeout ({submission.deadline - submission.submitted:.3g} s) and was "
-                "cancelled: raise timeout=..., lower max_new_tokens, or send fewer concurrent requests"), count=False)
+            self._fail(submission, _timeout_error(submission), count=False)
         return submission.over
 
     def _expire(self) -> None:
@@ -447,9 +543,9 @@ class Scheduler:
     def _finish(self, job: Job, submission: Submission) -> None:
         try:
             result = submission.finish(job)
-        except Exception as error:  # noqa: BLE001 - e.g. a mode's result hook failed: this request alone
+        except BaseException as error:  # noqa: BLE001 - e.g. a mode's result hook or on_token failed: this request alone
             self.stats.failed += 1
-            _settle(submission.future, error=error)
+            _settle(submission.future, error=contained(error))
             return
         self.stats.answered += 1
         _settle(submission.future, result)

@@ -9,6 +9,7 @@ and the step generators ``fused_steps`` / ``independent_steps``, which yield aft
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from ctx_integrations.engine.core.cache import StreamBatch
-from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.errors import InvalidOptionError, NonFiniteScoresError
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,19 @@ def forward_streams_keep(model: torch.nn.Module, streams: StreamBatch, input_ids
     return out.logits[:, -keep:].float()
 
 
+def check_finite_scores(best: float) -> None:
+    """Refuse to choose a token when the best score is NaN or infinite (``torch.max`` propagates NaN).
+
+    Greedy ``argmax`` over such scores returns token id 0 at every step (an empty answer that looks
+    like a success) and sampling fails inside ``torch.multinomial``; both become a typed error here.
+    """
+    if not math.isfinite(best):
+        raise NonFiniteScoresError(
+            f"the scores of the next token are not finite (score {best}): a decoding knob is at an extreme "
+            "value (gamma, beta, eta, tau, attention_temperature...) or the model produced NaN; use values nearer "
+            "the defaults, or a model in float32")
+
+
 class TokenSampler:
     """Greedy (temperature 0) or temperature + nucleus sampling with its own seeded generator."""
 
@@ -93,11 +107,15 @@ class TokenSampler:
 
     def __call__(self, scores: torch.Tensor) -> int:
         if self.temperature == 0:
-            return int(torch.argmax(scores))
+            token = int(torch.argmax(scores))  # NaN wins argmax, and all -inf gives 0: checked next
+            check_finite_scores(float(scores[token]))
+            return token
+        check_finite_scores(float(scores.max()))
         probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p  # always keeps the top token
+            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
+            keep[0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -181,6 +199,8 @@ class Emitter:
             return True
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.started
+        if math.isnan(step.score):  # a rule that turned NaN scores into a token (its fused scores looked finite)
+            check_finite_scores(step.score)
         if step.token_id in self.stop.eos_token_ids:
             self.reason, self.done = "eos", True
             return True

@@ -76,6 +76,28 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def question_template_text(value: Any) -> str:
+    """A question template: a string holding ``{question}`` and no other ``str.format`` field.
+
+    Without ``{question}`` every prompt would silently leave the question out; another field (``{q}``)
+    or a stray brace would fail later inside ``str.format`` with a ``KeyError`` / ``ValueError``.
+    Literal braces are written ``{{`` and ``}}``.
+    """
+    import string
+
+    if not isinstance(value, str):
+        raise InvalidOptionError(f"question_template must be a string holding '{{question}}', got {_describe(value)}")
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(value) if field is not None]
+    except ValueError as error:
+        raise InvalidOptionError(f"question_template {value!r} is not a valid template ({error}): write literal "
+                                 "braces as '{{' and '}}'") from None
+    if "question" not in fields or set(fields) != {"question"}:
+        raise InvalidOptionError(f"question_template must contain '{{question}}' and no other '{{...}}' field "
+                                 f"(write literal braces as '{{{{' and '}}}}'), got {value!r}")
+    return value
+
+
 def torch_device(value: Any) -> Any:
     """A ``torch.device`` from a string or device; one torch cannot parse or this machine lacks is a typed error."""
     import torch

@@ -61,10 +61,17 @@ class ApeLayout:
                                      f"{self.context_end})")
 
 
+# Smallest attention_temperature: the document scores are divided by it, and below ~1e-37 they overflow float32
+# (every token then gets NaN and greedy decoding emits token id 0); below 0.01 the attention is already a hard
+# argmax. The paper's grid is 0.1-1.0.
+MIN_ATTENTION_TEMPERATURE = 0.01
+
+
 def check_knobs(temperature: float, scale: float) -> None:
-    for name, value in (("attention_temperature", temperature), ("scale", scale)):
-        real_number(f"APE's {name}", value, minimum=0.0, maximum=1.0, min_inclusive=False,
-                    hint=" (a number in (0, 1]; the authors use 0.6-1.0; 1 = no correction)")
+    real_number("APE's attention_temperature", temperature, minimum=MIN_ATTENTION_TEMPERATURE, maximum=1.0,
+                hint=" (a number in [0.01, 1]; the authors use 0.6-1.0; 1 = no correction)")
+    real_number("APE's scale", scale, minimum=0.0, maximum=1.0, min_inclusive=False,
+                hint=" (a number in (0, 1]; the authors use 0.6-1.0; 1 = no correction)")
 
 
 def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -188,7 +195,7 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
     for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
-    log-sum-exp in the merge (less total weight on the documents for S < 1). Both in (0, 1];
+    log-sum-exp in the merge (less total weight on the documents for S < 1). T in [0.01, 1], S in (0, 1];
     T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
     attention_kernel: ``"eager"`` (:func:`ape_attention`, the reference), ``"flex"`` (FlexAttention,
     ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).

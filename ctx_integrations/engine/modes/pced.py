@@ -21,6 +21,10 @@ from ctx_integrations.errors import InvalidOptionError
 SCORE_SPACES = ("logprobs", "logits")
 AGGREGATIONS = ("max", "mixture", "product")
 TINY = torch.finfo(torch.float32).tiny
+# Largest beta and gamma: past them float32 loses the scores (gamma * log r reaches -8.7e3 x gamma for r near 0,
+# and a common offset of 1e8 rounds every token's score to the same value, so argmax returns token 0), and at
+# ~1e36 they overflow to inf and NaN. The paper's values are beta in [0, ln 2] (dynamic) and gamma = 2.5.
+MAX_BETA = MAX_GAMMA = 100.0
 
 
 def jensen_shannon(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -56,8 +60,8 @@ class PCEDFusion:
         choice("score_space", score_space, SCORE_SPACES)
         choice("aggregation", aggregation, AGGREGATIONS)
         if beta is not None:
-            real_number("beta", beta, minimum=0.0, hint=" (or None: dynamic)")
-        real_number("gamma", gamma, minimum=0.0)
+            real_number("beta", beta, minimum=0.0, maximum=MAX_BETA, hint=" (or None: dynamic)")
+        real_number("gamma", gamma, minimum=0.0, maximum=MAX_GAMMA)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
         self.beta: torch.Tensor | None = None if beta is None else torch.full((len(relevance),), float(beta))
@@ -91,8 +95,8 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
              aggregation: str = "max") -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
-    beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float >= 0.
-    gamma: weight of the retrieval prior gamma * log r_k (2.5, the paper's default).
+    beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float in [0, 100].
+    gamma: weight of the retrieval prior gamma * log r_k, in [0, 100] (2.5, the paper's default).
     score_space: "logprobs" (default: experts comparable) or "logits" (the paper's literal rule).
     aggregation: "max" (token-level expert switching, default), "mixture" or "product".
     """

@@ -46,6 +46,9 @@ RANKINGS = ("dense", "bm25", "scores", "auto")
 # The paper's RAG setup (Sec. 4.1): the retrieval context is bounded between 4096 tokens and 1/24 of the input.
 DRAFT_MIN_TOKENS = 4096
 DRAFT_CONTEXT_RATIO = 1 / 24
+# Largest eta: eta (q - p) overflows float32 near 1e38, and p^ = softmax(z / T + eta (q - p)) becomes NaN (greedy
+# decoding then emits token id 0); the paper uses 5-50.
+MAX_ETA = 1000.0
 
 
 @dataclass(frozen=True)
@@ -395,7 +398,7 @@ def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, *, gamma: int, e
 def _check_options(gamma: int, eta: float, draft_context_tokens: int | None, chunk_tokens: int,
                    min_similarity: float, ranking: str) -> None:
     whole_number("gamma", gamma, minimum=1, hint=" (tokens drafted per round)")
-    real_number("eta", eta, minimum=0.0, hint=" (0 = plain speculative decoding)")
+    real_number("eta", eta, minimum=0.0, maximum=MAX_ETA, hint=" (0 = plain speculative decoding)")
     whole_number("chunk_tokens", chunk_tokens, minimum=1)
     if draft_context_tokens is not None:
         whole_number("draft_context_tokens", draft_context_tokens, minimum=1, hint=" (None: the paper's bounds)")

@@ -37,6 +37,11 @@ _RETOKENIZE_SLACK = 4
 
 
 RULES = ("paper", "nbce_code")
+# Knob ranges that keep float32 finite: beta scales log-probs ((1 + beta) L - beta L_prior overflows to inf - inf
+# = NaN near 1e36, and past ~1e8 rounds every token to one score, so greedy emits token id 0), and the entropy
+# weights divide by tau (all -inf, then NaN, below ~1e-37; at 1e-9 they are already hard NBCE's one-hot).
+MAX_BETA = 100.0
+MIN_TAU = 1e-9
 
 # The ``nbce_code`` variant's clip value: a token outside a chunk's top-p nucleus scores as if its
 # log-prob were -100. Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary),
@@ -150,9 +155,10 @@ class SoftNBCEFusion:
     """
 
     def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
-        real_number("tau", tau, minimum=0.0, min_inclusive=False, allow_inf=True, hint=" (math.inf = uniform average)")
+        real_number("tau", tau, minimum=MIN_TAU, allow_inf=True,
+                    hint=" (math.inf = uniform average; mode='nbce' is the tau -> 0 limit)")
         self.tau = tau
-        real_number("beta", beta, minimum=0.0)
+        real_number("beta", beta, minimum=0.0, maximum=MAX_BETA)
         real_number("rho", rho, minimum=0.0, maximum=1.0, min_inclusive=False, hint=" (each chunk's top-p)")
         check_rule(rule)
         self.beta, self.rho, self.rule = beta, rho, rule

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctx_integrations.engine.core.streams import check_finite_scores
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
@@ -39,11 +40,16 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+    drop[..., 0] = False  # a top_p below float32's smallest number compares as 0 and would drop every token
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """``z / T`` restricted to the nucleus; greedy (``T = 0``) uses ``T = 1`` and no nucleus (argmax is in it)."""
+    """``z / T`` restricted to the nucleus; greedy (``T = 0``) uses ``T = 1`` and no nucleus (argmax is in it).
+
+    NaN logits are refused here (every draft and verification passes through): argmax over them is token 0.
+    """
+    check_finite_scores(float(logits.max()))
     if temperature == 0:
         return logits.float()
     return nucleus(logits.float() / temperature, top_p)
