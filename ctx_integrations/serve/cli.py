@@ -33,7 +33,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--read-timeout" if name == "read_timeout_s" else "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         parser.add_argument(flag, dest=name, type=type(default), default=default,
-                            help=f"{help_text} (default {default:g})")
+                            help=f"{help_text} (default {default})")
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:
