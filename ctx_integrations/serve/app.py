@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
 from ctx_integrations.serve.backend import Backend, LocalBackend
@@ -71,6 +72,30 @@ class InvalidBody(Exception):
     def __init__(self, error: ValidationError):
         super().__init__(str(error))
         self.problems = error.errors(include_input=False, include_url=False)
+
+
+_BODIES: tuple[type[BaseModel], ...] = (AnswerRequest, BatchRequest, ChatCompletionRequest)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself (FastAPI documents only the bodies it parses)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_body_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _, definitions = models_json_schema([(m, "validation") for m in _BODIES],
+                                                ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def _validate(model: type[Body], raw: bytes, limits: ServerLimits) -> Body:
@@ -327,7 +352,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             return SafeJSONResponse(body, status_code=404)
         return _model_card(server)
 
-    @app.post("/v1/answer", response_model=None)
+    @app.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))
     async def answer(request: Request) -> Any:
         body = await server.parse(request, AnswerRequest)
         documents = await server.documents_for(body.query, body.documents, body.top_k)
@@ -342,7 +367,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("answer", request, work)
 
-    @app.post("/v1/answer/batch", response_model=None)
+    @app.post("/v1/answer/batch", response_model=None, openapi_extra=_body_doc(BatchRequest))
     async def batch(request: Request) -> Any:
         body = await server.parse(request, BatchRequest)
         if body.documents is not None:
@@ -365,7 +390,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("batch", request, work)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat(request: Request) -> Any:
         body = await server.parse(request, ChatCompletionRequest)
         sampling = body.sampling()
@@ -406,6 +431,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("chat", request, work)
 
+    app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
     return app
 
 

@@ -1,5 +1,6 @@
-"""Responses are always writable: lone surrogates and non-finite floats coming from the backend.
+"""The app in-process, with a fake backend: responses always writable, and the OpenAPI document complete.
 
+Responses are always writable: lone surrogates and non-finite floats coming from the backend.
 Input cannot bring lone surrogates any more (400), but text also comes from stores and models; a
 response that cannot be encoded used to raise while being written, so the client saw a dropped
 connection (issue 28). In-process (httpx's ASGI transport) with a fake backend that returns such text.
@@ -88,3 +89,15 @@ def test_the_encoders_replace_lone_surrogates_and_drop_non_finite_numbers():
     assert json.loads(rendered) == {"a": FIXED_TEXT, "b": [None, 1.5]}
     assert sse({"t": "\ud800"}, "token") == 'event: token\ndata: {"t":"\ufffd"}\n\n'.encode()
     assert SafeJSONResponse({"a": "é"}).body == '{"a":"é"}'.encode()  # valid text is kept as is
+
+
+def test_openapi_documents_the_request_bodies():
+    """Bug caught: bodies parsed by the routes themselves vanishing from /openapi.json (and /docs)."""
+    app = create_app(backend=SurrogateBackend(), model_name="fake")
+    schema = app.openapi()
+    for path, model in [("/v1/answer", "AnswerRequest"), ("/v1/answer/batch", "BatchRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest")]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert "properties" in schema["components"]["schemas"][model]
+    assert "DocumentIn" in schema["components"]["schemas"] and "ChatMessage" in schema["components"]["schemas"]
