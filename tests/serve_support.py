@@ -1,6 +1,7 @@
 """Real server processes for the serving tests: a tiny random-weight engine behind uvicorn on 127.0.0.1.
 
-``python -c "from tests.serve_support import main; main()" PORT [--store DIR] [--max-in-flight N]``
+``python -c "from tests.serve_support import main; main()" PORT [--store DIR] [--max-in-flight N] [limits]``
+(the limits are ``ctx-experts serve``'s flags, e.g. ``--max-body-bytes``, ``--read-timeout``)
 runs the app from :func:`ctx_integrations.serve.app.create_app` on the same tiny model the tests
 build in-process (same seed, same weights), so an HTTP answer can be compared token for token with
 ``engine.generate``. :func:`start_server` launches it and waits for ``/healthz``; the process is
@@ -40,15 +41,17 @@ def free_port() -> int:
 
 def main() -> None:
     import torch
-    import uvicorn
 
     from ctx_integrations.serve.app import create_app
+    from ctx_integrations.serve.cli import add_limit_arguments, limits_from
+    from ctx_integrations.serve.http_server import run
 
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
     parser.add_argument("--store", default=None)
     parser.add_argument("--max-in-flight", type=int, default=None)
     parser.add_argument("--lifetime", type=float, default=600.0)
+    add_limit_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = None
@@ -61,8 +64,8 @@ def main() -> None:
         if store.count() == 0:
             store.add(load_demo_corpus()[0], warm=False)
     signal.alarm(int(args.lifetime))  # never outlive the test session
-    uvicorn.run(create_app(engine, store, max_in_flight=args.max_in_flight), host="127.0.0.1", port=args.port,
-                log_level="warning", timeout_graceful_shutdown=30)
+    app = create_app(engine, store, max_in_flight=args.max_in_flight, limits=limits_from(args))
+    run(app, host="127.0.0.1", port=args.port, drain_timeout=30)
 
 
 @contextmanager

@@ -252,3 +252,79 @@ def test_the_ctx_experts_serve_command_answers_like_the_embedded_engine(tmp_path
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _served_model(url: str) -> str:
+    return httpx.get(f"{url}/healthz").json()["model"]
+
+
+def test_models_are_listed_in_openais_shape(server):
+    """Bug caught: GET /v1/models 404 (issue 27), so clients that list models before chatting fail."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=60)
+    name = _served_model(server)
+    assert [m.id for m in client.models.list().data] == [name]
+    card = client.models.retrieve(name)
+    assert card.id == name and card.object == "model" and card.owned_by == "ctx-integrations"
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("gpt-nonexistent")
+    assert refused.value.body["param"] == "model" and name in refused.value.body["message"]
+
+
+def test_usage_counts_the_prompt_with_its_documents_on_every_path(server, engine):
+    """Bug caught: usage.prompt_tokens 0 on retrieval-augmented chat (issue 27) or without the documents."""
+    from ctx_integrations.adapters import prompt_tokens
+    from ctx_integrations.engine.core.chat import conversation_ids
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
+    question = "Who founded the city?"
+    messages = [{"role": "user", "content": question}]
+    rag = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                         extra_body={"ctx": {"top_k": 2}})
+    texts = [d["text"] for d in rag.model_extra["ctx"]["documents"]]
+    expected = prompt_tokens(engine, question, texts)
+    assert rag.usage.prompt_tokens == expected > len(conversation_ids(engine.layout, messages))
+    assert rag.usage.total_tokens == expected + rag.usage.completion_tokens
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, stream=True,
+                                                   extra_body={"ctx": {"top_k": 2}}))
+    assert streamed[-1].usage.prompt_tokens == expected
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    assert plain.usage.prompt_tokens == len(conversation_ids(engine.layout, messages))
+    answer = post(server, "/v1/answer", {"query": "Bridge?", "documents": DOCS, "max_new_tokens": 2}).json()
+    assert answer["timings"]["prompt_tokens"] == prompt_tokens(engine, "Bridge?", [d["text"] for d in DOCS])
+    batch = post(server, "/v1/answer/batch", {"queries": ["Bridge?", "Market?"], "documents": DOCS,
+                                              "max_new_tokens": 2}).json()
+    assert [a["timings"]["prompt_tokens"] for a in batch["answers"]] == [
+        prompt_tokens(engine, q, [d["text"] for d in DOCS]) for q in ("Bridge?", "Market?")]
+
+
+def test_langchains_chat_openai_lists_models_and_gets_usage(server, engine):
+    """Bug caught: a wire format LangChain's OpenAI client cannot read (models, choices or usage)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from ctx_integrations.adapters import prompt_tokens
+
+    name = _served_model(server)
+    llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=name, max_tokens=4,
+                                      temperature=0, timeout=120, extra_body={"ctx": {"top_k": 2}})
+    assert [m.id for m in llm.root_client.models.list().data] == [name]
+    reply = llm.invoke("Who founded the city?")
+    # the same retrieval through /v1/answer names the documents the chat reply was answered from
+    retrieved = post(server, "/v1/answer", {"query": "Who founded the city?", "top_k": 2, "max_new_tokens": 1}).json()
+    texts = [d["text"] for d in retrieved["documents"]]
+    assert reply.usage_metadata["output_tokens"] == 4
+    assert reply.usage_metadata["input_tokens"] == prompt_tokens(engine, "Who founded the city?", texts)
+
+
+def test_llama_index_openai_like_lists_models_and_gets_usage(server):
+    """Bug caught: a wire format LlamaIndex's OpenAI-compatible LLM cannot read."""
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+
+    name = _served_model(server)
+    llm = openai_like.OpenAILike(model=name, api_base=f"{server}/v1", api_key="unused", is_chat_model=True,
+                                 max_tokens=4, temperature=0.0, timeout=120, context_window=8192)
+    assert [m.id for m in llm._get_client().models.list().data] == [name]
+    response = llm.chat([ChatMessage(role="user", content="Name a bridge.")])
+    usage = response.raw.usage
+    assert usage.completion_tokens == 4 and usage.prompt_tokens > 0 and response.message.content is not None

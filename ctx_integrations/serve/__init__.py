@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_app"]
+from ctx_integrations.serve.limits import ServerLimits
+
+__all__ = ["ServerLimits", "create_app"]
 
 
 def create_app(*args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,9 @@
 """The HTTP API: FastAPI routes over a :class:`~ctx_integrations.serve.backend.Backend`.
 
 ``create_app(engine, store)`` serves one engine in this process; ``ray_app`` passes a backend that
-forwards jobs to Ray Serve replicas. This layer validates requests (pydantic), retrieves documents
+forwards jobs to Ray Serve replicas. This layer bounds what a request may ask (:class:`ServerLimits`:
+body size and read deadline in a middleware, field sizes in the schemas), validates requests
+(pydantic, strictly typed, parsed on a worker thread so the event loop only moves bytes), retrieves documents
 from the store with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After,
 like the engine's own ``EngineOverloadedError``), streams server-sent events, cancels work whose
 client went away, and counts everything for ``/metrics``. FastAPI, Starlette and uvicorn do the
@@ -12,21 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
 from ctx_integrations.serve.backend import Backend, LocalBackend
-from ctx_integrations.serve.errors import error_body, headers_of, status_of, validation_field
+from ctx_integrations.serve.encoding import SafeJSONResponse, sse
+from ctx_integrations.serve.errors import error_body, headers_of, status_of, validation_error_response
+from ctx_integrations.serve.limits import BodyLimitMiddleware, ServerLimits
 from ctx_integrations.serve.metrics import ServerMetrics
 from ctx_integrations.serve.schemas import AnswerRequest, BatchRequest, ChatCompletionRequest, to_documents
+
+Body = TypeVar("Body", bound=BaseModel)
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection"; nobody reads it
 _DISCONNECT_POLL_S = 0.05
@@ -59,18 +66,56 @@ class CancellingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-def _sse(data: Any, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+class InvalidBody(Exception):
+    """A request body pydantic refused (malformed JSON, a wrong type, a size limit); rendered by the app."""
+
+    def __init__(self, error: ValidationError):
+        super().__init__(str(error))
+        self.problems = error.errors(include_input=False, include_url=False)
+
+
+_BODIES: tuple[type[BaseModel], ...] = (AnswerRequest, BatchRequest, ChatCompletionRequest)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself (FastAPI documents only the bodies it parses)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_body_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _, definitions = models_json_schema([(m, "validation") for m in _BODIES],
+                                                ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def _validate(model: type[Body], raw: bytes, limits: ServerLimits) -> Body:
+    if not raw:
+        raise RequestFieldError("body", "the request has no body: send a JSON object (Content-Type: application/json)")
+    try:
+        return model.model_validate_json(raw, strict=True, context={"limits": limits})
+    except ValidationError as error:
+        raise InvalidBody(error) from None
 
 
 class _Server:
     """State of one app: the backend, the optional store and retriever, the admission limit, the metrics."""
 
-    def __init__(self, backend: Backend, store: Any, retriever: Any, max_in_flight: int | None, model_name: str):
+    def __init__(self, backend: Backend, store: Any, retriever: Any, max_in_flight: int | None, model_name: str,
+                 limits: ServerLimits):
         if max_in_flight is not None and max_in_flight < 1:
             raise InvalidOptionError("max_in_flight must be >= 1 (or None for no limit)")
         self.backend, self.store, self.max_in_flight, self.model_name = backend, store, max_in_flight, model_name
+        self.limits, self.created = limits, int(time.time())
         if retriever is None and store is not None:
             from ctx_integrations.retrieval.retriever import ScoredRetriever
 
@@ -99,6 +144,16 @@ class _Server:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
+    # -- request bodies --------------------------------------------------------------------------------
+    async def parse(self, request: Request, model: type[Body]) -> Body:
+        """The body as ``model``: parsed and validated on a worker thread (JSON of any size never blocks the loop).
+
+        pydantic's JSON parser refuses what ``json.loads`` lets through: bytes that are not UTF-8
+        (a UTF-16 body), lone surrogates (``"\\ud800"``), and, with ``strict``, ``"5"`` for an int.
+        """
+        raw = await request.body()  # already read, within the size limit and deadline, by BodyLimitMiddleware
+        return await asyncio.to_thread(_validate, model, raw, self.limits)
+
     # -- documents -------------------------------------------------------------------------------------
     async def retrieve(self, query: str, top_k: int, field: str = "top_k") -> list[dict[str, Any]]:
         if self.retriever is None:
@@ -109,7 +164,7 @@ class _Server:
 
     async def documents_for(self, query: str, documents: list[Any] | None, top_k: int | None) -> list[dict[str, Any]]:
         if documents is not None:
-            return [d.to_dict() for d in to_documents(documents)]
+            return await asyncio.to_thread(lambda: [d.to_dict() for d in to_documents(documents)])
         if top_k is None and self.retriever is None:
             raise RequestFieldError("documents", "no documents: send them inline (documents), or start the "
                                     "server with --store DIR and send top_k to retrieve them")
@@ -196,7 +251,10 @@ class _Server:
             except CtxIntegrationsError as error:
                 status, param = status_of(error)
                 outcome = "error"
-                yield _sse(error_body(str(error), type(error).__name__, param, status), "error")
+                yield sse(error_body(str(error), type(error).__name__, param, status), "error")
+            except Exception as error:  # a bug, not the client's mistake: say so in the stream instead of cutting it
+                outcome = "error"
+                yield sse(error_body(f"internal error: {type(error).__name__}", "internal_error", None, 500), "error")
             finally:
                 await events.aclose()
                 self.metrics.active_streams.dec()
@@ -204,7 +262,7 @@ class _Server:
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
                 admission.__exit__(None, None, None)
 
-        return CancellingStreamingResponse(body(), media_type="text/event-stream",
+        return CancellingStreamingResponse(body(), media_type="text/event-stream; charset=utf-8",
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -220,17 +278,21 @@ def _finish_reason(answer: dict[str, Any]) -> str:
 
 def _answer_events(event: dict[str, Any]) -> list[str]:
     if "token" in event:
-        return [_sse({"text": event["token"]}, "token")]
-    return [_sse(event["answer"], "answer")]
+        return [sse({"text": event["token"]}, "token")]
+    return [sse(event["answer"], "answer")]
 
 
 def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None = None, retriever: Any = None,
-               max_in_flight: int | None = None, model_name: str | None = None) -> FastAPI:
+               max_in_flight: int | None = None, model_name: str | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (or ``backend``), retrieving from ``store`` when given.
 
     ``store``: a :class:`~ctx_integrations.retrieval.DocumentStore` (a folder or a Chroma server URL);
     requests without inline documents get the ``top_k`` best of it, every score kept.
     ``max_in_flight``: requests admitted at once; beyond it the server answers 503 with Retry-After.
+    ``limits``: body size, read deadline and field sizes (:class:`~ctx_integrations.serve.limits.ServerLimits`;
+    default ``ServerLimits()``). Run the app with :func:`ctx_integrations.serve.http_server.run` to have
+    uvicorn close connections whose headers never finish within ``limits.read_timeout_s`` as well.
     The engine is closed (``engine.close()``, when it has one) when the server shuts down, after
     uvicorn has drained the requests in flight.
     """
@@ -239,35 +301,33 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             raise InvalidOptionError("create_app needs an engine (or a backend)")
         backend = LocalBackend(engine)
     name = model_name or getattr(getattr(engine, "loaded", None), "name", None) or "ctx-integrations"
-    server = _Server(backend, store, retriever, max_in_flight, name)
+    if limits is not None and not isinstance(limits, ServerLimits):
+        raise InvalidOptionError(f"limits must be a ServerLimits, got {type(limits).__name__}")
+    server = _Server(backend, store, retriever, max_in_flight, name, limits or ServerLimits())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await server.backend.close()
 
-    app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.server = server
+    app.add_middleware(BodyLimitMiddleware, limits=server.limits)
 
     @app.exception_handler(CtxIntegrationsError)
-    async def library_error(_: Request, error: CtxIntegrationsError) -> JSONResponse:
+    async def library_error(_: Request, error: CtxIntegrationsError) -> SafeJSONResponse:
         status, param = status_of(error)
         param = getattr(error, "field", None) or param
-        return JSONResponse(error_body(str(error), type(error).__name__, param, status), status_code=status,
-                            headers=headers_of(status))
+        return SafeJSONResponse(error_body(str(error), type(error).__name__, param, status), status_code=status,
+                                headers=headers_of(status))
+
+    @app.exception_handler(InvalidBody)
+    async def invalid_body(_: Request, error: InvalidBody) -> SafeJSONResponse:
+        return validation_error_response(error.problems)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        problems = error.errors()
-        # of a union's alternatives (a document as text or as an object), the deepest error is the useful one
-        first = max(problems, key=lambda p: len(validation_field(p.get("loc", ()))), default={"loc": ("body",),
-                                                                                             "msg": "invalid"})
-        field = validation_field(first.get("loc", ("body",)))
-        message = f"{field}: {first.get('msg', 'invalid')}"
-        body = error_body(message, "invalid_request_error", field, 422)
-        body["error"]["details"] = [{"field": validation_field(p.get("loc", ())), "message": p.get("msg", "")}
-                                    for p in problems]
-        return JSONResponse(body, status_code=422)
+    async def invalid_request(_: Request, error: RequestValidationError) -> SafeJSONResponse:
+        return validation_error_response(error.errors())
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -278,8 +338,23 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
-    @app.post("/v1/answer", response_model=None)
-    async def answer(body: AnswerRequest, request: Request) -> Any:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """OpenAI's model list (clients such as LangChain's and LlamaIndex's list models before they chat)."""
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        if model_id != server.model_name:
+            message = f"the model {model_id!r} is not served here: this server serves {server.model_name!r}"
+            body = error_body(message, "invalid_request_error", "model", 404)
+            body["error"]["code"] = "model_not_found"
+            return SafeJSONResponse(body, status_code=404)
+        return _model_card(server)
+
+    @app.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))
+    async def answer(request: Request) -> Any:
+        body = await server.parse(request, AnswerRequest)
         documents = await server.documents_for(body.query, body.documents, body.top_k)
         job = _engine_job(body.query, documents, body.mode, body.options, body)
         if body.stream:
@@ -292,10 +367,11 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("answer", request, work)
 
-    @app.post("/v1/answer/batch", response_model=None)
-    async def batch(body: BatchRequest, request: Request) -> Any:
+    @app.post("/v1/answer/batch", response_model=None, openapi_extra=_body_doc(BatchRequest))
+    async def batch(request: Request) -> Any:
+        body = await server.parse(request, BatchRequest)
         if body.documents is not None:
-            shared: list[dict[str, Any]] | None = [d.to_dict() for d in to_documents(body.documents)]
+            shared: list[dict[str, Any]] | None = await server.documents_for(body.queries[0], body.documents, None)
             documents: Any = shared
         else:
             per_query = await asyncio.gather(*(server.documents_for(q, None, body.top_k) for q in body.queries))
@@ -314,8 +390,9 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("batch", request, work)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat(request: Request) -> Any:
+        body = await server.parse(request, ChatCompletionRequest)
         sampling = body.sampling()
         if body.ctx is not None and body.ctx.store:
             try:
@@ -334,7 +411,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             def chunk(delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None) -> str:
                 payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **(extra or {})}
-                return _sse(payload)
+                return sse(payload)
 
             def render(event: dict[str, Any]) -> list[str]:
                 if "token" in event:
@@ -342,7 +419,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
                 answer = event["answer"]
                 return [chunk({}, _finish_reason(answer), {"usage": _usage(answer), "ctx": answer})]
 
-            return await server.streamed("chat", request, job, render, [_sse("[DONE]")])
+            return await server.streamed("chat", request, job, render, [sse("[DONE]")])
 
         async def work() -> dict[str, Any]:
             answer = await server.backend.answer(job)
@@ -354,7 +431,12 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
 
         return await server.answered("chat", request, work)
 
+    app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
     return app
+
+
+def _model_card(server: _Server) -> dict[str, Any]:
+    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "ctx-integrations"}
 
 
 def _usage(answer: dict[str, Any]) -> dict[str, int]:

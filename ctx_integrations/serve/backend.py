@@ -13,6 +13,10 @@ A job: ``{"query", "documents": [{"text", "id", "score", "scores", "metadata"}],
 Every answer is produced through the engine's async stream, even when the caller wants it whole:
 cancelling the awaiting task closes the stream, which cancels the request inside the engine's
 scheduler (its rows are freed). Timeouts are the engine's own (``timeout=``, ``RequestTimeoutError``).
+Opening a stream validates and tokenises the request, so it runs on a worker thread: the event loop
+keeps answering (``/healthz``, other streams) while a long conversation is tokenised.
+Every answer's ``timings["prompt_tokens"]`` counts the prompt with its documents (the adapters'
+``prefix + documents + suffix``), so the server's ``usage`` is right on every path.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
+
+from ctx_integrations.adapters import prompt_tokens
 
 
 class Backend(Protocol):
@@ -50,14 +56,22 @@ class LocalBackend:
         return self.engine.astream(job["query"], job["documents"], mode=job["mode"], **job["sampling"],
                                    timeout=job.get("timeout"), **job["options"])
 
+    def _with_prompt_tokens(self, question: str, answer: dict[str, Any]) -> dict[str, Any]:
+        timings = answer.setdefault("timings", {})
+        if "prompt_tokens" not in timings:  # chat answers count their conversation themselves
+            texts = [d["text"] for d in answer.get("documents", [])]
+            timings["prompt_tokens"] = float(prompt_tokens(self.engine, question, texts))
+        return answer
+
     async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        pieces = self._open(job)
+        pieces = await asyncio.to_thread(self._open, job)
         try:
             async for piece in pieces:
                 yield {"token": piece}
         finally:
             await pieces.aclose()  # cancels the request in the engine if it is still running
-        yield {"answer": pieces.answer.to_dict()}
+        answer = pieces.answer.to_dict()
+        yield {"answer": await asyncio.to_thread(self._with_prompt_tokens, job.get("query", ""), answer)}
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
         events = self.stream(job)
@@ -72,7 +86,8 @@ class LocalBackend:
     async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
                                                    **job["sampling"], timeout=job.get("timeout"), **job["options"])
-        return [a.to_dict() for a in answers]
+        return await asyncio.to_thread(lambda: [self._with_prompt_tokens(q, a.to_dict())
+                                                for q, a in zip(job["queries"], answers)])
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()``: queue depth, active requests and rows, cache hits and bytes per tier."""

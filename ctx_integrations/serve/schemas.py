@@ -3,29 +3,115 @@
 Pydantic checks types and ranges before the engine sees anything; what only the engine can check
 (an unknown mode, a mode option out of range, a prompt longer than the window) comes back as a typed
 ``ctx_integrations.errors`` error and is mapped to a 4xx in :mod:`ctx_integrations.serve.errors`.
+
+Bodies are validated with :func:`parse_request`: strict JSON types (``"5"`` or ``true`` is not an
+integer), finite numbers, and the server's size limits (:class:`~ctx_integrations.serve.limits.ServerLimits`,
+passed as the validation context) checked on the parsed strings, before anything is tokenised.
+A size error has the pydantic type ``too_large`` (413); other errors are 422, malformed JSON 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ctx_integrations.documents import Document
+from ctx_integrations.serve.limits import ServerLimits
+
+_DEFAULT_LIMITS = ServerLimits()
+# keywords the server passes to the engine itself: a mode option of the same name would collide with them
+RESERVED_OPTIONS = frozenset({"query", "queries", "documents", "scores", "top_k", "mode", "stream", "max_new_tokens",
+                              "temperature", "top_p", "seed", "stop", "timeout", "on_token", "messages", "options"})
+# no mode's knob means anything beyond this magnitude; refusing it here keeps the arithmetic finite
+MAX_OPTION_MAGNITUDE = 1e6
+MAX_OPTION_STRING = 256
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def limits_of(info: ValidationInfo) -> ServerLimits:
+    return (info.context or {}).get("limits", _DEFAULT_LIMITS)
+
+
+def too_large(what: str, size: int, unit: str, limit: int, option: str) -> PydanticCustomError:
+    return PydanticCustomError("too_large", "{what} has {size} {unit}, more than this server's limit of {limit} "
+                               "({option}): shorten it, or split it into several requests",
+                               {"what": what, "size": size, "unit": unit, "limit": limit, "option": option})
+
+
+def check_text(text: str, what: str, limit: int, option: str) -> str:
+    if len(text) > limit:
+        raise too_large(what, len(text), "characters", limit, option)
+    return text
+
+
+def _option_name(name: str) -> str:
+    if name in RESERVED_OPTIONS:
+        raise PydanticCustomError("reserved_option", "{name} is a request field, not a mode option: send it at the "
+                                  "top level of the request, not inside options", {"name": name})
+    return name
+
+
+def _option_value(value: Any) -> Any:
+    """Mode options are JSON scalars of a sane size (every mode's knobs are numbers, strings or flags)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or abs(value) > MAX_OPTION_MAGNITUDE:
+            raise PydanticCustomError("option_range", "mode options must be finite numbers of magnitude at most "
+                                      "{limit:g}, got {value!r}", {"limit": MAX_OPTION_MAGNITUDE, "value": value})
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_OPTION_STRING:
+            raise too_large("a string mode option", len(value), "characters", MAX_OPTION_STRING, "fixed")
+        return value
+    raise PydanticCustomError("option_type", "mode options must be numbers, strings, true/false or null, got {kind}",
+                              {"kind": type(value).__name__})
+
+
+ModeOptions = dict[Annotated[str, AfterValidator(_option_name)], Annotated[Any, AfterValidator(_option_value)]]
 
 
 class DocumentIn(BaseModel):
     """One inline document: its text, and optionally an id, a relevance score r in [0, 1] and metadata."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     text: str = Field(min_length=1)
     id: str | None = None
     score: float | None = Field(default=None, ge=0.0, le=1.0)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("text")
+    @classmethod
+    def _text_size(cls, text: str, info: ValidationInfo) -> str:
+        limits = limits_of(info)
+        return check_text(text, "a document", limits.max_document_chars, "max_document_chars, --max-document-chars")
+
     def to_document(self) -> Document:
         return Document(self.text, id=self.id, score=self.score, metadata=dict(self.metadata))
+
+
+def _check_documents(items: list[str | DocumentIn] | None, info: ValidationInfo) -> list[str | DocumentIn] | None:
+    if items is None:
+        return None
+    limits = limits_of(info)
+    if len(items) > limits.max_documents:
+        raise too_large("the request", len(items), "documents", limits.max_documents,
+                        "max_documents, --max-documents")
+    for item in items:
+        if isinstance(item, str):
+            check_text(item, "a document", limits.max_document_chars, "max_document_chars, --max-document-chars")
+    return items
+
+
+def _check_top_k(top_k: int | None, info: ValidationInfo) -> int | None:
+    limit = limits_of(info).max_documents
+    if top_k is not None and top_k > limit:
+        raise too_large("top_k", top_k, "documents", limit, "max_documents, --max-documents")
+    return top_k
 
 
 def to_documents(items: list[str | DocumentIn]) -> list[Document]:
@@ -34,6 +120,8 @@ def to_documents(items: list[str | DocumentIn]) -> list[Document]:
 
 class Sampling(BaseModel):
     """Decoding settings shared by every endpoint (the engine's keyword arguments)."""
+
+    model_config = _STRICT
 
     max_new_tokens: int = Field(default=128, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
@@ -50,14 +138,20 @@ class Sampling(BaseModel):
 class AnswerRequest(Sampling):
     """``POST /v1/answer``: documents inline, or ``top_k`` of them retrieved from the server's store."""
 
-    model_config = ConfigDict(extra="forbid")
-
     query: str = Field(min_length=1)
     documents: list[str | DocumentIn] | None = Field(default=None, min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=256)
     mode: str = "pced"
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: ModeOptions = Field(default_factory=dict)
     stream: bool = False
+
+    _documents_size = field_validator("documents")(_check_documents)
+    _top_k_size = field_validator("top_k")(_check_top_k)
+
+    @field_validator("query")
+    @classmethod
+    def _query_size(cls, query: str, info: ValidationInfo) -> str:
+        return check_text(query, "query", limits_of(info).max_query_chars, "max_query_chars, --max-query-chars")
 
     @model_validator(mode="after")
     def _documents_or_top_k(self) -> AnswerRequest:
@@ -71,13 +165,22 @@ class AnswerRequest(Sampling):
 class BatchRequest(Sampling):
     """``POST /v1/answer/batch``: many questions; shared documents are answered together with IPPD."""
 
-    model_config = ConfigDict(extra="forbid")
-
     queries: list[str] = Field(min_length=1, max_length=256)
     documents: list[str | DocumentIn] | None = Field(default=None, min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=256)
     mode: str | None = Field(default=None, description="default: ippd when the documents are shared, else pced")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: ModeOptions = Field(default_factory=dict)
+
+    _documents_size = field_validator("documents")(_check_documents)
+    _top_k_size = field_validator("top_k")(_check_top_k)
+
+    @field_validator("queries")
+    @classmethod
+    def _queries_size(cls, queries: list[str], info: ValidationInfo) -> list[str]:
+        limit = limits_of(info).max_query_chars
+        for query in queries:
+            check_text(query, "a query", limit, "max_query_chars, --max-query-chars")
+        return queries
 
     @model_validator(mode="after")
     def _documents_or_top_k(self) -> BatchRequest:
@@ -89,6 +192,8 @@ class BatchRequest(Sampling):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)  # OpenAI's message fields beyond role/content (name, ...) are ignored
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]]
 
@@ -96,6 +201,14 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(str(part.get("text", "")) for part in self.content if part.get("type", "text") == "text")
+
+    @field_validator("content")
+    @classmethod
+    def _content_size(cls, content: str | list[dict[str, Any]], info: ValidationInfo) -> Any:
+        texts = [content] if isinstance(content, str) else [str(part.get("text", "")) for part in content]
+        check_text("".join(texts), "a message", limits_of(info).max_document_chars,
+                   "max_document_chars, --max-document-chars")
+        return content
 
 
 class RetrievalOptions(BaseModel):
@@ -105,18 +218,20 @@ class RetrievalOptions(BaseModel):
     answered with ``mode`` (``pced`` by default), so the reply cites them.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     store: bool = True
     top_k: int = Field(default=4, ge=1, le=256)
     mode: str = "pced"
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: ModeOptions = Field(default_factory=dict)
+
+    _top_k_size = field_validator("top_k")(_check_top_k)
 
 
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` in OpenAI's format (unknown OpenAI fields are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -129,6 +244,14 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
     ctx: RetrievalOptions | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_count(cls, messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
+        limit = limits_of(info).max_messages
+        if len(messages) > limit:
+            raise too_large("the conversation", len(messages), "messages", limit, "max_messages, --max-messages")
+        return messages
 
     def sampling(self) -> Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

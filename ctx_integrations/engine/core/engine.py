@@ -322,8 +322,8 @@ class Engine:
     # -- chat (no documents) -------------------------------------------------------------------------
     def _chat_request(self, messages: Sequence[dict[str, str]], max_new_tokens: int, temperature: float, top_p: float,
                       seed: int | None, stop: Sequence[str] | str, on_token: Callable[[str], None] | None,
-                      timeout: float | None) -> RequestHandle:
-        ids = conversation_ids(self.layout, messages)
+                      timeout: float | None, ids: list[int] | None = None) -> RequestHandle:
+        ids = conversation_ids(self.layout, messages) if ids is None else ids
         sampler = TokenSampler(temperature, top_p, seed)
         criteria = StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop)
         if len(ids) + max_new_tokens > self.loaded.max_positions:
@@ -357,10 +357,10 @@ class Engine:
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                      stop: Sequence[str] | str = (), timeout: float | None = None) -> AnswerStream:
         """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
-        conversation_ids(self.layout, messages)  # fail at once on an empty or unrenderable conversation
+        ids = conversation_ids(self.layout, messages)  # fail now on a bad conversation; tokenised once, here
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token, timeout)
+            return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token, timeout, ids)
 
         return AnswerStream(start, lambda answers: answers[0])
 

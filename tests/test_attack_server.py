@@ -1,0 +1,262 @@
+"""Attack suite for the HTTP server: hostile and mistaken requests, each answered with a typed 4xx naming the field.
+
+Every case is sent to a real uvicorn process on 127.0.0.1 (a tiny random-weight engine, small limits)
+and classified: ``typed`` (the expected 4xx, ``param`` naming the field), ``untyped`` (a 5xx),
+``silent`` (accepted: 2xx), ``hang`` (no answer within the client timeout), ``dropped`` (the
+connection closed without a response) or ``wrong`` (a 4xx, but not the expected status or field).
+Only ``typed`` passes. The families are those of issues 27 and 28: mode options that repeat a
+request field, knob values out of range, loosely typed values, malformed or non-UTF-8 bodies, lone
+surrogates, oversized bodies and fields, and connections that never finish sending.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.serve_support import start_server
+
+pytest.importorskip("fastapi")
+
+READ_TIMEOUT_S = 1.0
+LIMITS = ("--max-body-bytes", str(256 * 1024), "--max-query-chars", "1000", "--max-documents", "4",
+          "--max-document-chars", "2000", "--max-messages", "4", "--read-timeout", str(READ_TIMEOUT_S))
+CLIENT_TIMEOUT_S = 20.0
+DOCS = ["The harbour bridge of Velmora was finished in 1911.", "Velmora's winter market opens on the first snow."]
+ANSWER = {"query": "When was the bridge finished?", "documents": DOCS, "max_new_tokens": 2}
+BATCH = {"queries": ["Bridge?", "Market?"], "documents": DOCS, "max_new_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "Name a bridge."}], "max_tokens": 2}
+REPEATED = ["max_new_tokens", "mode", "query", "seed", "stop", "temperature", "top_p", "timeout", "documents"]
+
+
+def _with(base: dict, **changes) -> dict:
+    return {**base, **changes}
+
+
+def _json_cases() -> list[tuple[str, str, object, int, str]]:
+    """``(id, path, body, status, param)``: a JSON value sent as the body, the status and ``param`` expected."""
+    cases: list[tuple[str, str, object, int, str]] = []
+    # 1. mode options that repeat a top-level request field (500 in issue 28)
+    for name in REPEATED:
+        value = 5 if name in ("max_new_tokens", "seed") else ("pced" if name == "mode" else 0.5)
+        cases.append((f"options-repeat-{name}-answer", "/v1/answer", _with(ANSWER, options={name: value}), 422,
+                      f"options.{name}"))
+        cases.append((f"options-repeat-{name}-batch", "/v1/answer/batch", _with(BATCH, options={name: value}), 422,
+                      f"options.{name}"))
+        cases.append((f"options-repeat-{name}-chat-ctx", "/v1/chat/completions",
+                      _with(CHAT, ctx={"top_k": 2, "options": {name: value}}), 422, f"ctx.options.{name}"))
+    # 2. knob values out of range or of the wrong kind
+    for mode, knob, value in [("pced", "beta", 1e300), ("pced", "gamma", 1e300), ("pced", "gamma", -1e300),
+                              ("soft_nbce", "beta", 1e300), ("soft_nbce", "tau", 1e300), ("ape", "scale", 1e300),
+                              ("ape", "attention_temperature", 1e300), ("rapid", "eta", 1e300),
+                              ("pced", "beta", [1]), ("pced", "gamma", {"a": 1}), ("pced", "gamma", "x" * 300)]:
+        cases.append((f"knob-{mode}-{knob}-{str(value)[:8]}", "/v1/answer",
+                      _with(ANSWER, mode=mode, options={knob: value}), 422 if not isinstance(value, str) else 413,
+                      f"options.{knob}"))
+    cases += [
+        ("knob-gamma-negative", "/v1/answer", _with(ANSWER, options={"gamma": -1}), 422, "options"),
+        ("knob-unknown-option", "/v1/answer", _with(ANSWER, options={"nope": 1}), 422, "options"),
+        ("mode-unknown", "/v1/answer", _with(ANSWER, mode="nope"), 422, "mode"),
+        ("mode-list", "/v1/answer", _with(ANSWER, mode=["pced"]), 422, "mode"),
+        ("mode-dict", "/v1/answer", _with(ANSWER, mode={"a": 1}), 422, "mode"),
+        ("mode-int", "/v1/answer/batch", _with(BATCH, mode=3), 422, "mode"),
+        ("options-not-object", "/v1/answer", _with(ANSWER, options=[1]), 422, "options"),
+    ]
+    # 3. loosely typed values that used to be accepted silently
+    for field, value in [("max_new_tokens", "5"), ("max_new_tokens", True), ("max_new_tokens", 5.5),
+                         ("max_new_tokens", 0), ("max_new_tokens", 10**9), ("seed", "1"), ("seed", True),
+                         ("temperature", "0.5"), ("temperature", True), ("temperature", -1), ("top_p", "1"),
+                         ("top_p", 0), ("stop", 5), ("stop", [1]), ("timeout", "1"), ("timeout", True),
+                         ("timeout", -1), ("stream", "true"), ("stream", 1), ("query", 5), ("query", None),
+                         ("query", ["q"]), ("query", "   "), ("top_k", "2"), ("top_k", True)]:
+        body = _with(ANSWER, **{field: value})
+        if field == "top_k":
+            body.pop("documents")
+        cases.append((f"type-answer-{field}-{value!r:.10}", "/v1/answer", body, 422,
+                      "body" if value == "   " else field))
+    for value, param in [("text", "documents"), ([5], "documents.0"), ([{"text": 5}], "documents.0.text"),
+                         ([{"text": "x", "score": "0.5"}], "documents.0.score"),
+                         ([{"text": "x", "score": 2}], "documents.0.score"), ([], "documents"),
+                         ([{"text": "x", "extra": 1}], "documents.0.extra")]:
+        cases.append((f"type-documents-{json.dumps(value)[:20]}", "/v1/answer", _with(ANSWER, documents=value), 422,
+                      param))
+    for field, value, param in [("max_tokens", "5", "max_tokens"), ("max_tokens", True, "max_tokens"),
+                                ("seed", "1", "seed"), ("messages", "hi", "messages"),
+                                ("messages", [{"role": "robot", "content": "hi"}], "messages.0.role"),
+                                ("messages", [{"role": "user", "content": 5}], "messages.0.content"),
+                                ("n", 2, "n"), ("temperature", "1", "temperature"), ("stream", "yes", "stream"),
+                                ("ctx", {"top_k": "2"}, "ctx.top_k"), ("ctx", {"mode": 1}, "ctx.mode")]:
+        cases.append((f"type-chat-{field}-{json.dumps(value)[:16]}", "/v1/chat/completions",
+                      _with(CHAT, **{field: value}), 422, param))
+    for field, value, param in [("queries", "q", "queries"), ("queries", [], "queries"), ("queries", [5], "queries.0"),
+                                ("queries", ["q", " "], "body")]:
+        cases.append((f"type-batch-{field}-{json.dumps(value)}", "/v1/answer/batch", _with(BATCH, **{field: value}),
+                      422, param))
+    # 4. bodies that are JSON but not an object
+    for path in ("/v1/answer", "/v1/answer/batch", "/v1/chat/completions"):
+        for value in ([ANSWER], 5, "text", None):
+            cases.append((f"not-an-object-{path.rsplit('/', 1)[1]}-{json.dumps(value)[:8]}", path, value, 422, "body"))
+    # 5. field sizes beyond the server's limits, under the body limit (413 naming the field)
+    cases += [
+        ("size-query", "/v1/answer", _with(ANSWER, query="q" * 1001), 413, "query"),
+        ("size-documents-count", "/v1/answer", _with(ANSWER, documents=["d"] * 5), 413, "documents"),
+        ("size-document-text", "/v1/answer", _with(ANSWER, documents=["d" * 2001]), 413, "documents"),
+        ("size-document-object", "/v1/answer", _with(ANSWER, documents=[{"text": "d" * 2001}]), 413,
+         "documents.0.text"),
+        ("size-top-k", "/v1/answer", {"query": "q", "top_k": 5}, 413, "top_k"),
+        ("size-batch-query", "/v1/answer/batch", _with(BATCH, queries=["q" * 1001]), 413, "queries"),
+        ("size-batch-documents", "/v1/answer/batch", _with(BATCH, documents=["d"] * 5), 413, "documents"),
+        ("size-messages-count", "/v1/chat/completions", _with(CHAT, messages=CHAT["messages"] * 5), 413, "messages"),
+        ("size-message-text", "/v1/chat/completions",
+         _with(CHAT, messages=[{"role": "user", "content": "m" * 2001}]), 413, "messages.0.content"),
+        ("size-ctx-top-k", "/v1/chat/completions", _with(CHAT, ctx={"top_k": 5}), 413, "ctx.top_k"),
+    ]
+    return cases
+
+
+def _raw_cases() -> list[tuple[str, str, bytes, int, str]]:
+    """``(id, path, raw body, status, param)``: bodies that are not valid UTF-8 JSON, or too large."""
+    cases: list[tuple[str, str, bytes, int, str]] = []
+    bodies = {"/v1/answer": ANSWER, "/v1/answer/batch": BATCH, "/v1/chat/completions": CHAT}
+    for path, body in bodies.items():
+        name = path.rsplit("/", 1)[1]
+        text = json.dumps(body)
+        cases += [
+            (f"json-truncated-{name}", path, text[:-5].encode(), 400, "body"),
+            (f"json-trailing-comma-{name}", path, text[:-1].encode() + b",}", 400, "body"),
+            (f"json-empty-{name}", path, b"", 422, "body"),
+            (f"json-utf16-{name}", path, text.encode("utf-16"), 400, "body"),
+            (f"json-utf16le-{name}", path, text.encode("utf-16-le"), 400, "body"),
+            (f"json-latin1-{name}", path, text.replace("Name", "Nämé").replace("bridge", "brïdge").encode("latin-1"),
+             400, "body"),
+            (f"json-nan-{name}", path, text[:-1].encode() + b', "temperature": NaN}', 422, "temperature"),
+            (f"json-inf-number-{name}", path, text[:-1].encode() + b', "temperature": 1e400}', 422, "temperature"),
+            (f"size-body-declared-{name}", path, b'{"q": "' + b"q" * (300 * 1024) + b'"}', 413, "body"),
+        ]
+        # a lone surrogate anywhere in the text: refused, never a response that cannot be written
+        for surrogate in ("\\ud800", "\\udfff", "\\ud83d"):
+            cases.append((f"surrogate-{surrogate[1:]}-{name}", path,
+                          text.replace("bridge", "bri" + surrogate + "dge").replace("Bridge", "B" + surrogate).encode(),
+                          400, "body"))
+    cases.append(("surrogate-in-document-id", "/v1/answer", json.dumps(
+        _with(ANSWER, documents=[{"text": "x", "id": "a"}])).replace('"a"', '"\\udc00"').encode(), 400, "body"))
+    cases.append(("surrogate-in-metadata", "/v1/answer", json.dumps(
+        _with(ANSWER, documents=[{"text": "x", "metadata": {"k": "a"}}])).replace('"a"', '"\\ud800"').encode(),
+                  400, "body"))
+    return cases
+
+
+JSON_CASES = _json_cases()
+RAW_CASES = _raw_cases()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("attack")
+    with start_server(*LIMITS, log=data / "server.log") as (url, _):
+        yield url
+
+
+def classify(send, status: int, param: str) -> tuple[str, str]:
+    """Send one request; ``(outcome, detail)`` with outcome typed/untyped/silent/hang/dropped/wrong."""
+    try:
+        response = send()
+    except httpx.TimeoutException:
+        return "hang", f"no answer within {CLIENT_TIMEOUT_S} s"
+    except httpx.TransportError as error:
+        return "dropped", f"{type(error).__name__}: {error}"
+    detail = f"{response.status_code} {response.text[:300]}"
+    if response.status_code >= 500:
+        return "untyped", detail
+    if response.status_code < 400:
+        return "silent", detail
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return "wrong", detail
+    named = error.get("param") == param or (param != "body" and str(error.get("param", "")).startswith(param))
+    if response.status_code == status and named and error.get("message"):
+        return "typed", detail
+    return "wrong", detail
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in JSON_CASES],
+                         ids=[c[0] for c in JSON_CASES])
+def test_json_attack_is_a_typed_4xx(server, path, body, status, param):
+    outcome, detail = classify(lambda: httpx.post(f"{server}{path}", json=body, timeout=CLIENT_TIMEOUT_S),
+                               status, param)
+    assert outcome == "typed", f"ATTACK-{outcome.upper()} (wanted {status} param={param}): {detail}"
+
+
+@pytest.mark.parametrize(("path", "content", "status", "param"), [c[1:] for c in RAW_CASES],
+                         ids=[c[0] for c in RAW_CASES])
+def test_raw_body_attack_is_a_typed_4xx(server, path, content, status, param):
+    def send() -> httpx.Response:
+        return httpx.post(f"{server}{path}", content=content, headers={"content-type": "application/json"},
+                          timeout=CLIENT_TIMEOUT_S)
+
+    outcome, detail = classify(send, status, param)
+    assert outcome == "typed", f"ATTACK-{outcome.upper()} (wanted {status} param={param}): {detail}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chunked_oversized_body_is_413(server, stream):
+    """A body without Content-Length is counted while it is read (also when it asks for a stream)."""
+    def chunks():
+        yield b'{"stream": ' + (b"true" if stream else b"false") + b', "documents": ["x"], "query": "'
+        for _ in range(5):
+            yield b"q" * 65536
+        yield b'"}'
+
+    outcome, detail = classify(lambda: httpx.post(f"{server}/v1/answer", content=chunks(), timeout=CLIENT_TIMEOUT_S),
+                               413, "body")
+    assert outcome == "typed", f"ATTACK-{outcome.upper()}: {detail}"
+
+
+def test_unknown_model_is_404_naming_the_model(server):
+    outcome, detail = classify(lambda: httpx.get(f"{server}/v1/models/nope", timeout=CLIENT_TIMEOUT_S), 404, "model")
+    assert outcome == "typed", f"ATTACK-{outcome.upper()}: {detail}"
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _until_closed(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+        return True, received
+    except TimeoutError:
+        return False, received
+    except ConnectionResetError:
+        return True, received
+
+
+@pytest.mark.parametrize(("name", "sent", "first_line"), [
+    ("half-headers", b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Ty", b""),
+    ("request-line-only", b"POST /v1/answer HTTP/1.1\r\n", b""),
+    ("nothing-sent", b"", b""),
+    ("half-body", b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 500\r\n\r\n{\"query\": \"", b"HTTP/1.1 408"),
+    ("half-chunked-body", b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"que\r\n",
+     b"HTTP/1.1 408"),
+    ("garbage-request-line", b"\x16\x03\x01\x02\x00 not http\r\n\r\n", b"HTTP/1.1 400"),
+    ("huge-header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n", b"HTTP/1.1 400"),
+])
+def test_connection_that_never_finishes_is_closed_in_time(server, name, sent, first_line):
+    """Half-sent requests are answered (408 / 400) or closed within the read timeout, never held open."""
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=5) as sock:
+        started = time.monotonic()
+        if sent:
+            sock.sendall(sent)
+        closed, received = _until_closed(sock, READ_TIMEOUT_S * 2 + 5)
+        elapsed = time.monotonic() - started
+    outcome = "typed" if closed and received.startswith(first_line) and elapsed < READ_TIMEOUT_S * 2 + 3 else "hang"
+    assert outcome == "typed", f"ATTACK-{outcome.upper()}: closed={closed} after {elapsed:.1f} s: {received[:120]!r}"
