@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, UnknownModeError
 
 # The registered modes, known without importing torch (the registry imports the model code);
@@ -171,7 +172,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=4, help="documents retrieved per question (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"answer length limit; answers stop at EOS first (default {DEFAULT_MAX_NEW_TOKENS})")
 
 
 def _add_retriever_arguments(parser: argparse.ArgumentParser) -> None:

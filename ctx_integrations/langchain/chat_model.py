@@ -29,6 +29,7 @@ from pydantic import AliasChoices, ConfigDict, Field
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
@@ -41,7 +42,6 @@ from ctx_integrations.langchain.convert import (
     usage_metadata,
 )
 
-DEFAULT_MAX_TOKENS = 128
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 _CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "max_new_tokens", "temperature",
                            "top_p", "seed", "stream"})
@@ -150,7 +150,7 @@ class ChatContextOfExperts(BaseChatModel):
         params = LangSmithParams(ls_provider="ctx_integrations", ls_model_type="chat",
                                  ls_model_name=kwargs.get("model") or self.resolved_model_name,
                                  ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS)
+                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_NEW_TOKENS)
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop)
         return params
@@ -174,7 +174,7 @@ class ChatContextOfExperts(BaseChatModel):
         mode = kwargs.get("mode", self.mode)
         options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
         budget = kwargs.get("max_tokens") or kwargs.get("max_new_tokens")
-        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_TOKENS,
+        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
                     "temperature": kwargs.get("temperature", self.temperature),
                     "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
                     "stop": tuple(stop if stop is not None else self.stop or ())}
