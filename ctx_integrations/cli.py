@@ -223,6 +223,9 @@ def _print_answer(answer: Any, indent: str = "  ") -> None:
         cited = ", ".join(f"{answer.documents[i].id} (r={answer.documents[i].score:.3f}, {n} tokens)"
                           for i, n in counts.most_common())
         print(f"{indent}    cited: {cited}")
+    elif answer.mode == "ape":  # APE merges the documents' attention; it records who won a token only when asked
+        print(f"{indent}    cited: (APE attributes tokens to documents only with --option attribution=true; "
+              "sources listed above)")
     else:
         print(f"{indent}    cited: (mode {answer.mode} has no per-token attribution; sources listed above)")
     print(f"{indent}    TTFT {timings['ttft_s']:.2f} s, total {timings['total_s']:.2f} s, "

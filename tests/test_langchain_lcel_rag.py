@@ -75,7 +75,7 @@ def rag_chain(retriever, format_documents, llm):
 
 
 def expected_answer(engine: Engine, retrieved: list[LCDocument]):
-    """What the decoder must answer: the prompt without its document blocks as the question, the documents as experts."""
+    """What the decoder must answer: the prompt less its document blocks as the question, the documents as experts."""
     question = RAG_PROMPT.invoke({"question": QUESTION, "context": ""}).messages[0].content.strip()
     documents = [Document(d.page_content, d.id, d.metadata["score"]) for d in retrieved]
     return engine.generate(question, documents, max_new_tokens=TOKENS)
@@ -129,8 +129,9 @@ def test_plain_chat_does_not_warn(engine):
 
 
 def test_format_docs_round_trips_ids_and_scores_and_refuses_what_it_cannot_mark():
-    from ctx_integrations.langchain.convert import split_formatted_documents
     from langchain_core.messages import HumanMessage
+
+    from ctx_integrations.langchain.convert import split_formatted_documents
 
     docs = [LCDocument(page_content="a <b> & \"c\"\n\nsecond paragraph", id='id "1" <&>', metadata={"score": 0.1}),
             LCDocument(page_content="no score")]
