@@ -502,7 +502,7 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--document-tokens", type=int, default=None,
                         help="approximate tokens per document (world 64, secret_code 64: exact)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
-    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default ../shared/data/musique_dev.jsonl)")
+    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default: $CTX_MUSIQUE)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="share of a sentence's content tokens a document must win to be cited (0.25)")
