@@ -20,19 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the secret code of the vault?"
 
-# the first snippet's index, persisted (no LLM needed to build it; cache reuse across processes is
-# tested in test_llama_index_patterns.py)
-_BUILD = """
-from llama_index.core import Settings, VectorStoreIndex
-from llama_index.core.schema import TextNode
-from ctx_integrations.llama_index import default_embedding
-
-Settings.embed_model = default_embedding()
-index = VectorStoreIndex([TextNode(id_="vault", text="The secret code of the vault is 4721."),
-                          TextNode(id_="paris", text="Paris is the capital of France.")])
-index.storage_context.persist("./storage")
-"""
-
 
 def python_block(document: Path, marker: str) -> str:
     """The fenced python block of ``document`` that contains ``marker``."""
@@ -44,14 +31,25 @@ def python_block(document: Path, marker: str) -> str:
 
 @pytest.mark.slow
 def test_the_llama_index_reload_snippet_runs_in_a_new_process(tmp_path):
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+
+    from ctx_integrations.llama_index import default_embedding
+
+    # the first snippet's index, persisted here (the new process is the snippet's; cache reuse across
+    # processes is tested in test_llama_index_patterns.py)
+    index = VectorStoreIndex([TextNode(id_="vault", text="The secret code of the vault is 4721."),
+                              TextNode(id_="paris", text="Paris is the capital of France.")],
+                             embed_model=default_embedding())
+    index.storage_context.persist(str(tmp_path / "storage"))
     snippet = python_block(ROOT / "docs" / "llama_index.md", "# reload.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CTX_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": str(ROOT)}
     env.pop("OPENAI_API_KEY", None)
-    for code in (_BUILD, snippet + "\nimport json; print(json.dumps(response.metadata['cache']))\n"):
-        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    code = snippet + "\nimport json; print(json.dumps(response.metadata['cache']))\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     cache = json.loads(done.stdout.strip().splitlines()[-1])
     assert cache["hits"] + cache["misses"] == 2  # both nodes reached the decoder as documents
 
