@@ -2,7 +2,7 @@
 
 Two sets, one run:
 - the PCED paper's synthetic secret-code set (N documents of exactly L tokens, one holds the code);
-- MuSiQue dev questions (../shared/data/musique_dev.jsonl, 10 passages each, about 6k tokens).
+- MuSiQue dev questions (``$CTX_MUSIQUE``, 10 passages each, about 6k tokens).
 For each example: ``concat`` (all documents prefilled in one prompt), ``ape`` and ``pced`` cold (the
 documents' caches computed inside the call) and warm (computed beforehand, as at ingestion).
 Columns: prefill time (until the question's logits), TTFT, total time, substring exact match and

@@ -20,11 +20,13 @@ from ctx_integrations.evaluation.metrics import best_f1, normalize_answer, subst
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-MUSIQUE = Path(os.environ.get("CTX_MUSIQUE", REPO.parent / "shared" / "data" / "musique_dev.jsonl"))
+MUSIQUE = Path(os.environ["CTX_MUSIQUE"]) if os.environ.get("CTX_MUSIQUE") else None  # not shipped with the repo
 
 
 def load_musique(limit: int | None = None) -> list[dict[str, Any]]:
-    """Rows of ``{"id", "question", "answers", "documents"}`` from the shared dev set."""
+    """Rows of ``{"id", "question", "answers", "documents"}`` from the MuSiQue dev file (``$CTX_MUSIQUE``)."""
+    if MUSIQUE is None:
+        raise FileNotFoundError("set CTX_MUSIQUE to the MuSiQue dev jsonl (rows of id, question, answers, documents)")
     if not MUSIQUE.is_file():
         raise FileNotFoundError(f"{MUSIQUE} not found; set CTX_MUSIQUE to the musique_dev.jsonl path")
     rows = [json.loads(line) for line in MUSIQUE.read_text().splitlines() if line.strip()]

@@ -1,6 +1,6 @@
 """PCED ablation: score space (log-probs vs raw logits), aggregation and beta, against concat and single.
 
-Runs on MuSiQue dev questions (../shared/data/musique_dev.jsonl; documents scored by their order,
+Runs on MuSiQue dev questions (``$CTX_MUSIQUE``; documents scored by their order,
 r = 1 - i / (2N), since the set ships no retrieval scores) and on the synthetic secret-code set.
 This is the measurement behind PCED's default ``score_space``.
 

@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, UnknownModeError
 
 # The registered modes, known without importing torch (the registry imports the model code);
@@ -171,7 +172,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=4, help="documents retrieved per question (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"answer length limit; answers stop at EOS first (default {DEFAULT_MAX_NEW_TOKENS})")
 
 
 def _add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +223,9 @@ def _print_answer(answer: Any, indent: str = "  ") -> None:
         cited = ", ".join(f"{answer.documents[i].id} (r={answer.documents[i].score:.3f}, {n} tokens)"
                           for i, n in counts.most_common())
         print(f"{indent}    cited: {cited}")
+    elif answer.mode == "ape":  # APE merges the documents' attention; it records who won a token only when asked
+        print(f"{indent}    cited: (APE attributes tokens to documents only with --option attribution=true; "
+              "sources listed above)")
     else:
         print(f"{indent}    cited: (mode {answer.mode} has no per-token attribution; sources listed above)")
     print(f"{indent}    TTFT {timings['ttft_s']:.2f} s, total {timings['total_s']:.2f} s, "
@@ -497,7 +502,7 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--document-tokens", type=int, default=None,
                         help="approximate tokens per document (world 64, secret_code 64: exact)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
-    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default ../shared/data/musique_dev.jsonl)")
+    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default: $CTX_MUSIQUE)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="share of a sentence's content tokens a document must win to be cited (0.25)")

@@ -1,4 +1,4 @@
-"""APE parity (METHODS.md "APE"): the merge formula, plain attention at T = S = 1, one-document sequential decoding."""
+"""APE parity (docs/methods.md#ape): the merge formula, plain attention at T = S = 1, one document = sequential."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ QUESTION = "Who is the mayor of Marrowgate?"
 
 
 def reference_ape(query, key, value, start, end, temperature, scale, scaling):
-    """METHODS.md's formula in float64, one query head and one query token at a time (no batching tricks)."""
+    """docs/methods.md's formula in float64, one query head and one query token at a time (no batching tricks)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     out = torch.zeros(batch, q_len, heads, dim, dtype=torch.float64)
@@ -172,7 +172,7 @@ def test_only_the_longest_document_counts_against_the_window():
 
 def full_sequence_ape_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, segments=None,
                                 knobs=None, **kwargs):
-    """APE over one uncached sequence, written from METHODS.md independently of :func:`ape_attention`.
+    """APE over one uncached sequence, written from docs/methods.md independently of :func:`ape_attention`.
 
     ``segments[j]``: 0 = prefix, k >= 1 = document k, -1 = question / answer. Prefix and document
     tokens attend causally to the prefix and their own document (the block mask); a question or answer

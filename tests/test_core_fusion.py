@@ -19,7 +19,7 @@ def reference_jsd(p_logits, q_logits):
 
 
 def reference_pced(logits, relevance, beta, gamma, space, aggregation):
-    """METHODS.md's formulas written out expert by expert, in float64."""
+    """docs/methods.md's formulas written out expert by expert, in float64."""
     logits = logits.double()
     s = torch.log_softmax(logits, -1) if space == "logprobs" else logits
     r = torch.tensor(relevance, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""PCED decoding invariants (METHODS.md) and the streaming / stopping mechanics of the engine."""
+"""PCED decoding invariants (docs/methods.md) and the streaming / stopping mechanics of the engine."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_world_set_refuses_bad_sizes(kwargs):
         world_set(**kwargs)
 
 
-def test_musique_set_reads_the_file_and_refuses_a_missing_one(tmp_path):
+def test_musique_set_reads_the_file_and_refuses_a_missing_one(tmp_path, monkeypatch):
     path = tmp_path / "m.jsonl"
     rows = [{"id": f"q{i}", "question": f"Q{i}?", "answers": ["A"], "documents": ["d0", "d1", "d2"]} for i in range(3)]
     path.write_text("\n".join(json.dumps(r) for r in rows))
@@ -114,6 +114,11 @@ def test_musique_set_reads_the_file_and_refuses_a_missing_one(tmp_path):
     assert [d.score for d in examples[0].documents] == [1.0, 0.95, 0.9]
     with pytest.raises(InvalidOptionError, match="not found"):
         musique_set(tmp_path / "missing.jsonl")
+    monkeypatch.delenv("CTX_MUSIQUE", raising=False)
+    with pytest.raises(InvalidOptionError, match="CTX_MUSIQUE"):  # no default outside the repository
+        musique_set()
+    monkeypatch.setenv("CTX_MUSIQUE", str(path))
+    assert [e.id for e in musique_set(n_questions=1)] == ["q0"]
     with pytest.raises(InvalidOptionError, match="unknown evaluation set"):
         load_set("squad")
     with pytest.raises(InvalidOptionError, match="needs the engine"):

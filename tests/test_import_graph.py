@@ -1,7 +1,7 @@
 """The package's modules import each other without cycles, lazy (function-level) imports included.
 
-A cycle hidden behind a function-level import still ties two modules together; the layering in
-DESIGN.md (frameworks -> retrieval -> engine modes -> engine core) only holds if there is none.
+A cycle hidden behind a function-level import still ties two modules together; the layering
+(frameworks -> retrieval -> engine modes -> engine core) only holds if there is none.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""IPPD parity (METHODS.md "IPPD"): every stacked answer equals independent greedy decoding of its own prompt."""
+"""IPPD parity (docs/methods.md#ippd): every stacked answer equals independent greedy decoding of its own prompt."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """RAPID: the speculative math against its closed forms, and the decode loop against the target alone.
 
-Invariants (METHODS.md "RAPID"): with eta = 0 greedy RAPID is token for token plain greedy decoding
+Invariants (docs/methods.md#rapid): with eta = 0 greedy RAPID is token for token plain greedy decoding
 of the target over the long context, and sampled RAPID is distributed as the target; the residual
 is always a distribution (p = q included); a drafter with another tokenizer is refused.
 """

@@ -188,7 +188,7 @@ def test_an_explicit_width_is_kept_and_the_helpers_pad_by_exactly_what_is_missin
 
 
 def brute_force(q_pos, q_ctx, q_qid, k_pos, k_ctx, k_qid) -> torch.Tensor:
-    """The rule of METHODS.md "IPPD" written out one (row, query, key) at a time."""
+    """The rule of docs/methods.md#ippd written out one (row, query, key) at a time."""
     rows, queries, keys = q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]
     out = torch.zeros(rows, 1, queries, keys, dtype=torch.bool)
     for b, q, k in itertools.product(range(rows), range(queries), range(keys)):

@@ -1,4 +1,4 @@
-"""Score normalisation and fusion against hand-computed values (METHODS.md "Scores")."""
+"""Score normalisation and fusion against hand-computed values (docs/methods.md#scores)."""
 
 from __future__ import annotations
 

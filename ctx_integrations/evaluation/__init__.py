@@ -41,7 +41,7 @@ def load_set(name: str, engine: Any = None, *, n_questions: int | None = None, d
     """Build set ``name`` ("world", "musique", "secret_code"); ``None`` arguments keep each set's defaults.
 
     ``secret_code`` needs ``engine`` (its documents are cut to exact token counts in the engine's layout);
-    ``musique`` reads ``path`` (default ``../shared/data/musique_dev.jsonl``).
+    ``musique`` reads ``path`` (default ``$CTX_MUSIQUE``).
     """
     sizes = {k: v for k, v in (("documents", documents), ("document_tokens", document_tokens)) if v is not None}
     if name == "world":

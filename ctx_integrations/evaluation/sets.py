@@ -21,6 +21,7 @@ model's own memory, so a correct answer came from the documents.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ KINDS = ("single_hop", "two_hop", "unanswerable", "conflicting")
 # What a model says when the documents do not hold the answer; any of them counts as correct.
 ABSTENTIONS = ("unknown", "not mentioned", "no information", "not provided", "does not", "do not", "cannot",
                "can not", "don't know", "not specified", "not stated", "no mention", "not known", "not available")
-DEFAULT_MUSIQUE = Path("..") / "shared" / "data" / "musique_dev.jsonl"
+MUSIQUE_ENV = "CTX_MUSIQUE"  # where the MuSiQue dev file is when no path is given (not shipped with the package)
 
 
 @dataclass(frozen=True)
@@ -277,12 +278,15 @@ def secret_code_set(layout: Any, n_questions: int = 6, *, documents: int = 4, do
 
 # -- MuSiQue -------------------------------------------------------------------------------------------
 def musique_set(path: str | Path | None = None, n_questions: int | None = 12) -> list[Example]:
-    """MuSiQue dev questions from ``path`` (default ``../shared/data/musique_dev.jsonl``, relative to the
-    working directory). Scores fall with document order (r = 1 - i / 20), as in ``benchmarks/``."""
-    location = Path(path) if path is not None else DEFAULT_MUSIQUE
+    """MuSiQue dev questions from ``path`` (default ``$CTX_MUSIQUE``), a jsonl of ``{"id", "question",
+    "answers", "documents"}`` rows. Scores fall with document order (r = 1 - i / 20), as in ``benchmarks/``."""
+    if path is None and not os.environ.get(MUSIQUE_ENV):
+        raise InvalidOptionError(f"the MuSiQue set is not shipped: pass its jsonl file (--data PATH, or "
+                                 f"musique_set(path=...)) or set {MUSIQUE_ENV}")
+    location = Path(path) if path is not None else Path(os.environ[MUSIQUE_ENV])
     if not location.is_file():
         raise InvalidOptionError(f"MuSiQue file {location} not found: pass its path (--data PATH, or "
-                                 "musique_set(path=...)); the project keeps it at ../shared/data/musique_dev.jsonl")
+                                 f"musique_set(path=...), or {MUSIQUE_ENV})")
     rows = [json.loads(line) for line in location.read_text(encoding="utf-8").splitlines() if line.strip()]
     examples = []
     for row in rows[:n_questions] if n_questions else rows:

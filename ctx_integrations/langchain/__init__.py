@@ -13,8 +13,13 @@ except ImportError as error:  # the optional extra is not installed
     raise missing_dependency("langchain-core", extra="langchain") from error
 
 from ctx_integrations.langchain.chains import create_context_of_experts_chain
-from ctx_integrations.langchain.chat_model import ChatContextOfExperts
-from ctx_integrations.langchain.convert import documents_as_messages, from_langchain_document, to_langchain_document
+from ctx_integrations.langchain.chat_model import ChatContextOfExperts, UndecodedContextWarning
+from ctx_integrations.langchain.convert import (
+    documents_as_messages,
+    format_docs,
+    from_langchain_document,
+    to_langchain_document,
+)
 from ctx_integrations.langchain.embeddings import EmbedderEmbeddings
 from ctx_integrations.langchain.retriever import ScoredRetriever, VectorStoreScoredRetriever
 from ctx_integrations.langchain.runnable import ContextOfExpertsRunnable
@@ -24,9 +29,11 @@ __all__ = [
     "ContextOfExpertsRunnable",
     "EmbedderEmbeddings",
     "ScoredRetriever",
+    "UndecodedContextWarning",
     "VectorStoreScoredRetriever",
     "create_context_of_experts_chain",
     "documents_as_messages",
+    "format_docs",
     "from_langchain_document",
     "to_langchain_document",
 ]

@@ -6,7 +6,11 @@ default), reusing each document's KV cache, and the answer's trace, citations an
 ``response_metadata``. Documents come, in this order of precedence, from the call
 (``invoke(messages, documents=[...])`` or ``.bind(documents=...)``), from tagged messages in the prompt
 (``ChatPromptTemplate`` with a ``("placeholder", "{documents}")`` slot filled by
-:func:`documents_as_messages`), or from the ``documents`` field.
+:func:`documents_as_messages`), from text blocks of :func:`format_docs` in the prompt (LangChain's RAG
+tutorial chain with our ``format_docs``), or from the ``documents`` field. A prompt inside a chain that
+speaks of context or documents but carries none of these is answered as plain chat, with one
+:class:`UndecodedContextWarning` per model naming the one-line fix: documents joined into plain text
+cannot be split back into documents, so the product's per-document decoding would be lost silently.
 
 Being a ``BaseChatModel``, it emits LangChain's standard events (``on_chat_model_start`` / ``_stream`` /
 ``_end`` in ``astream_events``, ``on_llm_new_token`` for callbacks) and puts token counts in
@@ -15,6 +19,8 @@ Being a ``BaseChatModel``, it emits LangChain's standard events (``on_chat_model
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +30,12 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import run_in_executor
-from pydantic import AliasChoices, ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
@@ -38,13 +45,29 @@ from ctx_integrations.langchain.convert import (
     from_langchain_documents,
     response_metadata,
     split_document_messages,
+    split_formatted_documents,
     usage_metadata,
 )
 
-DEFAULT_MAX_TOKENS = 128
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+_MENTIONS_CONTEXT = re.compile(r"\b(context|documents?)\b", re.IGNORECASE)
 _CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "max_new_tokens", "temperature",
                            "top_p", "seed", "stream"})
+
+
+class UndecodedContextWarning(UserWarning):
+    """A chained prompt speaks of retrieved context but carries no document the decoder can recover.
+
+    It is answered as plain chat: no per-document KV caches, relevance priors or citations.
+    """
+
+
+UNDECODED_CONTEXT_MESSAGE = (
+    "ChatContextOfExperts got a prompt that speaks of context or documents but carries none it can decode "
+    "(no documents=, no documents_as_messages, no format_docs blocks), so it answers as plain chat "
+    "(mode 'chat': no per-document caches, scores or citations). One-line fix: format the retrieved documents "
+    "with ctx_integrations.langchain.format_docs, e.g. {'context': retriever | format_docs, 'question': "
+    "RunnablePassthrough()} (see docs/langchain.md). Warned once per chat model.")
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
@@ -118,6 +141,7 @@ class ChatContextOfExperts(BaseChatModel):
     streaming: bool = False
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    _warned_undecoded: bool = PrivateAttr(default=False)
 
     def __init__(self, **data: Any):
         super().__init__(**data)
@@ -150,12 +174,13 @@ class ChatContextOfExperts(BaseChatModel):
         params = LangSmithParams(ls_provider="ctx_integrations", ls_model_type="chat",
                                  ls_model_name=kwargs.get("model") or self.resolved_model_name,
                                  ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_TOKENS)
+                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_NEW_TOKENS)
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop)
         return params
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
+                 in_chain: bool = False) -> _Request:
         unknown = sorted(set(kwargs) - _CALL_OPTIONS)
         if unknown:
             raise InvalidOptionError(f"ChatContextOfExperts does not accept {', '.join(unknown)}; per-call options "
@@ -166,20 +191,34 @@ class ChatContextOfExperts(BaseChatModel):
                                      "another ChatContextOfExperts with engine=Engine.from_pretrained(...) for it")
         if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
             raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
-        tagged, messages = split_document_messages(messages)
-        if tagged is not None and "documents" in kwargs:
-            raise InvalidOptionError("documents came both in the prompt (tagged messages) and as documents=: give "
-                                     "them one way")
-        documents = kwargs["documents"] if "documents" in kwargs else tagged if tagged is not None else self.documents
+        in_prompt, messages = _documents_in_prompt(messages)
+        if in_prompt is not None and "documents" in kwargs:
+            raise InvalidOptionError("documents came both in the prompt (tagged messages or format_docs blocks) and "
+                                     "as documents=: give them one way")
+        documents = (kwargs["documents"] if "documents" in kwargs else in_prompt if in_prompt is not None
+                     else self.documents)
+        if documents is None and in_chain:
+            self._warn_if_context_is_lost(messages)
         mode = kwargs.get("mode", self.mode)
         options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
         budget = kwargs.get("max_tokens") or kwargs.get("max_new_tokens")
-        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_TOKENS,
+        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
                     "temperature": kwargs.get("temperature", self.temperature),
                     "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
                     "stop": tuple(stop if stop is not None else self.stop or ())}
         docs = None if documents is None else from_langchain_documents(documents)
         return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, settings)
+
+    def _warn_if_context_is_lost(self, messages: Sequence[BaseMessage]) -> None:
+        """Warn once when a chained prompt mentions context but none reached the decoder as documents.
+
+        A heuristic on purpose: retrieved text joined into a plain string looks like any other prompt text,
+        so the mention of context/documents in a chain's prompt is the signal; plain chat outside a chain
+        never warns.
+        """
+        if not self._warned_undecoded and any(_MENTIONS_CONTEXT.search(str(m.text)) for m in messages):
+            self._warned_undecoded = True
+            warnings.warn(UNDECODED_CONTEXT_MESSAGE, UndecodedContextWarning, stacklevel=2)
 
     def _metadata(self, request: _Request, answer: Answer) -> dict[str, Any]:
         return {"response_metadata": response_metadata(answer, request.engine.loaded.name),
@@ -187,7 +226,7 @@ class ChatContextOfExperts(BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        request = self._request(messages, stop, kwargs)
+        request = self._request(messages, stop, kwargs, _in_chain(run_manager))
         answer = request.run()
         message = AIMessage(content=answer.text, **self._metadata(request, answer))
         return ChatResult(generations=[ChatGeneration(message=message)])
@@ -199,7 +238,7 @@ class ChatContextOfExperts(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        request = self._request(messages, stop, kwargs)
+        request = self._request(messages, stop, kwargs, _in_chain(run_manager))
         pieces = request.stream()
         try:
             while True:
@@ -214,7 +253,8 @@ class ChatContextOfExperts(BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        request = await run_in_executor(None, self._request, messages, stop, kwargs)  # may load the model
+        request = await run_in_executor(None, self._request, messages, stop, kwargs,  # may load the model
+                                        _in_chain(run_manager))
         answer = await request.arun()
         message = AIMessage(content=answer.text, **self._metadata(request, answer))
         return ChatResult(generations=[ChatGeneration(message=message)])
@@ -222,7 +262,8 @@ class ChatContextOfExperts(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        request = await run_in_executor(None, self._request, messages, stop, kwargs)  # may load the model
+        request = await run_in_executor(None, self._request, messages, stop, kwargs,  # may load the model
+                                        _in_chain(run_manager))
         stream = request.astream()
         try:
             async for piece in stream:
@@ -230,3 +271,18 @@ class ChatContextOfExperts(BaseChatModel):
         finally:
             await stream.aclose()  # a consumer that stopped early cancels the request
         yield self._last_chunk(request, stream.answer)
+
+
+def _documents_in_prompt(messages: Sequence[BaseMessage]) -> tuple[list[Any] | None, list[BaseMessage]]:
+    """Documents the prompt carries (tagged messages or format_docs blocks; ``None``: none) and the rest."""
+    tagged, messages = split_document_messages(messages)
+    formatted, messages = split_formatted_documents(messages)
+    if tagged is not None and formatted is not None:
+        raise InvalidOptionError("the prompt carries documents both as tagged messages (documents_as_messages) and "
+                                 "as format_docs blocks: use one of the two")
+    return (tagged if tagged is not None else formatted), messages
+
+
+def _in_chain(run_manager: Any) -> bool:
+    """Whether this call runs inside a chain (a prompt built by it), not a direct ``chat.invoke``."""
+    return getattr(run_manager, "parent_run_id", None) is not None

@@ -3,11 +3,17 @@
 LangChain documents carry scores only in ``metadata``; the convention here is ``metadata["score"]``
 for the fused relevance r in [0, 1] and ``metadata["scores"]`` for every raw and normalised part,
 so a document can go retriever -> runnable -> answer sources and back without losing any of them.
+
+Documents reach a chat model inside a prompt in one of two recoverable forms: tagged messages
+(:func:`documents_as_messages`) or text blocks made by :func:`format_docs`, the drop-in for the
+``format_docs`` of LangChain's RAG tutorial.
 """
 
 from __future__ import annotations
 
 import hashlib
+import html
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,11 +23,14 @@ from langchain_core.messages.ai import UsageMetadata
 
 from ctx_integrations.documents import Document, as_document
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.errors import EmptyDocumentsError
+from ctx_integrations.errors import EmptyDocumentsError, InvalidDocumentError
 
 SCORE_KEY = "score"
 SCORES_KEY = "scores"
 DOCUMENT_TAG = "ctx_document"  # the additional_kwargs key that marks a message as a document
+_CLOSE = "\n</document>"
+_BLOCK = re.compile(r'<document(?P<attributes>(?: [a-z]+="[^"<>]*")*)>\n(?P<text>.*?)\n</document>', re.DOTALL)
+_ATTRIBUTE = re.compile(r'([a-z]+)="([^"]*)"')
 
 
 def content_id(text: str) -> str:
@@ -103,4 +112,50 @@ def split_document_messages(messages: Sequence[BaseMessage]) -> tuple[list[LCDoc
         else:
             documents.append(LCDocument(page_content=str(message.text), id=tag.get("id"),
                                         metadata=dict(tag.get("metadata") or {})))
+    return (documents or None), rest
+
+
+def format_docs(documents: Any) -> str:
+    """Retrieved documents as one string for a prompt's ``{context}``, with boundaries the decoder can recover.
+
+    The drop-in for the ``format_docs`` of LangChain's RAG tutorial
+    (``{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm``). Each
+    document becomes ``<document id="..." score="...">`` text ``</document>``, blank-line separated: any
+    chat model reads it as tagged context, and :class:`ChatContextOfExperts` takes the blocks back out of
+    the prompt and decodes them as documents (each its own expert, with its KV cache and its retrieval
+    score as prior) instead of answering the whole prompt as plain chat. The tutorial's own
+    ``"\\n\\n".join(doc.page_content ...)`` cannot be split back into documents.
+    """
+    blocks = []
+    for document in from_langchain_documents(documents):
+        if _CLOSE in document.text:
+            raise InvalidDocumentError(f"document {document.id!r} contains the line '</document>' that closes a "
+                                       "format_docs block: pass such documents with documents_as_messages instead")
+        attributes = f' id="{html.escape(document.id or content_id(document.text))}"'
+        if document.score is not None:
+            attributes += f' score="{float(document.score)!r}"'
+        blocks.append(f"<document{attributes}>\n{document.text}{_CLOSE}")
+    return "\n\n".join(blocks)
+
+
+def split_formatted_documents(messages: Sequence[BaseMessage]) -> tuple[list[LCDocument] | None, list[BaseMessage]]:
+    """The documents of :func:`format_docs` blocks in the messages (``None``: none) and the messages without them.
+
+    Each document keeps its id and score (``metadata["score"]``); what is left of a message (the
+    prompt's instructions, the question) stays in the conversation.
+    """
+    documents: list[LCDocument] = []
+    rest: list[BaseMessage] = []
+    for message in messages:
+        text = str(message.text)
+        found = list(_BLOCK.finditer(text))
+        if not found:
+            rest.append(message)
+            continue
+        for match in found:
+            attributes = {key: html.unescape(value) for key, value in _ATTRIBUTE.findall(match["attributes"])}
+            metadata = {SCORE_KEY: float(attributes["score"])} if "score" in attributes else {}
+            documents.append(LCDocument(page_content=match["text"], id=attributes.get("id"), metadata=metadata))
+        without = re.sub("\0(?:\\s*\0)*", "", _BLOCK.sub("\0", text))  # a run of blocks and its separators
+        rest.append(message.model_copy(update={"content": without.strip()}))
     return (documents or None), rest

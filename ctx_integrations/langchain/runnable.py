@@ -25,6 +25,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 from ctx_integrations.adapters import check_engine, prompt_tokens, resolve_engine
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
@@ -97,7 +98,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     retriever: Any = Field(default=None, exclude=True)
     mode: str = "pced"
     mode_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    max_tokens: int = Field(default=128, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS,
+                            validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None

@@ -36,6 +36,7 @@ from llama_index.core.settings import Settings
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, UserCacheDir, check_engine, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.errors import InvalidOptionError
@@ -96,7 +97,8 @@ class ExpertDecoderLLM(CustomLLM):
     engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
     cache_dir: Any = Field(default=USER_CACHE_DIR, exclude=True,
                            description="KV cache folder of the default engine; None: memory only")
-    max_new_tokens: int = Field(default=256, gt=0, description="tokens generated per call (metadata.num_output)")
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0,
+                                description="tokens generated per call (metadata.num_output)")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")

@@ -1,7 +1,7 @@
 """Keep every retrieval and reranker score on LlamaIndex nodes, on copies, hidden from the LLM and the embedder.
 
 LlamaIndex keeps one number per node (``NodeWithScore.score``) and a reranker overwrites it, so the
-retrieval score is lost exactly when PCED needs both (METHODS.md "Scores": r = harmonic mean of the
+retrieval score is lost exactly when PCED needs both (docs/methods.md#scores: r = harmonic mean of the
 normalised retrieval and reranker scores). Here every part is written into the node's metadata:
 
 - ``metadata["score"]``: the current fused relevance r in [0, 1] (what the decoder uses as its prior);

@@ -15,7 +15,7 @@ agree (checked in llama-index-core 0.14 and llama-index-vector-stores-chroma 0.6
 Chroma's space decides the distance: ``l2`` (its default) is the *squared* Euclidean distance, which for
 unit-length embeddings is ``2 - 2 cos``; ``cosine`` is ``1 - cos``; ``ip`` is ``1 - dot`` (``= 1 - cos``
 for unit vectors). So ``exp(-d)`` is not a cosine: we undo it (``d = -ln(score)``), recover the cosine
-and normalise it like any dense score (METHODS.md "Scores": ``r = (cos + 1) / 2``). This assumes
+and normalise it like any dense score (docs/methods.md#scores: ``r = (cos + 1) / 2``). This assumes
 unit-length embeddings (MiniLM, BGE and OpenAI embeddings all are).
 """
 

@@ -1,6 +1,6 @@
 """Retrieval that keeps every score and hands the decoder a fused relevance r per document.
 
-Pipeline (METHODS.md "Scores"): a candidate pool from the dense index (plus the BM25 top hits when
+Pipeline (docs/methods.md#scores): a candidate pool from the dense index (plus the BM25 top hits when
 ranking by the lexical score), every available raw score for each candidate (dense cosine, sparse,
 ColBERT), each normalised into [0, 1 - eps]; the score chosen with ``score=`` is r_ret. With a
 reranker, the best ``rerank_top_n`` candidates are reranked and r = harmonic mean(r_ret, r_rer);

@@ -1,4 +1,4 @@
-"""Score normalisation and fusion (PCED paper, appendix B; METHODS.md "Scores").
+"""Score normalisation and fusion (PCED paper, appendix B; docs/methods.md#scores).
 
 Every retrieval signal is mapped into r in [0, 1 - eps] so it can enter decoding as gamma * log r:
 dense / ColBERT cosine affinely, unbounded lexical scores through arctan, reranker logits through

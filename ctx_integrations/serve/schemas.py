@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from pydantic_core import PydanticCustomError
 
 from ctx_integrations.documents import Document
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.serve.limits import ServerLimits
 
 _DEFAULT_LIMITS = ServerLimits()
@@ -123,7 +124,7 @@ class Sampling(BaseModel):
 
     model_config = _STRICT
 
-    max_new_tokens: int = Field(default=128, ge=1, le=8192)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
@@ -255,7 +256,7 @@ class ChatCompletionRequest(BaseModel):
 
     def sampling(self) -> Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return Sampling(max_new_tokens=self.max_completion_tokens or self.max_tokens or 128,
+        return Sampling(max_new_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
                         temperature=0.0 if self.temperature is None else self.temperature,
                         top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop)
 

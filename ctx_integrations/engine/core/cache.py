@@ -1,6 +1,6 @@
 """Per-document KV caches: compute once, persist as safetensors, load, and batch them into streams.
 
-Layout (METHODS.md "Shared ground"): the shared prefix is encoded once at positions 0..L_p-1 and
+Layout (docs/methods.md#layout): the shared prefix is encoded once at positions 0..L_p-1 and
 stored once; every document is encoded after that prefix at positions L_p..L_p+len-1, and only its
 own keys/values (post-RoPE) are stored. Every document therefore starts at the same position, so
 PCED, Soft-NBCE, APE and IPPD can all reuse the same entries without re-rotating keys.

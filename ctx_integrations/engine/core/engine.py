@@ -21,6 +21,7 @@ from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
 from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.layout import (
     DEFAULT_CONTEXT_TEMPLATE,
@@ -192,8 +193,8 @@ class Engine:
         return prefetch
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                 mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] | str = (),
+                 mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
                  on_token: Callable[[str], None] | None = None, timeout: float | None = None,
                  **options: Any) -> Answer:
         """Answer ``query`` from ``documents`` with decoding ``mode`` (blocks until the answer is done).
@@ -208,7 +209,7 @@ class Engine:
                              seed, stop, options).result()[0]
 
     async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                        mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0,
+                        mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
                         timeout: float | None = None, **options: Any) -> Answer:
         """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop.
@@ -220,9 +221,9 @@ class Engine:
         return (await handle.wait())[0]
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                mode: str = "pced", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                seed: int | None = None, stop: Sequence[str] | str = (), timeout: float | None = None,
-                **options: Any) -> AnswerStream:
+                mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+                timeout: float | None = None, **options: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
         The request is validated now and queued when iteration starts; leaving the loop early cancels it.
@@ -283,8 +284,9 @@ class Engine:
             for ctx in contexts], self.max_queued_requests)
 
     def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
-                      mode: str = "ippd", *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                      seed: int | None = None, stop: Sequence[str] | str = (), timeout: float | None = None,
+                      mode: str = "ippd", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                      stop: Sequence[str] | str = (), timeout: float | None = None,
                       **options: Any) -> list[Answer]:
         """Answer every question in ``questions``; one :class:`Answer` per question, in order.
 
@@ -305,7 +307,8 @@ class Engine:
             raise
 
     async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
-                             scores: Sequence[float] | None = None, mode: str = "ippd", *, max_new_tokens: int = 128,
+                             scores: Sequence[float] | None = None, mode: str = "ippd", *,
+                             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                              stop: Sequence[str] | str = (), timeout: float | None = None,
                              **options: Any) -> list[Answer]:
@@ -335,16 +338,16 @@ class Engine:
         return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream),
                             lambda job: [_answer(ctx, job.results()[0], CHAT_MODE, {})], timeout=timeout)
 
-    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
              on_token: Callable[[str], None] | None = None, timeout: float | None = None) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
         return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token,
                                   timeout).result()[0]
 
-    async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                    timeout: float | None = None) -> Answer:
+    async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                    stop: Sequence[str] | str = (), timeout: float | None = None) -> Answer:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request)."""
         handle = self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, None, timeout)
         return (await handle.wait())[0]
@@ -353,7 +356,7 @@ class Engine:
         """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
         return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
 
-    def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = 128,
+    def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                      stop: Sequence[str] | str = (), timeout: float | None = None) -> AnswerStream:
         """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""

@@ -6,7 +6,7 @@ Rows of different requests have different lengths; they sit side by side in one 
 batched cache (preallocated and written in place, :class:`PoolLayer`), and padding columns get an
 infinite virtual position so nothing attends to them.
 
-Which key a new token may see is IPPD's rule (METHODS.md "IPPD"), which also covers every plain stream:
+Which key a new token may see is IPPD's rule (docs/methods.md#ippd), which also covers every plain stream:
 
     vpos(q) >= vpos(k)  and  (ctx(q) = ctx(k) or ctx(k) = 0)  and  (qid(q) = qid(k) or qid(k) = 0)
 

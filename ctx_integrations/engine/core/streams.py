@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from ctx_integrations.engine.core.cache import StreamBatch
+from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.errors import InvalidOptionError, NonFiniteScoresError
 
 
@@ -143,7 +144,7 @@ class StopCriteria:
     """Stop on an EOS id, after ``max_new_tokens``, or when a stop string appears (it is cut off)."""
 
     eos_token_ids: frozenset[int]
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_strings: Sequence[str] = ()
 
     def __post_init__(self) -> None:

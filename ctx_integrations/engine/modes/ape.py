@@ -1,4 +1,4 @@
-"""APE mode: Adaptive Parallel Encoding over the cached documents (METHODS.md "APE").
+"""APE mode: Adaptive Parallel Encoding over the cached documents (docs/methods.md#ape).
 
 One sequence ``[prefix | doc_1 | ... | doc_N | question | answer]``. The documents' KV caches come
 from the store as they are: each was encoded after the shared prefix at positions ``L_p..``, so all
@@ -13,7 +13,7 @@ Question and answer tokens attend to two key sets, each with its own softmax, me
 
 With ``T = S = 1`` this is plain attention over the concatenated cache. No attention kernel exposes
 this merge, so :func:`ape_attention` is written by hand (fp32 math whatever the model dtype; the
-public code's bf16 LSE is one of METHODS.md's pitfalls) and registered through transformers'
+public code's bf16 LSE is a pitfall, docs/methods.md#ape) and registered through transformers'
 ``AttentionInterface``; :func:`ape_attention_swapped` switches a model to it only for one APE call.
 """
 

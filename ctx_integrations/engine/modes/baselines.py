@@ -1,4 +1,4 @@
-"""The baselines every comparison runs against (METHODS.md "Baselines"), on the same templates.
+"""The baselines every comparison runs against (docs/methods.md#baselines), on the same templates.
 
 ``concat``: all documents in one prompt, prefilled sequentially (no cache reuse: that is the point
 of the baseline). ``truncated``: the same prompt cut to the last context tokens that fit the window

@@ -1,4 +1,4 @@
-"""IPPD mode: many questions over shared contexts, answered in one stacked prompt (METHODS.md "IPPD").
+"""IPPD mode: many questions over shared contexts, answered in one stacked prompt (docs/methods.md#ippd).
 
 A stack is one sequence ``[prefix | c_1 | c_2 | ... | x_11 | x_12 | ... | x_21 | ... | answers]``:
 the shared prefix, each context once (the concatenation of a question group's documents, its KV

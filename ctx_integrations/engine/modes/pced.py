@@ -1,4 +1,4 @@
-"""PCED mode: an amateur stream plus one expert per document, fused per token (METHODS.md "PCED").
+"""PCED mode: an amateur stream plus one expert per document, fused per token (docs/methods.md#pced).
 
 The per-step rule (:class:`PCEDFusion`) is a pure function over the step's stream logits, like a
 transformers logits processor: arguments are checked in ``__init__`` and inputs are never edited in place.
@@ -43,7 +43,7 @@ def relevance_weights(relevance: Sequence[float] | torch.Tensor) -> torch.Tensor
 
 
 class PCEDFusion:
-    """Parallel Context-of-Experts fusion (METHODS.md "PCED").
+    """Parallel Context-of-Experts fusion (docs/methods.md#pced).
 
     s^_k = (1 + beta_k) s_k - beta_k s_0 + gamma log r_k, then ``max`` over experts (default),
     or ``mixture`` (log sum_k w_k p_k) / ``product`` (sum_k w_k log p_k) with w = r / sum r and

@@ -1,4 +1,4 @@
-"""RAPID mode: retrieval-augmented speculative decoding (the RAPID paper; METHODS.md "RAPID" where it agrees).
+"""RAPID mode: retrieval-augmented speculative decoding (the RAPID paper; docs/methods.md#rapid where it agrees).
 
 The target is the model over the long context (prefix + every document + question, sequential
 positions); its long-context KV comes from the store, so a second question on the same documents

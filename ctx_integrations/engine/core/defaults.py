@@ -1,0 +1,13 @@
+"""Defaults shared by every entry point (engine, CLI, HTTP server, LangChain, LlamaIndex), defined once.
+
+This module imports nothing heavy (no torch), so the command line and the server's schemas can read
+the defaults without loading the model code.
+"""
+
+from __future__ import annotations
+
+DEFAULT_MAX_NEW_TOKENS = 256
+"""The answer-length limit when the caller gives none: LlamaIndex's ``DEFAULT_NUM_OUTPUTS`` (256), the
+budget LlamaIndex users already plan their context window around. Answers stop at the model's EOS (or a
+stop string) first, so a short answer costs no more with a larger limit; the limit only caps an answer
+that does not stop."""
