@@ -197,7 +197,7 @@ def _open_store(args: argparse.Namespace, must_exist: bool) -> Any:
         from ctx_integrations.retrieval.flag import BGEM3Embedder
 
         embedder = BGEM3Embedder(args.bge_m3_model, device=args.retriever_device)
-    return DocumentStore(location, embedder=embedder)
+    return DocumentStore(location, embedder=embedder, kv_dir=getattr(args, "cache_dir", None))
 
 
 # -- printing ------------------------------------------------------------------------------------------
@@ -356,6 +356,8 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                         help="longest passage in tokens of the LLM's tokenizer (default 512)")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not compute KV caches now (ask computes missing ones on first use)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="KV cache folder (default: the store's; give `serve` the same one to reuse these caches)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: only when stderr is a terminal)")
@@ -385,9 +387,10 @@ def run_ingest(args: argparse.Namespace) -> int:
     for path, reason in report.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**report.as_dict(), "store": str(store.location), "seconds": elapsed}, indent=1))
+        print(json.dumps({**report.as_dict(), "store": str(store.location), "kv_dir": str(store.kv_dir),
+                          "seconds": elapsed}, indent=1))
     else:
-        caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed"
+        caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed in {store.kv_dir}"
         skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
         print(f"ingested {report.files} files{skipped} into {store.location}: {report.passages} passages "
               f"({report.added} added, {report.updated} updated, {report.unchanged} unchanged, {report.removed} "
@@ -586,7 +589,8 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     _add_retriever_arguments(parser)
     parser.add_argument("--cache-dir", default=None,
-                        help="KV cache folder (default: the store's kv/ folder; memory only without a store)")
+                        help="KV cache folder (default: the store's, the one `ingest` wrote; without a store: memory "
+                             "only, with --ray the integrations' shared folder)")
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="requests admitted at once; more get 503 with Retry-After (default: no limit)")
     parser.add_argument("--max-queued", type=int, default=None,
@@ -599,7 +603,8 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray (default 2)")
     parser.add_argument("--ray-cpus", type=int, default=None,
-                        help="CPUs of the local Ray cluster with --ray (default: replicas + 1)")
+                        help="CPUs of the local Ray cluster with --ray (default: replicas; one per replica, the "
+                             "gateway needs none)")
 
 
 @register_command("serve", help="serve the engine over HTTP (FastAPI; --ray: replicas on Ray Serve)",

@@ -70,3 +70,14 @@ def test_progress_bars_go_to_stderr_when_asked(docs, tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "reading" in err and "embedding" in err and "passage" in err
     assert out.startswith("ingested 1 files into") and "reading" not in out
+
+
+def test_cli_ingest_writes_caches_where_cache_dir_says_and_reports_the_folder(docs, tmp_path, capfd):
+    """Bugs caught: ``--cache-dir`` ignored (caches land in a folder ``serve --cache-dir`` does not read), or
+    the default folder differing from the store's own, which ``serve`` and the Ray app use by default."""
+    store = tmp_path / "store"
+    assert run_cli("ingest", str(docs / "notes.txt"), "--store", str(store), "--no-cache", "--json") == 0
+    assert json.loads(capfd.readouterr().out)["kv_dir"] == str(DocumentStore(store).kv_dir)
+    assert run_cli("ingest", str(docs / "notes.txt"), "--store", str(store), "--no-cache", "--json",
+                   "--cache-dir", str(tmp_path / "kv")) == 0
+    assert json.loads(capfd.readouterr().out)["kv_dir"] == str(tmp_path / "kv")

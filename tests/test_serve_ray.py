@@ -2,12 +2,18 @@
 
 The replicas run the same tiny random-weight model as the in-process engine here, so every answer
 through Ray must equal ``engine.generate`` token for token; and the cache-affinity router must send
-every request for one set of documents to the same replica, while different sets use both.
+every request for one set of documents to the same replica, while different sets use both. The
+corpus is ingested first, as ``ctx-experts ingest`` does (caches computed into the store's folder),
+and the app is built without naming a KV folder: the replicas must find ingestion's caches on disk.
+One Ray cluster serves every test (Ray's start costs about a minute here); the last test shuts it down.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,26 +33,83 @@ def _doc_sets(count: int) -> list[list[dict]]:
             for i in range(count)]
 
 
+@dataclass
+class RayApp:
+    url: str
+    kv_dir: Path  # where ingestion wrote the caches
+    chroma_pid: int
+
+
 @pytest.fixture(scope="module")
 def ray_app(tmp_path_factory):
     import ray
 
     from ctx_integrations.cli import load_demo_corpus
     from ctx_integrations.retrieval.store import DocumentStore
-    from ctx_integrations.serve.ray_app import build_app, start
+    from ctx_integrations.serve.ray_app import build_app, start, stop
 
     data = tmp_path_factory.mktemp("ray")
-    with chroma_server(data) as chroma_url:
-        DocumentStore(chroma_url).add(load_demo_corpus()[0], warm=False)
+    with pytest.MonkeyPatch.context() as patch, chroma_server(data) as chroma_url:
+        patch.setenv("CTX_CACHE_DIR", str(data / "cache"))  # the default KV folder of ingest and serve lives here
+        store = DocumentStore(chroma_url)
+        store.engine = tiny_engine(cache_dir=store.kv_dir)  # what `ctx-experts ingest` does: caches computed now
+        assert store.add(load_demo_corpus()[0]).cache_misses > 0
+        chroma_pid = next(p.pid for p in _ray_processes() if "chroma" in " ".join(p.cmdline()))
         port = free_port()
-        app = build_app(replicas=2, cache_dir=data / "kv", store_url=chroma_url,
-                        engine_factory="tests.serve_support:tiny_engine")
+        app = build_app(replicas=2, store_url=chroma_url, engine_factory="tests.serve_support:tiny_engine")
         try:
             start(app, port=port, num_cpus=2)
-            yield f"http://127.0.0.1:{port}"
+            yield RayApp(f"http://127.0.0.1:{port}", store.kv_dir, chroma_pid)
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            if ray.is_initialized():  # the last test stops it (and times that)
+                stop()
+
+
+def _ray_processes() -> list:
+    """This process and every process it started: the driver, GCS, raylet, agents, workers (and Chroma)."""
+    import psutil
+
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def _listening(process) -> list[tuple[str, int]]:
+    import psutil
+
+    try:
+        return [(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def _title(process) -> str:
+    import psutil
+
+    try:
+        return " ".join(process.cmdline()) or process.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "?"
+
+
+def test_the_first_request_after_ingestion_reads_its_caches_from_disk_on_every_replica(ray_app):
+    """Bugs caught: replicas pointed at another KV folder than ingestion's (the docs' old ``--cache-dir
+    ./kv-shared`` recipe: every first request recomputes its documents), or an app whose default folder
+    differs from ``ingest``'s."""
+    assert any(ray_app.kv_dir.rglob("*.safetensors")), "ingestion wrote no cache to the store's folder"
+    from ctx_integrations.cli import load_demo_corpus
+
+    first_answer = {}
+    for document in load_demo_corpus()[0]:  # each question retrieves other documents: they spread over replicas
+        body = {"query": document.text, "top_k": 2, "max_new_tokens": 2}
+        answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=120).json()
+        assert answer["cache"]["misses"] == 0, f"a retrieved document was recomputed: {answer['cache']}"
+        first_answer.setdefault(answer["replica"], answer["cache"])
+        if len(first_answer) == 2:
+            break
+    assert len(first_answer) == 2, "every request went to one replica"
+    for replica, cache in first_answer.items():  # a replica's memory tier is empty before its first request
+        assert {tier: n for tier, n in cache["hits_by_tier"].items() if n} == {"disk": 2}, f"{replica}: {cache}"
 
 
 def test_two_replicas_answer_like_one_engine_with_document_affinity(ray_app):
@@ -57,7 +120,7 @@ def test_two_replicas_answer_like_one_engine_with_document_affinity(ray_app):
     for round_ in range(2):
         for i, docs in enumerate(_doc_sets(12)):
             body = {"query": f"When did number {i} open?", "documents": docs, "max_new_tokens": 3}
-            answer = httpx.post(f"{ray_app}/v1/answer", json=body, timeout=120).json()
+            answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=120).json()
             assert answer["token_ids"] == engine.generate(body["query"], docs, max_new_tokens=3).token_ids
             if round_ == 0:
                 replica_of[i] = answer["replica"]
@@ -72,7 +135,7 @@ def test_two_replicas_answer_like_one_engine_with_document_affinity(ray_app):
 def test_retrieval_from_the_chroma_server_streams_through_a_replica(ray_app):
     """Bug caught: the gateway not reaching the Chroma server, or streams not crossing the replica boundary."""
     body = {"query": "Who founded the city?", "top_k": 3, "max_new_tokens": 4, "stream": True}
-    with httpx.stream("POST", f"{ray_app}/v1/answer", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{ray_app.url}/v1/answer", json=body, timeout=120) as response:
         assert response.status_code == 200
         events = sse_events(response.iter_lines())
     answer = json.loads(events[-1][1])
@@ -82,7 +145,44 @@ def test_retrieval_from_the_chroma_server_streams_through_a_replica(ray_app):
 
 def test_a_replica_error_is_a_4xx_naming_the_field(ray_app):
     """Bug caught: an error raised in a replica reaching the client as a 500 with Ray's remote trace."""
-    response = httpx.post(f"{ray_app}/v1/answer", json={"query": "q", "documents": ["x"], "mode": "pced",
+    response = httpx.post(f"{ray_app.url}/v1/answer", json={"query": "q", "documents": ["x"], "mode": "pced",
                                                         "options": {"gamma": -1}}, timeout=60)
     assert response.status_code == 422 and response.json()["error"]["param"] == "options"
     assert "Traceback" not in response.json()["error"]["message"]
+
+
+def test_every_ray_process_listens_on_loopback_only(ray_app):
+    """Bug caught: Ray's GCS, raylet, object manager, workers, dashboard agent or metrics exporters bound to
+    0.0.0.0 / :: although the app was started for 127.0.0.1 (Ray's default when the node's address is not
+    loopback). The one documented exception: Serve's inter-deployment gRPC server, one per replica."""
+    listeners, exceptions = [], []
+    for process in _ray_processes():
+        if process.pid == ray_app.chroma_pid:
+            continue
+        for ip, port in _listening(process):
+            address = ipaddress.ip_address(ip.split("%")[0])
+            address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1 is loopback too
+            if address.is_loopback:
+                listeners.append((ip, port))
+            elif address.is_unspecified and _title(process).startswith("ray::ServeReplica"):
+                exceptions.append((process.pid, port))
+            else:
+                raise AssertionError(f"{_title(process)} (pid {process.pid}) listens on {ip}:{port}")
+    assert len(listeners) >= 5, f"too few Ray listeners found to be meaningful: {listeners}"
+    pids = [pid for pid, _ in exceptions]  # the gateway and two engine replicas: one port each at most
+    assert len(pids) == len(set(pids)) <= 3, f"more than Serve's one gRPC port per replica: {exceptions}"
+
+
+def test_serve_and_ray_shut_down_in_under_10_s(ray_app):
+    """Bug caught: a shutdown waiting on Ray's defaults (a 2 s drain poll per replica, the controller's 30 s
+    timeout) or on a replica that never stops, and Ray processes left running after it."""
+    import ray
+
+    from ctx_integrations.serve.ray_app import stop
+
+    seconds = stop()
+    assert not ray.is_initialized()
+    assert seconds["total"] < 10, f"shutdown took {seconds} s"
+    left = [_title(p) for p in _ray_processes()[1:] if p.pid != ray_app.chroma_pid and p.is_running()
+            and p.status() != "zombie"]
+    assert not left, f"processes still running after shutdown: {left}"

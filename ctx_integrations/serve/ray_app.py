@@ -14,13 +14,27 @@ Three pieces, all Ray Serve's own facilities:
   (:func:`~ctx_integrations.serve.app.create_app`), with a :class:`RayBackend` that sends each job
   through a ``DeploymentHandle``, and the document store on a Chroma server reached over HTTP.
   Retrieval happens in the gateway, so the router sees the documents of every request.
+
+Two choices the CLI and the Python API share, so one documented recipe works:
+
+- **The KV folder is the one ingestion wrote.** :func:`kv_folder` resolves it as ``ctx-experts ingest``
+  does (the store's ``kv_dir``, unless a folder is given), so the replicas' first request after
+  ingestion is a disk hit instead of a recomputation into an empty folder.
+- **Ray stays on the interface the user asked for.** Ray binds its own gRPC servers (GCS, raylet,
+  object manager, workers, dashboard agent, metrics) to loopback only when the node's address is
+  loopback; :func:`start` passes ``_node_ip_address`` for a loopback ``host`` (the default), and
+  Serve's HTTP proxy gets the same host. Serve's inter-deployment gRPC server is the one exception
+  (Ray hard-codes ``[::]:0``): docs/serving.md says so and how to firewall it.
 """
 
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +88,15 @@ def _engine_factory(path: str | None) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+# How long a replica waits, once told to stop, for its requests in flight; it polls every
+# SHUTDOWN_POLL_S (Ray's default 2 s poll made an idle shutdown pay for the poll on every replica).
+DRAIN_TIMEOUT_S = 10.0
+SHUTDOWN_POLL_S = 0.2
+
+
 @serve.deployment(request_router_config=RequestRouterConfig(request_router_class=DocumentAffinityRouter),
-                  max_ongoing_requests=8, ray_actor_options={"num_cpus": 1})
+                  max_ongoing_requests=8, ray_actor_options={"num_cpus": 1},
+                  graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class EngineReplica:
     """One engine (the scheduler batches the requests Ray sends it concurrently); answers carry ``replica``."""
 
@@ -150,7 +171,8 @@ class RayBackend:
         return None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 @serve.ingress()
 class Gateway:
     """The HTTP ingress: validation, retrieval from the Chroma server, metrics; answers come from replicas."""
@@ -170,36 +192,122 @@ class Gateway:
                           model_name=self.model_name or "ctx-integrations (ray)")
 
 
-def build_app(*, replicas: int, cache_dir: str | os.PathLike, store_url: str | None = None,
+def kv_folder(store_url: str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The KV folder the replicas share: ``cache_dir`` if given, else where ``ctx-experts ingest`` put the caches.
+
+    With a store, that is the store's own ``kv_dir`` (the same code decides it for ``ingest``, ``ask`` and
+    ``serve``); without one, the shared engine's folder of the LlamaIndex / LangChain integrations.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if store_url is not None:
+        from ctx_integrations.retrieval.store import DocumentStore
+
+        return DocumentStore(store_url).kv_dir
+    from ctx_integrations.adapters import shared_cache_dir
+
+    return shared_cache_dir()
+
+
+def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, store_url: str | None = None,
               model: str | None = None, engine_factory: str | None = None, max_in_flight: int | None = None,
-              max_ongoing_requests: int = 8) -> Any:
+              max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Any:
     """The bound Ray Serve application: ``Gateway`` over ``replicas`` copies of ``EngineReplica``.
 
-    ``cache_dir``: the KV folder every replica shares. ``store_url``: a Chroma server
-    (``http://host:port``) for retrieval, or ``None`` (documents inline only). ``engine_factory``:
-    ``"module:function"`` building the engine from ``cache_dir=`` (tests use a tiny model).
+    ``cache_dir``: the KV folder every replica shares (default :func:`kv_folder`: the one ingestion
+    into ``store_url`` wrote). ``store_url``: a Chroma server (``http://host:port``) for retrieval, or
+    ``None`` (documents inline only). ``engine_factory``: ``"module:function"`` building the engine from
+    ``cache_dir=`` (tests use a tiny model). ``drain_timeout_s``: how long a stopping replica waits for
+    its requests in flight.
     """
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")
+    if drain_timeout_s < 0:
+        raise InvalidOptionError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
     if store_url is not None and not store_url.startswith(("http://", "https://")):
         raise InvalidOptionError(f"the store of a Ray Serve app must be a Chroma server URL, got {store_url!r}: "
                                  "start one with `chroma run --path DIR --port PORT`")
-    engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests).bind(
-        model, str(cache_dir), engine_factory)
-    return Gateway.bind(engines, store_url, max_in_flight, model)
+    folder = kv_folder(store_url, cache_dir)
+    shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
+    engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+                                    **shutdown).bind(model, str(folder), engine_factory)
+    return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight, model)
+
+
+def ray_node_address(host: str) -> str | None:
+    """``"127.0.0.1"`` when ``host`` is loopback (Ray's own servers then stay on loopback), else ``None``.
+
+    Ray (2.x) binds its gRPC servers, dashboard agent and metrics exporters to 127.0.0.1 exactly when the
+    node's address is 127.0.0.1, and to every interface otherwise; ``None`` leaves Ray's choice (the
+    machine's address, every interface) for a server that is meant to be reachable from outside.
+    """
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return "127.0.0.1" if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:  # a host name other than localhost: Ray's own choice
+        return None
+
+
+@contextmanager
+def _single_machine_ray() -> Iterator[None]:
+    """While Ray starts: take 127.0.0.1 as this node's address, as Ray does on macOS and Windows.
+
+    On Linux ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough: Ray replaces a loopback
+    address with the machine's reachable one unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when
+    Ray is imported, so this process's copy is set too; the environment carries it to the GCS and raylet
+    started here). Both are restored once the cluster runs: it keeps the address it started with.
+    """
+    from ray._private import ray_constants
+
+    saved_flag, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_RAY_CLUSTER_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER, os.environ[_RAY_CLUSTER_ENV] = False, "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = saved_env
+
+
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def start(app: Any, *, host: str = "127.0.0.1", port: int = 8000, num_cpus: int = 2, name: str = "ctx") -> None:
-    """Start a local Ray cluster (bounded resources, no dashboard) and run ``app`` on http://host:port."""
+    """Start a local Ray cluster (bounded resources, no dashboard UI) and run ``app`` on http://host:port.
+
+    With a loopback ``host`` every Ray process started here listens on loopback only, except Serve's
+    inter-deployment gRPC server in each replica (Ray hard-codes ``[::]``); a cluster this process had
+    already joined keeps its own addresses.
+    """
     import ray
 
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+        node_address = ray_node_address(host)
+        with _single_machine_ray() if node_address else nullcontext():
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address=node_address,
+                     runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix="/")
+
+
+def stop() -> dict[str, float]:
+    """Shut Serve down (each replica drains its requests in flight: ``drain_timeout_s``), then Ray.
+
+    Returns the seconds each took (``serve``, ``ray``) and in all (``total``).
+    """
+    import ray
+
+    started = time.perf_counter()
+    serve.shutdown()
+    served = time.perf_counter()
+    ray.shutdown()
+    ended = time.perf_counter()
+    return {"serve": served - started, "ray": ended - served, "total": ended - started}
 
 
 def run_ray_serve(args: Any) -> int:
@@ -207,23 +315,18 @@ def run_ray_serve(args: Any) -> int:
     import signal
     import threading
 
-    import ray
-
-    from ctx_integrations.paths import cache_root
-
     if args.store and not str(args.store).startswith(("http://", "https://")):
         raise InvalidOptionError("--ray needs --store to be a Chroma server URL (http://127.0.0.1:PORT, started "
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
-    cache_dir = args.cache_dir or str(cache_root() / "kv-shared")
+    cache_dir = kv_folder(args.store, args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
-                    max_in_flight=args.max_in_flight)
+                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
     print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
           f"{cache_dir}; store: {args.store or 'none'})", flush=True)
-    stop = threading.Event()
+    stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()  # Serve drains the replicas' ongoing requests (graceful_shutdown_timeout_s)
-    ray.shutdown()
+        signal.signal(sig, lambda *_: stop_requested.set())
+    stop_requested.wait()
+    print(f"stopped in {stop()['total']:.1f} s", flush=True)
     return 0
