@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 serve = pytest.importorskip("ray.serve")
 pytest.importorskip("fastapi")
 
+MAX_DOCUMENTS = 6  # the gateway's limit, below the default: shows the app's limits reach it
 WORDS = "harbour bridge market winter tower library garden railway museum festival island treaty".split()
 
 
@@ -46,6 +47,7 @@ def ray_app(tmp_path_factory):
 
     from ctx_integrations.cli import load_demo_corpus
     from ctx_integrations.retrieval.store import DocumentStore
+    from ctx_integrations.serve.limits import ServerLimits
     from ctx_integrations.serve.ray_app import build_app, start, stop
 
     data = tmp_path_factory.mktemp("ray")
@@ -56,7 +58,8 @@ def ray_app(tmp_path_factory):
         assert store.add(load_demo_corpus()[0]).cache_misses > 0
         chroma_pid = next(p.pid for p in _ray_processes() if "chroma" in " ".join(p.cmdline()))
         port = free_port()
-        app = build_app(replicas=2, store_url=chroma_url, engine_factory="tests.serve_support:tiny_engine")
+        app = build_app(replicas=2, store_url=chroma_url, engine_factory="tests.serve_support:tiny_engine",
+                        limits=ServerLimits(max_documents=MAX_DOCUMENTS))
         try:
             start(app, port=port, num_cpus=2)
             yield RayApp(f"http://127.0.0.1:{port}", store.kv_dir, chroma_pid)
@@ -149,6 +152,15 @@ def test_a_replica_error_is_a_4xx_naming_the_field(ray_app):
                                                         "options": {"gamma": -1}}, timeout=60)
     assert response.status_code == 422 and response.json()["error"]["param"] == "options"
     assert "Traceback" not in response.json()["error"]["message"]
+
+
+def test_the_gateway_applies_the_apps_request_limits(ray_app):
+    """Bug caught: ``build_app(limits=...)`` (``serve --ray --max-documents``) not reaching the gateway."""
+    body = {"query": "q", "documents": ["x"] * (MAX_DOCUMENTS + 1), "max_new_tokens": 1}
+    response = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=60)
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["param"] == "documents" and str(MAX_DOCUMENTS) in error["message"]
 
 
 def test_every_ray_process_listens_on_loopback_only(ray_app):

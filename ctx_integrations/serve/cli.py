@@ -56,7 +56,7 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
         _require("ray.serve", "ray")
         from ctx_integrations.serve.ray_app import run_ray_serve
 
-        return run_ray_serve(args)
+        return run_ray_serve(args, limits_from(args))
     _require("fastapi", "serve")
     _require("uvicorn", "serve")
     from ctx_integrations.engine.core.engine import Engine

@@ -44,6 +44,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
 from ctx_integrations.serve.backend import LocalBackend
+from ctx_integrations.serve.limits import ServerLimits
 from ctx_integrations.serve.routing import HashRing, affinity_ranking, job_documents
 
 
@@ -178,18 +179,18 @@ class Gateway:
     """The HTTP ingress: validation, retrieval from the Chroma server, metrics; answers come from replicas."""
 
     def __init__(self, engines: Any, store_url: str | None, max_in_flight: int | None = None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, limits: ServerLimits | None = None):
         from ctx_integrations.retrieval.store import DocumentStore
 
         self.backend = RayBackend(engines)
         self.store = DocumentStore(store_url) if store_url else None
-        self.max_in_flight, self.model_name = max_in_flight, model_name
+        self.max_in_flight, self.model_name, self.limits = max_in_flight, model_name, limits
 
     def __serve_build_asgi_app__(self) -> Any:
         from ctx_integrations.serve.app import create_app
 
         return create_app(backend=self.backend, store=self.store, max_in_flight=self.max_in_flight,
-                          model_name=self.model_name or "ctx-integrations (ray)")
+                          model_name=self.model_name or "ctx-integrations (ray)", limits=self.limits)
 
 
 def kv_folder(store_url: str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -211,14 +212,16 @@ def kv_folder(store_url: str | None = None, cache_dir: str | os.PathLike | None 
 
 def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, store_url: str | None = None,
               model: str | None = None, engine_factory: str | None = None, max_in_flight: int | None = None,
-              max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Any:
+              max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+              limits: ServerLimits | None = None) -> Any:
     """The bound Ray Serve application: ``Gateway`` over ``replicas`` copies of ``EngineReplica``.
 
     ``cache_dir``: the KV folder every replica shares (default :func:`kv_folder`: the one ingestion
     into ``store_url`` wrote). ``store_url``: a Chroma server (``http://host:port``) for retrieval, or
     ``None`` (documents inline only). ``engine_factory``: ``"module:function"`` building the engine from
     ``cache_dir=`` (tests use a tiny model). ``drain_timeout_s``: how long a stopping replica waits for
-    its requests in flight.
+    its requests in flight. ``limits``: the gateway's request limits (default :class:`ServerLimits`'s);
+    Ray's own HTTP proxy reads the request, so the header read deadline is not applied there.
     """
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")
@@ -231,7 +234,7 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
     engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
                                     **shutdown).bind(model, str(folder), engine_factory)
-    return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight, model)
+    return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight, model, limits)
 
 
 def ray_node_address(host: str) -> str | None:
@@ -310,7 +313,7 @@ def stop() -> dict[str, float]:
     return {"serve": served - started, "ray": ended - served, "total": ended - started}
 
 
-def run_ray_serve(args: Any) -> int:
+def run_ray_serve(args: Any, limits: ServerLimits | None = None) -> int:
     """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests)."""
     import signal
     import threading
@@ -320,7 +323,7 @@ def run_ray_serve(args: Any) -> int:
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
     cache_dir = kv_folder(args.store, args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
-                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout)
+                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
     print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
           f"{cache_dir}; store: {args.store or 'none'})", flush=True)
