@@ -209,12 +209,12 @@ def run_ray_serve(args: Any) -> int:
 
     import ray
 
-    from ctx_integrations.paths import cache_root
+    from ctx_integrations.paths import kv_root
 
     if args.store and not str(args.store).startswith(("http://", "https://")):
         raise InvalidOptionError("--ray needs --store to be a Chroma server URL (http://127.0.0.1:PORT, started "
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
-    cache_dir = args.cache_dir or str(cache_root() / "kv-shared")
+    cache_dir = args.cache_dir or str(kv_root())  # the root `ingest` fills: replicas start with its caches
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
                     max_in_flight=args.max_in_flight)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
