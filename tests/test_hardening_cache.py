@@ -366,13 +366,14 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def write_sparse_entry(path, token_ids, size):
-    """A sparse file of ``size`` bytes with a well-formed safetensors header for a huge ``kv``: every check that
-    reads the tensor would first allocate (and hash) all of it."""
+def write_sparse_entry(path, key, token_ids, size):
+    """A sparse file of ``size`` bytes with a well-formed entry header (format, key) for a huge ``kv``: checking
+    its checksum reads (and copies) all of it."""
     import json
 
     elements = (size - 4096) // 4
-    header = {"kv": {"dtype": "F32", "shape": [elements], "data_offsets": [0, elements * 4]},
+    header = {"__metadata__": {"format": disk_module.FORMAT_VERSION, "key": key, "checksum": "0" * 32},
+              "kv": {"dtype": "F32", "shape": [elements], "data_offsets": [0, elements * 4]},
               "token_ids": {"dtype": "I64", "shape": [len(token_ids)],
                             "data_offsets": [elements * 4, elements * 4 + 8 * len(token_ids)]}}
     raw = json.dumps(header).encode()
@@ -389,7 +390,7 @@ def test_a_sparse_file_in_place_of_an_entry_is_refused_before_it_is_read(loaded,
     original = KVCacheStore(loaded, tmp_path).document(layout, DOC)
     store = KVCacheStore(loaded, tmp_path)
     path = store.disk.path(original.key)
-    write_sparse_entry(path, original.token_ids, 1536 << 20)
+    write_sparse_entry(path, original.key, original.token_ids, 1536 << 20)
     opened = []
     real_open = safetensors.safe_open
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
