@@ -420,3 +420,22 @@ def test_a_file_path_is_neither_shown_to_the_model_nor_part_of_the_cache_key(loa
     warmer([node("a")])
     warmer([node("b")])
     assert warmer.stats["misses"] == 1 and warmer.stats["hits"] == 1
+
+
+def test_a_forged_entry_record_cannot_delete_files_outside_the_kv_root(tmp_path, monkeypatch):
+    """Entry files are recorded in Chroma metadata (a shared server is writable by others): deleting a document
+    removes only recorded paths that are entries inside ``kv_dir``."""
+    import json
+
+    from ctx_integrations.retrieval import DocumentStore
+    from ctx_integrations.retrieval.store import ENTRIES_KEY
+
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
+    victim = tmp_path / ("a" * 64 + ".safetensors")  # an entry's name, outside the KV root
+    victim.write_text("not an entry of this store")
+    store = DocumentStore(tmp_path / "store")
+    store.add([{"id": "d0", "text": DOC}])
+    store._collection.update(ids=["d0"], metadatas=[{ENTRIES_KEY: json.dumps([str(victim)])}])
+    assert "ctx_kv_entries" not in store.get(["d0"])[0].metadata  # never shown to readers
+    store.delete(["d0"])
+    assert victim.read_text() == "not an entry of this store"
