@@ -272,3 +272,6 @@ def test_entries_of_the_layout_before_per_model_folders_are_still_found(loaded, 
     assert store.contains(layout, DOC)
     assert torch.equal(store.document(layout, DOC).kv, entry.kv) and store.stats.disk_hits == 1
     assert store.disk.path(entry.key).is_file() and not legacy.exists()
+    legacy.write_bytes(store.disk.path(entry.key).read_bytes())  # a second copy left in the old layout ...
+    store.forget(layout, DOC)
+    assert not store.contains(layout, DOC) and not legacy.exists()  # ... is forgotten with the entry

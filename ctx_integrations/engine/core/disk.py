@@ -228,10 +228,13 @@ class DiskTier:
         return 8 + _HEADER_BYTES + tokens * (layers * 2 * kv_heads * head_dim * _WIDEST_DTYPE_BYTES + 8)
 
     def delete(self, key: str) -> None:
-        try:
-            self.path(key).unlink(missing_ok=True)
-        except OSError as error:
-            self._cannot_write(error, f"delete entry {key[:16]}")
+        """Remove the entry, and its copy in the legacy layout if there is one."""
+        paths = [self.path(key)] + ([self._legacy_path(key)] if self.legacy_directory is not None else [])
+        for path in paths:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                self._cannot_write(error, f"delete entry {key[:16]}")
 
     def save(self, key: str, token_ids: tuple[int, ...], kv: torch.Tensor) -> None:
         """Write one entry atomically (temp file + rename); on an OS error, warn once and keep it in memory only."""
