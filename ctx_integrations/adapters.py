@@ -4,8 +4,9 @@ One embedded model per process: adapters built without an engine share it, so an
 LangChain runnable and the LlamaIndex query engine side by side loads the embedded model once.
 
 KV caches persist by default. An adapter built without an engine (and without ``cache_dir``) uses an
-engine whose document caches live under the user cache dir (``$CTX_CACHE_DIR/kv/shared``), so an app
-restarted over the same index finds them on disk. ``cache_dir=<folder>`` keeps them elsewhere and
+engine whose document caches live under the user cache dir's KV root (``$CTX_CACHE_DIR/kv``, one folder
+per model beneath it, the same root ``ctx-experts ingest`` and ``serve`` use), so an app restarted over the
+same index finds them on disk. ``cache_dir=<folder>`` keeps them elsewhere and
 ``cache_dir=None`` in memory only; each choice gets its own engine over the same loaded model. Cache
 keys hash the model identity, the prompt layout and the tokens (``engine.core.cache``), so one folder
 can safely serve several models.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ctx_integrations.errors import InvalidOptionError
-from ctx_integrations.paths import cache_root
+from ctx_integrations.paths import kv_root
 
 if TYPE_CHECKING:
     from ctx_integrations.engine.core.engine import Engine
@@ -42,8 +43,8 @@ _engines_lock = threading.Lock()
 
 
 def shared_cache_dir() -> Path:
-    """Where the shared engine keeps KV caches: ``$CTX_CACHE_DIR/kv/shared`` (or the platform's cache dir)."""
-    return cache_root() / "kv" / "shared"
+    """Where the shared engine keeps KV caches: the KV root ``$CTX_CACHE_DIR/kv`` (or the platform's cache dir)."""
+    return kv_root()
 
 
 def resolve_cache_dir(cache_dir: CacheDir) -> Path | None:

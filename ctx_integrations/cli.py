@@ -176,6 +176,10 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"answer length limit; answers stop at EOS first (default {DEFAULT_MAX_NEW_TOKENS})")
 
 
+_CACHE_DIR_HELP = ("KV cache root (default $CTX_CACHE_DIR/kv, one store per model whatever the document store: "
+                   "ingest, ask and serve, --ray included, find each other's caches there)")
+
+
 def _add_retriever_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retriever", choices=("minilm", "bge-m3"), default=None,
                         help="embedder: the embedded all-MiniLM-L6-v2 or BGE-M3 (default: what built the store)")
@@ -356,8 +360,7 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                         help="longest passage in tokens of the LLM's tokenizer (default 512)")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not compute KV caches now (ask computes missing ones on first use)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="KV cache folder (default: the store's; give `serve` the same one to reuse these caches)")
+    parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: only when stderr is a terminal)")
@@ -418,6 +421,7 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reranker", default=None, help="FlagReranker model (hub id or folder); r fuses both")
     parser.add_argument("--rerank-top-n", type=int, default=None, help="candidates the reranker sees")
     _add_model_arguments(parser)
+    parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
     parser.add_argument("--json", action="store_true", help="print the whole answer as JSON")
 
 
@@ -588,9 +592,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     _add_model_arguments(parser)
     _add_retriever_arguments(parser)
-    parser.add_argument("--cache-dir", default=None,
-                        help="KV cache folder (default: the store's, the one `ingest` wrote; without a store: memory "
-                             "only, with --ray the integrations' shared folder)")
+    parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="requests admitted at once; more get 503 with Retry-After (default: no limit)")
     parser.add_argument("--max-queued", type=int, default=None,

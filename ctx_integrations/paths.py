@@ -14,3 +14,9 @@ def cache_root() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("ctx-integrations"))
+
+
+def kv_root() -> Path:
+    """The KV-cache root every default picks (``<cache root>/kv``): one folder per model beneath it, shared by
+    every store, collection, framework adapter and process (``engine.core.disk.model_directory``)."""
+    return cache_root() / "kv"

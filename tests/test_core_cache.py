@@ -205,3 +205,73 @@ def test_batched_misses_respect_the_token_budget(loaded, layout):
     reference = KVCacheStore(loaded)
     for entry, document in zip(entries, documents):
         torch.testing.assert_close(entry.kv, reference.document(layout, document).kv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_memory_hit_refreshes_recency(loaded, layout):
+    """Issue 28 item 10: the entry hit between two inserts must outlive the one that was not hit."""
+    docs = ["alpha river town", "beta river town", "gamma river town"]
+    assert len({len(layout.context_ids(d)) for d in docs}) == 1  # equal sizes: eviction goes by recency only
+    probe = KVCacheStore(loaded)
+    size = probe.document(layout, docs[0]).kv.nbytes
+    store = KVCacheStore(loaded, memory_bytes=probe.prefix(layout).kv.nbytes + 2 * size)  # prefix + two documents
+    store.document(layout, docs[0])
+    store.document(layout, docs[1])
+    store.document(layout, docs[0])  # a memory hit: docs[0] is now more recent than docs[1]
+    assert store.stats.memory_hits == 1
+    store.document(layout, docs[2])
+    assert store.contains(layout, docs[0]) and not store.contains(layout, docs[1])
+
+
+class HashEmbedder:
+    """Fixed vectors from a text's hash: a store needs some embedder, these tests need no model."""
+
+    name, identity, dimension, spec = "hash", "hash:1", 8, None
+
+    def embed_documents(self, texts):
+        import hashlib
+
+        import numpy as np
+
+        vectors = [np.frombuffer(hashlib.sha256(t.encode()).digest()[:32], np.uint8)[:8].astype(np.float32) + 1
+                   for t in texts]
+        return np.stack([v / np.linalg.norm(v) for v in vectors])
+
+    def embed_query(self, text):
+        return self.embed_documents([text])[0]
+
+
+def test_the_same_text_in_two_stores_and_collections_is_computed_and_stored_once(loaded, tmp_path, monkeypatch):
+    """Issue 27 item 4: the bug was one KV folder per store folder (and per Chroma URL and collection), so the
+    same passage ingested from two folders into two stores was computed twice and stored twice."""
+    from ctx_integrations import Engine
+    from ctx_integrations.retrieval import DocumentStore
+    from ctx_integrations.retrieval.ingest import ingest, token_counter
+
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
+    for folder in ("one", "two"):  # the same licence text under two folders (two absolute paths)
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "LICENSE.txt").write_text(DOC)
+    reports = []
+    for folder, collection in (("one", "ctx_documents"), ("two", "other_collection")):
+        store = DocumentStore(tmp_path / f"store-{folder}", embedder=HashEmbedder(), collection=collection)
+        store.engine = Engine(loaded, cache_dir=store.kv_dir)  # a fresh engine: nothing in memory
+        reports.append(ingest(store, [tmp_path / folder], token_counter(loaded.tokenizer), progress=False))
+    assert [r.cache_misses for r in reports] == [1, 0]  # one miss, then a hit on disk
+    files = entry_files(tmp_path)
+    assert len(files) == 2 and all(f.is_relative_to(tmp_path / "cache" / "kv") for f in files)  # prefix + DOC
+    assert len({f.parent.parent for f in files}) == 1  # one folder per model
+
+
+def test_entries_of_the_layout_before_per_model_folders_are_still_found(loaded, layout, tmp_path):
+    """Migration: an entry at ``<root>/<key[:2]>/<key>.safetensors`` (the old layout) is a disk hit, moved in."""
+    old = KVCacheStore(loaded, tmp_path)
+    entry = old.document(layout, DOC)
+    legacy = tmp_path / entry.key[:2] / f"{entry.key}.safetensors"
+    old.disk.path(entry.key).rename(legacy.parent.mkdir(parents=True, exist_ok=True) or legacy)
+    store = KVCacheStore(loaded, tmp_path)
+    assert store.contains(layout, DOC)
+    assert torch.equal(store.document(layout, DOC).kv, entry.kv) and store.stats.disk_hits == 1
+    assert store.disk.path(entry.key).is_file() and not legacy.exists()
+    legacy.write_bytes(store.disk.path(entry.key).read_bytes())  # a second copy left in the old layout ...
+    store.forget(layout, DOC)
+    assert not store.contains(layout, DOC) and not legacy.exists()  # ... is forgotten with the entry

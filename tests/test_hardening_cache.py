@@ -67,6 +67,8 @@ FORGERIES = {
     "keys_only": _kv(lambda kv: kv[:, :1]),
     "four_dims": _kv(lambda kv: kv[0]),
     "token_ids_float": lambda t: {**t, "token_ids": t["token_ids"].double()},
+    # issue 28 item 10: another document's ids (same length, int64) with the checksum recomputed, no signing key
+    "token_ids_of_another_text": lambda t: {**t, "token_ids": t["token_ids"] + 1},
 }
 
 
@@ -281,18 +283,159 @@ def test_orphan_temp_files_older_than_a_minute_are_removed_at_open(loaded, tmp_p
 
 
 @pytest.mark.parametrize("attached", [True, False])
-def test_deleting_every_document_leaves_no_cache_files(tmp_path, attached):
-    """The bug: without an engine attached, a deleted document's entry stayed on disk for good."""
+def test_deleting_every_document_leaves_no_cache_files(tmp_path, monkeypatch, attached):
+    """The bug: without an engine attached, a deleted document's entry stayed on disk for good.
+
+    The KV root is shared by every store (one entry per text and model), so what stays is the prompt prefix's
+    entry only: it derives from the system prompt, not from any document.
+    """
     from ctx_integrations.retrieval import DocumentStore
 
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
     location = tmp_path / "store"
     store = DocumentStore(location)
     store.engine = Engine(tiny_loaded("llama"), cache_dir=store.kv_dir)
     store.add([{"id": f"d{i}", "text": text} for i, text in enumerate(DOCS)])
-    assert list(store.kv_dir.rglob("*.safetensors"))
+    prefix = store.engine.store.disk.path(store.engine.store.prefix(store.engine.layout).key)
+    assert len(list(store.kv_dir.rglob("*.safetensors"))) == len(DOCS) + 1
     store.delete(["d0"])
     if not attached:
         store = DocumentStore(location)  # reopened without an engine
     store.delete(["d1", "d2", "d3"])
     assert store.count() == 0
-    assert not [p for p in store.kv_dir.rglob("*") if p.is_file()]
+    assert [p for p in store.kv_dir.rglob("*") if p.is_file()] == [prefix]
+
+
+# -- issue 28 items 5 and 8: full disk as safetensors reports it, OS errors on read, size before reading ----------
+ENOSPC_FROM_SAFETENSORS = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                           'left on device" })')
+
+
+def _half_written_then(error):
+    """A save_file that writes half a file to its temp path, then fails as a full disk makes it fail."""
+    def fail(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"\0" * 100)
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize("failure", ["safetensors_error", "replace_enospc", "replace_eio"])
+def test_a_full_disk_keeps_entries_in_memory_with_one_warning_and_no_temp_file(tmp_path, monkeypatch, failure):
+    """The bug: safetensors' own ``SafetensorError: No space left on device`` (not an OSError) escaped from
+    ``generate``; a failed ``os.replace`` must not leave the temp file behind either."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    engine = Engine(tiny_loaded("llama"), cache_dir=tmp_path / "kv")
+    if failure == "safetensors_error":
+        full = SafetensorError(ENOSPC_FROM_SAFETENSORS)
+        monkeypatch.setattr(safetensors.torch, "save_file", _half_written_then(full))
+    else:
+        code = errno.ENOSPC if failure == "replace_enospc" else errno.EIO
+        monkeypatch.setattr(disk_module.os, "replace", _raise(code))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answer = engine.generate("How many bridges?", DOCS, mode="pced", max_new_tokens=3)
+        again = engine.generate("How many bridges?", DOCS, mode="pced", max_new_tokens=3)
+    assert len(answer.token_ids) >= 1 and again.token_ids == answer.token_ids and again.cache_misses == 0
+    assert [w.category for w in caught if issubclass(w.category, CacheStoreWarning)] == [CacheStoreWarning]
+    assert engine.store.disk.writable is (failure == "replace_eio")  # a full disk stops further writes
+    assert not [p for p in (tmp_path / "kv").rglob("*") if p.is_file()]
+
+
+def test_an_os_error_while_reading_an_entry_is_a_miss_and_one_warning(loaded, layout, tmp_path, monkeypatch):
+    import safetensors
+
+    original = KVCacheStore(loaded, tmp_path).document(layout, DOC)
+    monkeypatch.setattr(safetensors, "safe_open", _raise(errno.EIO))
+    reader = KVCacheStore(loaded, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(reader.document(layout, DOC).kv, original.kv)
+        reader.clear_memory()
+        reader.document(layout, DOC)
+    assert [w.category for w in caught] == [CacheStoreWarning]
+    assert reader.disk.contains(original.key)  # an unreadable disk is not a corrupt entry: the file stays
+
+
+def _rss_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_sparse_entry(path, key, token_ids, size):
+    """A sparse file of ``size`` bytes with a well-formed entry header (format, key) for a huge ``kv``: checking
+    its checksum reads (and copies) all of it."""
+    import json
+
+    elements = (size - 4096) // 4
+    header = {"__metadata__": {"format": disk_module.FORMAT_VERSION, "key": key, "checksum": "0" * 32},
+              "kv": {"dtype": "F32", "shape": [elements], "data_offsets": [0, elements * 4]},
+              "token_ids": {"dtype": "I64", "shape": [len(token_ids)],
+                            "data_offsets": [elements * 4, elements * 4 + 8 * len(token_ids)]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        handle.truncate(8 + len(raw) + elements * 4 + 8 * len(token_ids))
+
+
+def test_a_sparse_file_in_place_of_an_entry_is_refused_before_it_is_read(loaded, layout, tmp_path, monkeypatch):
+    """The bug: a sparse 1.5 GB file at an entry's path raised RSS by 3 GB before it was refused."""
+    import safetensors
+
+    original = KVCacheStore(loaded, tmp_path).document(layout, DOC)
+    store = KVCacheStore(loaded, tmp_path)
+    path = store.disk.path(original.key)
+    write_sparse_entry(path, original.key, original.token_ids, 1536 << 20)
+    opened = []
+    real_open = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
+    before = _rss_peak_bytes()
+    with pytest.warns(CorruptCacheWarning, match="more than an entry"):
+        assert torch.equal(store.document(layout, DOC).kv, original.kv)
+    assert (str(path),) not in opened  # refused from its size alone
+    assert _rss_peak_bytes() - before < 200 << 20
+    assert path.stat().st_size < 1 << 20  # and replaced by the recomputed entry
+
+
+# -- issue 27 item 4: metadata that is not content reaches neither the model nor the cache key ------------------
+def test_a_file_path_is_neither_shown_to_the_model_nor_part_of_the_cache_key(loaded, tmp_path):
+    """The bug: LlamaIndex's ``file_path`` (an absolute path) was in the decoder's text, so the model quoted it and
+    the same file in another folder was computed again."""
+    from llama_index.core.schema import TextNode
+
+    from ctx_integrations.llama_index import KVCacheWarmer, node_text
+
+    def node(folder, **extra):
+        return TextNode(text=DOC, metadata={"file_path": f"/home/{folder}/LICENSE.txt", "title": "Bridges"}, **extra)
+
+    assert node_text(node("a")) == node_text(node("b")) == "title: Bridges\n\n" + DOC
+    assert node_text(node("a"), show_metadata=["file_path"]).startswith("file_path: /home/a/LICENSE.txt")
+    assert node_text(node("a", excluded_llm_metadata_keys=["title"])) == DOC  # LlamaIndex's own switch holds
+    warmer = KVCacheWarmer(Engine(loaded, cache_dir=tmp_path))
+    warmer([node("a")])
+    warmer([node("b")])
+    assert warmer.stats["misses"] == 1 and warmer.stats["hits"] == 1
+
+
+def test_a_forged_entry_record_cannot_delete_files_outside_the_kv_root(tmp_path, monkeypatch):
+    """Entry files are recorded in Chroma metadata (a shared server is writable by others): deleting a document
+    removes only recorded paths that are entries inside ``kv_dir``."""
+    import json
+
+    from ctx_integrations.retrieval import DocumentStore
+    from ctx_integrations.retrieval.store import ENTRIES_KEY
+
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
+    victim = tmp_path / ("a" * 64 + ".safetensors")  # an entry's name, outside the KV root
+    victim.write_text("not an entry of this store")
+    store = DocumentStore(tmp_path / "store")
+    store.add([{"id": "d0", "text": DOC}])
+    store._collection.update(ids=["d0"], metadatas=[{ENTRIES_KEY: json.dumps([str(victim)])}])
+    assert "ctx_kv_entries" not in store.get(["d0"])[0].metadata  # never shown to readers
+    store.delete(["d0"])
+    assert victim.read_text() == "not an entry of this store"

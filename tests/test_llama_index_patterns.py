@@ -22,7 +22,7 @@ from llama_index.core.callbacks import (
 from llama_index.core.chat_engine.condense_question import DEFAULT_PROMPT
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
-from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+from llama_index.core.schema import NodeWithScore, TextNode
 
 from ctx_integrations import Document, Engine, adapters
 from ctx_integrations.adapters import prompt_tokens
@@ -35,6 +35,7 @@ from ctx_integrations.llama_index import (
     KVCacheWarmer,
     MissingScoreWarning,
     default_embedding,
+    node_text,
 )
 from tests.helpers import tiny_loaded
 from tests.llama_index_support import QUESTION, memory_index
@@ -76,7 +77,7 @@ def shared_tiny(monkeypatch, tmp_path):
 
 
 def expected(engine: Engine, sources: list[NodeWithScore], question: str = QUESTION):
-    docs = [Document(item.node.get_content(MetadataMode.LLM), item.node.node_id, item.score) for item in sources]
+    docs = [Document(node_text(item.node), item.node.node_id, item.score) for item in sources]
     return engine.generate(question, docs, max_new_tokens=TOKENS)
 
 
@@ -113,7 +114,7 @@ def test_wrong_llm_arguments_are_typed_errors(index, engine, llm):
 # -- 2. caches persist by default ------------------------------------------------------------------------------
 def test_default_engines_keep_caches_under_the_user_cache_dir(shared_tiny, tmp_path):
     default = ExpertDecoderLLM().resolved_engine
-    assert default.store.directory == tmp_path / "user-cache" / "kv" / "shared"
+    assert default.store.directory == tmp_path / "user-cache" / "kv"  # the KV root ingest and serve use too
     assert ExpertDecoderLLM(cache_dir=None).resolved_engine.store.directory is None
     custom = ExpertDecoderLLM(cache_dir=tmp_path / "mine").resolved_engine
     assert custom.store.directory == tmp_path / "mine"
@@ -164,7 +165,7 @@ def test_stock_query_engines_answer_with_the_synthesizer(index, engine, settings
 
     concat = ContextOfExpertsSynthesizer(mode="concat")
     other = index.as_query_engine(similarity_top_k=2, response_synthesizer=concat).query(QUESTION)
-    docs = [Document(item.node.get_content(MetadataMode.LLM), item.node.node_id, item.score) for item in sources]
+    docs = [Document(node_text(item.node), item.node.node_id, item.score) for item in sources]
     assert other.response == engine.generate(QUESTION, docs, mode="concat", max_new_tokens=TOKENS).text
 
 
@@ -222,7 +223,7 @@ def test_token_counting_and_debug_handlers_see_the_llm_call(index, engine, llm, 
                                                           callback_manager=CallbackManager([counter, debug]))
     response = query_engine.query(QUESTION)
     text = "".join(response.response_gen) if streaming else response.response
-    texts = [item.node.get_content(MetadataMode.LLM) for item in response.source_nodes]
+    texts = [node_text(item.node) for item in response.source_nodes]
     (event,) = counter.llm_token_counts
     assert event.prompt_token_count == prompt_tokens(engine, QUESTION, texts)
     assert event.completion_token_count == len(response.metadata["trace"]) == TOKENS

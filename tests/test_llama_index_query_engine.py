@@ -17,11 +17,11 @@ import time
 import pytest
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.postprocessor import SimilarityPostprocessor
-from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from ctx_integrations import Document, Engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, MissingDependencyError, UnknownModeError
-from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, ExpertDecoderLLM
+from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, ExpertDecoderLLM, node_text
 from tests.helpers import loop_ticks, tiny_loaded
 from tests.llama_index_support import (
     QUESTION,
@@ -48,7 +48,7 @@ def index():
 
 def engine_answer(engine: Engine, sources: list[NodeWithScore], mode: str = "pced", **settings):
     """The engine's own answer over the nodes the query engine reported, with their priors."""
-    docs = [Document(item.node.get_content(MetadataMode.LLM), item.node.node_id, item.score) for item in sources]
+    docs = [Document(node_text(item.node), item.node.node_id, item.score) for item in sources]
     return engine.generate(QUESTION, docs, mode=mode, **{"max_new_tokens": TOKENS, **settings})
 
 
@@ -212,7 +212,7 @@ def test_query_many_over_given_nodes_is_one_ippd_call(engine, index):
                                                           max_new_tokens=TOKENS)
     nodes = query_engine.retrieve(QUESTION)
     responses = query_engine.query_many(QUESTIONS, nodes=nodes)
-    docs = [Document(i.node.get_content(MetadataMode.LLM), i.node.node_id, i.score) for i in nodes]
+    docs = [Document(node_text(i.node), i.node.node_id, i.score) for i in nodes]
     answers = engine.generate_many(QUESTIONS, docs, mode="ippd", max_new_tokens=TOKENS)
     assert [r.response for r in responses] == [a.text for a in answers]
     assert all(r.metadata["mode"] == "ippd" and r.source_nodes == nodes for r in responses)
@@ -231,7 +231,7 @@ def test_query_many_shares_a_context_between_questions_with_the_same_nodes():
     for response, nodes, question in zip(responses, own, QUESTIONS):
         assert [i.node.node_id for i in response.source_nodes] == order
         assert {i.node.node_id: i.score for i in response.source_nodes} == {i.node.node_id: i.score for i in nodes}
-        texts = [i.node.get_content(MetadataMode.LLM) for i in response.source_nodes]
+        texts = [node_text(i.node) for i in response.source_nodes]
         assert response.response == engine.generate(question, texts, mode="concat", max_new_tokens=TOKENS).text
     again = asyncio.run(query_engine.aquery_many(QUESTIONS))
     assert [r.response for r in again] == [r.response for r in responses]

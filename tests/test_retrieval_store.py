@@ -20,6 +20,7 @@ import pytest
 
 from ctx_integrations import Engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
+from ctx_integrations.paths import kv_root
 from ctx_integrations.retrieval import DocumentStore, ScoredRetriever, StoreMismatchError
 from ctx_integrations.retrieval.embedders import TransformerEmbedder, default_embedder
 from ctx_integrations.retrieval.scores import normalize_dense, normalize_sparse
@@ -82,7 +83,7 @@ def test_round_trip_add_reopen_retrieve(tmp_path):
     store = DocumentStore(tmp_path, embedder=CountingEmbedder())
     report = store.add(_records())
     assert (report.added, report.updated, report.unchanged) == (4, 0, 0)
-    assert (tmp_path / "chroma").is_dir() and store.kv_dir == tmp_path / "kv"
+    assert (tmp_path / "chroma").is_dir() and store.kv_dir == kv_root()  # one KV root for every store
 
     reopened = DocumentStore(tmp_path)  # a new client on the same folder; the embedder comes from the store
     assert reopened.embedder.identity == default_embedder().identity and len(reopened) == 4
@@ -292,7 +293,7 @@ def test_a_url_location_talks_to_a_chroma_server(chroma_url, tmp_path, monkeypat
     monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path))
     port = int(chroma_url.rsplit(":", 1)[1])
     store = DocumentStore(chroma_url, collection="served")
-    assert store.location == chroma_url and store.kv_dir == tmp_path / "kv" / f"localhost_{port}_served"
+    assert store.location == chroma_url and store.kv_dir == tmp_path / "kv"  # no folder per server or collection
     store.add(_records())
     independent = chromadb.HttpClient(host="localhost", port=port)
     assert independent.get_collection("served", embedding_function=None).count() == 4  # it is on the server

@@ -1,9 +1,10 @@
-"""A document store on ChromaDB whose KV caches live beside it.
+"""A document store on ChromaDB whose KV caches live in the user's one KV store.
 
-One folder holds a corpus: ``<folder>/chroma`` (the Chroma PersistentClient) and ``<folder>/kv``
-(the engine's per-document KV caches, computed at ingestion). Given an ``http(s)://`` URL instead,
-the store talks to a Chroma server through ``HttpClient`` and keeps its caches under the user
-cache directory.
+One folder holds a corpus (``<folder>/chroma``, the Chroma PersistentClient); given an ``http(s)://``
+URL instead, the store talks to a Chroma server through ``HttpClient``. KV caches, computed at
+ingestion, do not live beside the corpus: every store, whatever its folder, server or collection,
+uses the KV root ``$CTX_CACHE_DIR/kv`` (``kv_dir``), one folder per model beneath it. Entries are
+content-addressed, so the same passage in two stores is computed and stored once.
 
 Why these choices:
 - Embeddings always come from our :class:`~ctx_integrations.retrieval.embedders.Embedder`; the
@@ -14,6 +15,9 @@ Why these choices:
 - Writes are upserts in batches within the client's maximum batch size; unchanged documents are not
   re-embedded, and a changed or deleted document's KV cache is dropped (``engine.store.forget``).
 - Chroma refuses ``None`` metadata values; they are dropped, and non-scalar values become JSON.
+- Which entry files a document's caches were written to is recorded in its Chroma metadata (hidden from
+  readers), so deleting or changing a document removes its entries even when no engine (no model) is
+  attached; an entry is removed only when no document of this store has the same text any more.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 
 from ctx_integrations.documents import Document, as_document
 from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, StoreConnectionError
-from ctx_integrations.paths import cache_root
+from ctx_integrations.paths import cache_root, kv_root
 from ctx_integrations.retrieval.embedders import Embedder
 
 if TYPE_CHECKING:
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
 STORE_FORMAT = "ctx-store-1"
 DEFAULT_COLLECTION = "ctx_documents"
 _COLLECTION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,510}[A-Za-z0-9]$")
+ENTRIES_KEY = "ctx_kv_entries"  # metadata: JSON list of the KV entry files written for this document's text
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.safetensors$")
 
 
 class StoreMismatchError(CtxIntegrationsError, ValueError):
@@ -90,8 +96,8 @@ class DocumentStore:
     ``location``: a folder (default ``$CTX_CACHE_DIR/store``) or a Chroma server URL.
     ``embedder``: how texts become vectors; ``None`` uses the embedder the store was built with
     (the embedded MiniLM for a new store). ``engine``: when given, KV caches are computed at
-    ingestion and invalidated on change; build one that writes beside the store with
-    :meth:`open_engine`.
+    ingestion and invalidated on change; build one over the store's ``kv_dir`` with :meth:`open_engine`.
+    ``kv_dir``: the KV root (default ``$CTX_CACHE_DIR/kv``, the same for every store and collection).
     """
 
     def __init__(self, location: str | os.PathLike | None = None, *, embedder: Embedder | None = None,
@@ -136,10 +142,8 @@ class DocumentStore:
         return self.collection_name in {getattr(c, "name", c) for c in self._client.list_collections()}
 
     def _default_kv_dir(self) -> Path:
-        if isinstance(self.location, Path):
-            return self.location / "kv"
-        url = urlparse(self.location)
-        return cache_root() / "kv" / f"{url.hostname}_{url.port or 0}_{self.collection_name}"
+        """The user's KV root, whatever the location or collection: one store of KV entries per model."""
+        return kv_root()
 
     def _check_embedder(self, embedder: Embedder | None) -> Embedder:
         from ctx_integrations.retrieval.specs import embedder_from_spec
@@ -167,7 +171,7 @@ class DocumentStore:
         return self._collection
 
     def open_engine(self, model: str | os.PathLike | None = None, **options: Any) -> Engine:
-        """Load a model (the embedded default without ``model``) whose caches live in this store's ``kv_dir``."""
+        """Load a model (the embedded default without ``model``) whose caches live under this store's ``kv_dir``."""
         from ctx_integrations.engine.core.engine import Engine
 
         self.engine = Engine.from_pretrained(model, cache_dir=self.kv_dir, **options)
@@ -235,7 +239,24 @@ class DocumentStore:
     def _rows(result: dict[str, Any]) -> list[Document]:
         texts = result.get("documents") or [""] * len(result["ids"])
         metas = result.get("metadatas") or [{}] * len(result["ids"])
-        return [Document(text=t or "", id=i, metadata=dict(m or {})) for i, t, m in zip(result["ids"], texts, metas)]
+        return [Document(text=t or "", id=i, metadata={k: v for k, v in (m or {}).items() if k != ENTRIES_KEY})
+                for i, t, m in zip(result["ids"], texts, metas)]
+
+    def _recorded_entries(self, ids: Sequence[str]) -> dict[str, set[str]]:
+        """The entry files recorded for each of ``ids`` (see the module doc)."""
+        recorded: dict[str, set[str]] = {}
+        if self._collection is None:
+            return recorded
+        for batch in _batches(list(ids), self.max_batch_size):
+            result = self._collection.get(ids=list(batch), include=["metadatas"])
+            for i, meta in zip(result["ids"], result.get("metadatas") or []):
+                try:
+                    paths = json.loads(str((meta or {}).get(ENTRIES_KEY, "[]")))
+                except ValueError:
+                    paths = []
+                recorded[i] = {str(path) for path in paths if isinstance(path, str)} if isinstance(paths, list) \
+                    else set()
+        return recorded
 
     def query(self, vector: np.ndarray, n: int) -> list[tuple[str, float]]:
         """The ``n`` nearest ids to a unit ``vector`` with their cosine similarity (1 - cosine distance)."""
@@ -267,20 +288,23 @@ class DocumentStore:
             if old is not None:
                 report.updated += 1
                 if old.text != doc.text:
-                    replaced.append(old.text)
+                    replaced.append(old)
             else:
                 report.added += 1
             changed.append(doc)
+        recorded = self._recorded_entries([old.id for old in replaced])  # type: ignore[misc]
         collection = self._collection_for_writing()
         for batch in _batches(changed, self.max_batch_size):
             vectors = self.embedder.embed_documents([d.text for d in batch])
+            # Chroma merges metadata on upsert: reset the recorded entries, they belonged to the old text
             collection.upsert(ids=[d.id for d in batch], documents=[d.text for d in batch],
-                              embeddings=np.asarray(vectors, np.float32), metadatas=[d.metadata for d in batch])
+                              embeddings=np.asarray(vectors, np.float32),
+                              metadatas=[{**d.metadata, ENTRIES_KEY: "[]"} for d in batch])
             if progress is not None:
                 progress(len(batch))
         if changed:
             self._lexical = None
-        self._forget_unreferenced(replaced)
+        self._forget_unreferenced([(old.text, recorded.get(old.id, set())) for old in replaced])  # type: ignore[arg-type]
         if warm and self.engine is not None:
             self._warm(docs, report)
         return report
@@ -308,6 +332,22 @@ class DocumentStore:
             counts = engine.warm(todo)
             report.cache_misses += counts["misses"]
             report.cache_hits += counts["hits"]
+        self._record_entries(docs)
+
+    def _record_entries(self, docs: Sequence[Document]) -> None:
+        """Record in each document's metadata the entry file its text's cache is in (for deleting it later)."""
+        disk = self.engine.store.disk if self.engine is not None else None
+        if disk is None or self._collection is None:
+            return
+        recorded = self._recorded_entries([d.id for d in docs])  # type: ignore[misc]
+        updates: dict[str, str] = {}
+        for doc in docs:
+            path = str(disk.path(self.engine.store.entry_key(self.engine.layout,
+                                                             self.engine.layout.context_ids(doc.text))))
+            if doc.id in recorded and path not in recorded[doc.id]:
+                updates[doc.id] = json.dumps(sorted(recorded[doc.id] | {path}))  # type: ignore[index]
+        for batch in _batches(list(updates), self.max_batch_size):
+            self._collection.update(ids=list(batch), metadatas=[{ENTRIES_KEY: updates[i]} for i in batch])
 
     def warm(self, engine: Engine | None = None) -> AddReport:
         """Compute every missing KV cache of the stored documents (e.g. after ingesting without an engine)."""
@@ -322,52 +362,47 @@ class DocumentStore:
     def delete(self, ids: Sequence[str]) -> int:
         """Remove documents and their KV caches; returns how many existed.
 
-        Deleting the last document also empties ``kv_dir``: every entry there derives from documents of this
-        store (or from the prompt prefix, recomputed in milliseconds), including stale entries of documents
-        deleted earlier without an engine attached, so nothing computed from deleted text stays on disk.
+        A deleted document's cache entries are removed from the KV store (by the engine when one is attached,
+        else from the entry files recorded at ingestion) unless another document of this store has the same
+        text, so nothing computed from deleted text stays on disk. Another store holding the same text simply
+        recomputes the entry at its next use (entries are shared by content across stores).
         """
         if isinstance(ids, str):
             raise InvalidOptionError("delete() takes a list of ids, not a single string: delete([id])")
         docs = self.get(list(ids))
         if docs:
+            recorded = self._recorded_entries([d.id for d in docs])  # type: ignore[misc]
             for batch in _batches([d.id for d in docs], self.max_batch_size):
                 self._collection.delete(ids=list(batch))
-            self._forget_unreferenced([d.text for d in docs])
+            self._forget_unreferenced([(d.text, recorded.get(d.id, set())) for d in docs])  # type: ignore[arg-type]
             self._lexical = None
-            if self.count() == 0:
-                self._clear_kv_dir()
         return len(docs)
 
-    def _clear_kv_dir(self) -> None:
-        """Delete every KV entry and temp file under ``kv_dir`` (and the engine's in-memory copies)."""
-        if self.engine is not None:
-            self.engine.store.clear_memory()
-        if not self.kv_dir.is_dir():
-            return
-        for path in [*self.kv_dir.glob("*/*.safetensors"), *self.kv_dir.glob("*/.tmp-*")]:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass  # read-only or racing another process: the entries are unreachable by key anyway
-        for folder in self.kv_dir.iterdir():
-            if folder.is_dir():
-                try:
-                    folder.rmdir()  # only empty shard folders
-                except OSError:
-                    pass
-
-    def _forget_unreferenced(self, texts: Iterable[str]) -> None:
+    def _forget_unreferenced(self, texts: Iterable[tuple[str, set[str]]]) -> None:
         """Drop the KV caches of texts that no stored document has any more.
 
         Caches are keyed by content, so two documents with the same text share one: it stays while
-        either exists. Without an engine nothing can be dropped (the key needs the model); stale
-        entries then stay on disk, unused, since a changed text has another key.
+        either exists. The engine, when attached, drops the entry from every tier; the entry files recorded
+        for the text are removed too (the only way without an engine: the key needs the model). Recorded
+        paths are trusted only inside ``kv_dir`` and with an entry's file name, so a forged record in a shared
+        Chroma server cannot delete anything else.
         """
-        if self.engine is None:
-            return
-        for text in set(texts):
-            if not self.where({"content_hash": content_hash(text)}):
+        paths_by_text: dict[str, set[str]] = {}
+        for text, paths in texts:
+            paths_by_text.setdefault(text, set()).update(paths)
+        for text, paths in paths_by_text.items():
+            if self.where({"content_hash": content_hash(text)}):
+                continue
+            if self.engine is not None:
                 self.engine.store.forget(self.engine.layout, text)
+            for recorded in paths:
+                path = Path(recorded)
+                if not _ENTRY_NAME.match(path.name) or self.kv_dir.resolve() not in path.resolve().parents:
+                    continue
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass  # read-only or racing another process: the entry is unreachable by key anyway
 
     # -- lexical index ---------------------------------------------------------------------------------
     def lexical_scores(self, query: str) -> dict[str, float]:

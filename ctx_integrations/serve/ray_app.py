@@ -18,7 +18,7 @@ Three pieces, all Ray Serve's own facilities:
 Two choices the CLI and the Python API share, so one documented recipe works:
 
 - **The KV folder is the one ingestion wrote.** :func:`kv_folder` resolves it as ``ctx-experts ingest``
-  does (the store's ``kv_dir``, unless a folder is given), so the replicas' first request after
+  does (the user's KV root, unless a folder is given), so the replicas' first request after
   ingestion is a disk hit instead of a recomputation into an empty folder.
 - **Ray stays on the interface the user asked for.** Ray binds its own gRPC servers (GCS, raylet,
   object manager, workers, dashboard agent, metrics) to loopback only when the node's address is
@@ -43,6 +43,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
+from ctx_integrations.paths import kv_root
 from ctx_integrations.serve.backend import LocalBackend
 from ctx_integrations.serve.limits import ServerLimits
 from ctx_integrations.serve.routing import HashRing, affinity_ranking, job_documents
@@ -193,21 +194,14 @@ class Gateway:
                           model_name=self.model_name or "ctx-integrations (ray)", limits=self.limits)
 
 
-def kv_folder(store_url: str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The KV folder the replicas share: ``cache_dir`` if given, else where ``ctx-experts ingest`` put the caches.
+def kv_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The KV root the replicas share: ``cache_dir`` if given, else the user's KV root (``$CTX_CACHE_DIR/kv``).
 
-    With a store, that is the store's own ``kv_dir`` (the same code decides it for ``ingest``, ``ask`` and
-    ``serve``); without one, the shared engine's folder of the LlamaIndex / LangChain integrations.
+    That root is where ``ctx-experts ingest`` writes, whatever the store, and where ``ask``, ``serve``
+    and the LlamaIndex / LangChain integrations look: one KV store per model, so replicas started
+    after an ingestion find its caches on disk.
     """
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if store_url is not None:
-        from ctx_integrations.retrieval.store import DocumentStore
-
-        return DocumentStore(store_url).kv_dir
-    from ctx_integrations.adapters import shared_cache_dir
-
-    return shared_cache_dir()
+    return Path(cache_dir).expanduser() if cache_dir is not None else kv_root()
 
 
 def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, store_url: str | None = None,
@@ -230,7 +224,7 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     if store_url is not None and not store_url.startswith(("http://", "https://")):
         raise InvalidOptionError(f"the store of a Ray Serve app must be a Chroma server URL, got {store_url!r}: "
                                  "start one with `chroma run --path DIR --port PORT`")
-    folder = kv_folder(store_url, cache_dir)
+    folder = kv_folder(cache_dir)
     shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
     engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
                                     **shutdown).bind(model, str(folder), engine_factory)
@@ -321,7 +315,7 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None) -> int:
     if args.store and not str(args.store).startswith(("http://", "https://")):
         raise InvalidOptionError("--ray needs --store to be a Chroma server URL (http://127.0.0.1:PORT, started "
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
-    cache_dir = kv_folder(args.store, args.cache_dir)
+    cache_dir = kv_folder(args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
                     max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)

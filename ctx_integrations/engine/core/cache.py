@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier
+from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier, model_directory
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
@@ -68,8 +68,10 @@ class KVCacheStore:
     evicts move to the host tier: at most ``host_bytes`` (default 16 GiB on CUDA, none on CPU, where
     the memory tier already is host RAM) of page-locked host memory, from which an entry returns to
     the GPU by DMA on a side stream (``transfer.py``) instead of a disk read. ``directory=None``
-    keeps everything in memory only; otherwise every document entry is also written to the disk tier
-    (:class:`~ctx_integrations.engine.core.disk.DiskTier`). ``half_on_disk`` stores fp32 caches as fp16
+    keeps everything in memory only; otherwise ``directory`` is a cache root and every document entry is
+    also written to the disk tier (:class:`~ctx_integrations.engine.core.disk.DiskTier`) in the model's own
+    folder under it (``disk.model_directory``): every engine of the same model that names the same root, in
+    any process, for any store or collection, shares one copy of each entry. ``half_on_disk`` stores fp32 caches as fp16
     (half the disk, values rounded, so logits are no longer bit-identical to a fresh prefill).
 
     Query-time entries (``persist=False``: a RAPID long context, an IPPD concatenation, MapReduce's
@@ -102,7 +104,9 @@ class KVCacheStore:
                                      f"{self.host_bytes!r}")
         self.disk: DiskTier | None = None
         if self.directory is not None:
-            self.disk = DiskTier(Path(self.directory), self.loaded, self.half_on_disk, self.stats, self.disk_bytes)
+            root = Path(self.directory)
+            self.disk = DiskTier(model_directory(root, self.loaded), self.loaded, self.half_on_disk, self.stats,
+                                 self.disk_bytes, legacy_directory=root)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
         self._host: OrderedDict[str, CachedKV] = OrderedDict()  # host tensors (page-locked when CUDA is usable)

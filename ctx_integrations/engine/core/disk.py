@@ -17,10 +17,22 @@ carries an HMAC-SHA256 over its key, token ids and tensor bytes, and an entry wh
 or wrong is discarded and recomputed. Signing does not hide the cached text, and a writer who holds the
 key is trusted.
 
+Layout: one folder per model under a cache root (:func:`model_directory`: ``<root>/<model name>-<hash of the
+model's identity and dtype>``), so every store, collection, framework adapter and process that points at the
+same root shares one copy of each entry. Entries of the layout before per-model folders (``<root>/<key[:2]>/``)
+are still found and moved into the model's folder on first use.
+
+Size before reading: a file larger than the entry can be (header + the document's tokens x the model's KV
+bytes per token at the widest accepted dtype) is refused from its ``stat`` alone, so a sparse or padded file in
+place of an entry never makes the reader allocate its size.
+
 Resources: ``disk_bytes`` bounds the folder (least recently used entries, by mtime, are evicted first; a
 load touches the entry), orphan ``.tmp-*`` files older than a minute are removed when the tier opens, and
 a folder that cannot be written (read-only, full, a directory where an entry belongs) makes the tier keep
-entries in memory only, with one :class:`~ctx_integrations.errors.CacheStoreWarning`.
+entries in memory only, with one :class:`~ctx_integrations.errors.CacheStoreWarning`. A failed write
+(``OSError`` or safetensors' own ``SafetensorError``, e.g. "No space left on device") never leaves its temp
+file behind, and a read that fails with an ``OSError`` (EIO, EACCES) is a miss with that same warning, the
+file left in place (it is not known to be corrupt).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import errno
 import hashlib
 import hmac
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -48,6 +61,13 @@ ORPHAN_AGE_S = 60.0
 # Errors after which no write to the folder can succeed: stop trying, keep entries in memory.
 _FOLDER_UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_WIDEST_DTYPE_BYTES = max(dtype.itemsize for dtype in _CACHE_DTYPES)
+# A safetensors header: 8 bytes of length, then JSON naming two tensors and our metadata (format, key, checksum,
+# signature): a few hundred bytes. Anything past this bound is not one of our entries.
+_HEADER_BYTES = 16 << 10
+# safetensors reports write failures as its own SafetensorError, with the OS message as text: map it back.
+_UNWRITABLE_MESSAGES = {"no space left on device": errno.ENOSPC, "read-only file system": errno.EROFS,
+                        "permission denied": errno.EACCES, "disk quota exceeded": errno.ENOSPC}
 
 
 def signing_key_file() -> Path:
@@ -68,6 +88,26 @@ def cache_signing_key() -> bytes | None:
     except OSError:
         return None
     return key or None
+
+
+def model_directory(root: str | os.PathLike, loaded: LoadedModel) -> Path:
+    """The folder of ``loaded``'s entries under a cache root: one per model identity and dtype.
+
+    Entry keys already hash the model, so one folder could hold every model; a folder per model keeps them
+    apart for people (``du``, deleting one model's caches) and gives every process that names the same root
+    the same folder, whichever store or collection it serves. Readable name first, hash for uniqueness.
+    """
+    digest = hashlib.sha256(f"{loaded.identity}\x1f{loaded.dtype}".encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", loaded.name).strip("-.")[:48] or "model"
+    return Path(root) / f"{name}-{digest}"
+
+
+def _write_errno(error: Exception) -> int | None:
+    """The errno behind a failed write: an ``OSError``'s own, or the one a ``SafetensorError``'s message names."""
+    if isinstance(error, OSError):
+        return error.errno
+    text = str(error).lower()
+    return next((code for message, code in _UNWRITABLE_MESSAGES.items() if message in text), None)
 
 
 @dataclass
@@ -101,6 +141,8 @@ class DiskTier:
     bit-identical to a fresh prefill). Entries discarded on load are counted in ``stats.corrupt``.
     ``disk_bytes``: the most bytes of entries the folder may hold (``None``: unbounded); the least recently
     used are evicted first. ``signing_key``: HMAC key (default :func:`cache_signing_key`; ``None``: unsigned).
+    ``legacy_directory``: a folder in the layout before per-model folders, whose entries are moved here when
+    first asked for (``None``: none).
     """
 
     directory: Path
@@ -109,6 +151,7 @@ class DiskTier:
     stats: CacheStats = field(default_factory=CacheStats)
     disk_bytes: int | None = None
     signing_key: bytes | None = field(default_factory=cache_signing_key, repr=False)
+    legacy_directory: Path | None = None
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -117,8 +160,9 @@ class DiskTier:
         if isinstance(self.signing_key, str):
             self.signing_key = self.signing_key.encode("utf-8")
         self.writable, self.evicted, self._warned = True, 0, False
-        if self.directory.exists() and not self.directory.is_dir():
-            raise CacheStoreError(f"cache_dir {self.directory} is a file, not a folder: give a folder (or None)")
+        for folder in (self.legacy_directory, self.directory):
+            if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+                raise CacheStoreError(f"cache_dir {folder} is a file, not a folder: give a folder (or None)")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -136,15 +180,16 @@ class DiskTier:
             except OSError:
                 pass  # another process removed it, or the folder is read-only: harmless
 
-    def _cannot_write(self, error: OSError, what: str) -> None:
+    def _cannot_write(self, error: Exception, what: str) -> None:
         """Keep going without the disk for this entry (or for good, when the folder is unwritable); warn once."""
-        unwritable = error.errno in _FOLDER_UNWRITABLE
+        unwritable = _write_errno(error) in _FOLDER_UNWRITABLE
         if unwritable:
             self.writable = False
         if not self._warned:
             self._warned = True
             scope = "entries are kept in memory only from now on" if unwritable else "this entry is kept in memory"
-            warnings.warn(f"KV cache folder {self.directory}: cannot {what} ({error.strerror or error}); {scope}. "
+            reason = getattr(error, "strerror", None) or error
+            warnings.warn(f"KV cache folder {self.directory}: cannot {what} ({reason}); {scope}. "
                           "Free space, fix permissions, or remove what occupies the entry's path.",
                           CacheStoreWarning, stacklevel=5)
 
@@ -152,16 +197,48 @@ class DiskTier:
         return self.directory / key[:2] / f"{key}.safetensors"
 
     def contains(self, key: str) -> bool:
-        return self.path(key).is_file()
+        return self.path(key).is_file() or (self.legacy_directory is not None and self._legacy_path(key).is_file())
+
+    def _legacy_path(self, key: str) -> Path:
+        return Path(self.legacy_directory or self.directory) / key[:2] / f"{key}.safetensors"
+
+    def _adopt_legacy(self, key: str) -> Path:
+        """Where to read ``key`` from: its path here, after moving a legacy-layout entry into place if there is one.
+
+        A move that fails (another device, a read-only folder) leaves the entry where it is, read from there.
+        """
+        path = self.path(key)
+        if self.legacy_directory is None or path.is_file():
+            return path
+        legacy = self._legacy_path(key)
+        if not legacy.is_file():
+            return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(legacy, path)
+        except OSError:
+            return legacy
+        return path
+
+    def max_entry_bytes(self, tokens: int) -> int:
+        """The largest file an entry of ``tokens`` tokens can be: header + KV at the widest dtype + token ids."""
+        config = self.loaded.model.config
+        layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
+        kv_heads, head_dim = model_kv_shape(config)
+        return 8 + _HEADER_BYTES + tokens * (layers * 2 * kv_heads * head_dim * _WIDEST_DTYPE_BYTES + 8)
 
     def delete(self, key: str) -> None:
-        try:
-            self.path(key).unlink(missing_ok=True)
-        except OSError as error:
-            self._cannot_write(error, f"delete entry {key[:16]}")
+        """Remove the entry, and its copy in the legacy layout if there is one."""
+        paths = [self.path(key)] + ([self._legacy_path(key)] if self.legacy_directory is not None else [])
+        for path in paths:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                self._cannot_write(error, f"delete entry {key[:16]}")
 
     def save(self, key: str, token_ids: tuple[int, ...], kv: torch.Tensor) -> None:
         """Write one entry atomically (temp file + rename); on an OS error, warn once and keep it in memory only."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         if not self.writable:
@@ -182,11 +259,14 @@ class DiskTier:
             os.close(fd)
             save_file(tensors, tmp, metadata=metadata)
             os.replace(tmp, path)
-        except OSError as error:
+        except (OSError, SafetensorError) as error:
             self._cannot_write(error, f"write entry {key[:16]}")
         finally:
-            if tmp is not None and Path(tmp).exists():
-                Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                try:
+                    Path(tmp).unlink(missing_ok=True)
+                except OSError:
+                    pass  # the folder went read-only meanwhile; orphans are removed when the tier next opens
 
     # -- disk budget -------------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, Path]]:
@@ -223,34 +303,58 @@ class DiskTier:
     def load(self, key: str, token_ids: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor | None:
         """The entry's ``[layers, 2, kv_heads, tokens, head_dim]`` tensor on ``device`` (default: the model's).
 
-        ``None`` when there is no file, or when the file fails a check (then it is deleted and reported).
+        ``None`` when there is no file, when the file fails a check (then it is deleted and reported), or when
+        reading it fails with an OS error (reported once; the file stays).
         """
         from safetensors import safe_open
 
-        path = self.path(key)
-        if not path.is_file():
+        path = self._adopt_legacy(key)
+        try:
+            if not path.is_file():
+                return None
+            size, limit = path.stat().st_size, self.max_entry_bytes(len(token_ids))
+        except OSError as error:
+            self._cannot_read(error, path)
             return None
+        if size > limit:  # checked before opening: a sparse or padded file is never read into memory
+            return self._discard(path, f"{size} bytes, more than an entry of {len(token_ids)} tokens can take "
+                                       f"({limit} bytes)")
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
                 tensors = {name: handle.get_tensor(name) for name in ("kv", "token_ids")}
             problem = self._check(metadata, tensors, key, token_ids)
+        except OSError as error:  # EIO, EACCES, ...: the file may be fine, the read was not
+            self._cannot_read(error, path)
+            return None
         except Exception as error:  # safetensors raises several types for truncated or garbled files
             problem = f"unreadable ({type(error).__name__}: {error})"
         if problem:
-            warnings.warn(f"KV cache entry {path} is corrupt: {problem}; it was discarded and will be recomputed",
-                          CorruptCacheWarning, stacklevel=4)
-            self.stats.corrupt += 1
-            try:
-                path.unlink(missing_ok=True)
-            except OSError as error:  # a read-only shared folder: the entry stays, but is never served
-                self._cannot_write(error, f"delete corrupt entry {path.name}")
-            return None
+            return self._discard(path, problem)
         try:
             os.utime(path)  # least recently used eviction goes by mtime
         except OSError:
             pass  # read-only folder: eviction order is only approximate then
         return tensors["kv"].to(device=self.loaded.device if device is None else device, dtype=self.loaded.dtype)
+
+    def _discard(self, path: Path, problem: str) -> None:
+        """Report a corrupt entry, delete it (a read-only folder keeps it, never served) and count it."""
+        warnings.warn(f"KV cache entry {path} is corrupt: {problem}; it was discarded and will be recomputed",
+                      CorruptCacheWarning, stacklevel=5)
+        self.stats.corrupt += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:  # a read-only shared folder: the entry stays, but is never served
+            self._cannot_write(error, f"delete corrupt entry {path.name}")
+        return None
+
+    def _cannot_read(self, error: OSError, path: Path) -> None:
+        """A read that failed for an OS reason: a miss (the entry is recomputed in memory), warned once."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"KV cache folder {self.directory}: cannot read entry {path.name} "
+                          f"({error.strerror or error}); it is recomputed and kept in memory. Check the disk and "
+                          "the folder's permissions.", CacheStoreWarning, stacklevel=5)
 
     def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
         config = self.loaded.model.config
