@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from ctx_integrations.engine.core.flex import resolve_kernel
+from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool
@@ -334,14 +335,7 @@ class Scheduler:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._ready or self._pooled or self._exclusive) or self._stopping:
-                    if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S)
-                                          and not (self._ready or self._loading)):
-                        self._thread = None
-                        return
-                admit = self._take_ready()
+        while (admit := self._wait_for_work()) is not None:
             started = time.perf_counter()
             try:
                 self._step(admit)
@@ -349,6 +343,18 @@ class Scheduler:
                 self._fail_all(admit, contained(error))
             self.stats.busy_s += time.perf_counter() - started
             self.stats.steps += 1
+        if not self._stopping:  # idle: give the memory a burst of requests grew back to the system
+            release_freed_memory()
+
+    def _wait_for_work(self) -> list[Submission] | None:
+        """The requests to admit at the next step, or None when the loop ends (stopping, or idle for a while)."""
+        with self._cond:
+            while not (self._ready or self._pooled or self._exclusive) or self._stopping:
+                if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S)
+                                      and not (self._ready or self._loading)):
+                    self._thread = None
+                    return None
+            return self._take_ready()
 
     def _fail_all(self, admit: list[Submission], error: BaseException) -> None:
         """Fail every running request and the ones being admitted, and start over with an empty pool.
