@@ -27,7 +27,7 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Mutation testing of the per-step rule modules (not part of `make test` / CI; minutes per module).
 # `make mutate MODULES="pced scores"` runs some of them; see docs/testing.md for the scores.

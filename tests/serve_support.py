@@ -168,3 +168,17 @@ def chroma_server(data: Path, timeout_s: float = 90.0):
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Read until the server closes the connection; (closed in time, what it sent)."""
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+        return True, received
+    except TimeoutError:
+        return False, received
+    except ConnectionResetError:
+        return True, received

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_support import start_server
+from tests.serve_support import closed_within, start_server
 
 pytest.importorskip("fastapi")
 
@@ -226,19 +226,6 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-def _until_closed(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
-    sock.settimeout(seconds)
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-        return True, received
-    except TimeoutError:
-        return False, received
-    except ConnectionResetError:
-        return True, received
-
-
 @pytest.mark.parametrize(("name", "sent", "first_line"), [
     ("half-headers", b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Ty", b""),
     ("request-line-only", b"POST /v1/answer HTTP/1.1\r\n", b""),
@@ -256,7 +243,7 @@ def test_connection_that_never_finishes_is_closed_in_time(server, name, sent, fi
         started = time.monotonic()
         if sent:
             sock.sendall(sent)
-        closed, received = _until_closed(sock, READ_TIMEOUT_S * 2 + 5)
+        closed, received = closed_within(sock, READ_TIMEOUT_S * 2 + 5)
         elapsed = time.monotonic() - started
     outcome = "typed" if closed and received.startswith(first_line) and elapsed < READ_TIMEOUT_S * 2 + 3 else "hang"
     assert outcome == "typed", f"ATTACK-{outcome.upper()}: closed={closed} after {elapsed:.1f} s: {received[:120]!r}"

@@ -31,10 +31,8 @@ from ctx_integrations.langchain import (
     format_docs,
 )
 from tests.helpers import tiny_loaded
+from tests.test_langchain_patterns import QUESTION, TEXTS
 
-TEXTS = {"vault": "The secret code of the vault is 4721.", "paris": "Paris is the capital of France.",
-         "fuji": "Mount Fuji is the highest mountain in Japan."}
-QUESTION = "What is the secret code of the vault?"
 TOKENS = 6
 # LangChain's RAG tutorial prompt (rlm/rag-prompt), one human message with {context} and {question}
 RAG_PROMPT = ChatPromptTemplate.from_messages([("human", (

@@ -209,8 +209,9 @@ def test_cli_ingest_then_ask(tmp_path, capsys):
     assert run_cli("ingest", str(docs), "--store", str(store), "--chunk-tokens", "16") == 0
     line = capsys.readouterr().out.strip()
     match = re.fullmatch(r"ingested 2 files into (.+): (\d+) passages \((\d+) added, 0 updated, 0 unchanged, "
-                         r"0 removed\); KV caches: (\d+) computed; [\d.]+ s", line)
+                         r"0 removed\); KV caches: (\d+) computed in (.+); [\d.]+ s", line)
     assert match and match.group(1) == str(store) and match.group(2) == match.group(3) == match.group(4)
+    assert match.group(5) == str(DocumentStore(store).kv_dir)  # the KV root, named for `serve --cache-dir`
     assert int(match.group(2)) >= 3  # 16 tokens split the harbour file
     count = token_counter(embedded_tokenizer())  # the LLM's tokenizer sized the passages
     assert all(count(doc.text) <= 16 for doc in DocumentStore(store).all_documents())

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_support import start_server
+from tests.serve_support import closed_within, start_server
 
 pytest.importorskip("fastapi")
 
@@ -114,20 +114,6 @@ def test_memory_returns_to_baseline_after_refused_requests(limited):
     assert grown < 16 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB after refused requests"
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
-    """Read until the server closes the connection; (closed in time, what it sent)."""
-    sock.settimeout(seconds)
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-        return True, received
-    except TimeoutError:
-        return False, received
-    except ConnectionResetError:
-        return True, received
-
-
 def test_half_sent_headers_are_closed_after_the_read_timeout(limited):
     """Bug caught: connections that send half their headers held open forever (100 of them in issue 28)."""
     url, _ = limited
@@ -136,7 +122,7 @@ def test_half_sent_headers_are_closed_after_the_read_timeout(limited):
         started = time.monotonic()
         for sock in sockets:
             sock.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
-        results = [_closed_within(sock, READ_TIMEOUT_S + 5) for sock in sockets]
+        results = [closed_within(sock, READ_TIMEOUT_S + 5) for sock in sockets]
         elapsed = time.monotonic() - started
     finally:
         for sock in sockets:
@@ -151,7 +137,7 @@ def test_a_half_sent_body_is_answered_408_then_closed(limited):
         started = time.monotonic()
         sock.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"query\": \"")
-        closed, received = _closed_within(sock, READ_TIMEOUT_S + 5)
+        closed, received = closed_within(sock, READ_TIMEOUT_S + 5)
         elapsed = time.monotonic() - started
     assert closed and received.startswith(b"HTTP/1.1 408"), received[:200]
     assert b"did not arrive within 1.5 s" in received and elapsed < READ_TIMEOUT_S + 4
