@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,21 @@ class KVCacheStore:
         what prefilling the same tokens as one prompt costs. Computing runs the model: call this on
         the model's thread (the scheduler's) only.
         """
+        steps = self.documents_in_steps(layout, token_lists, stats=stats, persist=persist)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def documents_in_steps(self, layout: PromptLayout, token_lists: list[list[int]], *,
+                           stats: CacheStats | None = None,
+                           persist: bool = True) -> Generator[None, None, list[CachedKV]]:
+        """:meth:`documents_tokens` as a generator that yields after each batched forward and returns the caches.
+
+        ``Engine.warm`` runs it as a scheduler job, so other requests run (and time out) between the
+        forwards of a large corpus instead of waiting for all of it.
+        """
         counters = (self.stats,) if stats is None else (self.stats, stats)
         prefix = self.prefix(layout)
         wanted = [(self.entry_key(layout, ids), tuple(ids)) for ids in token_lists]
@@ -166,6 +182,7 @@ class KVCacheStore:
         for group in _token_budget_groups(missing, self.batch_tokens):
             for (key, ids), kv in zip(group, self._compute_batch([ids for _, ids in group], prefix)):
                 found[key] = self._add(CachedKV(key, ids, kv), persist)
+            yield
         return [found[key] for key, _ in wanted]
 
     def prefetch(self, layout: PromptLayout, token_lists: list[list[int]]) -> None:

@@ -78,19 +78,6 @@ def _check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-def _token_batches(token_lists: list[list[int]], budget: int) -> list[list[list[int]]]:
-    """Consecutive slices of ``token_lists`` of at most ``budget`` tokens each (one document at least)."""
-    batches: list[list[list[int]]] = [[]]
-    used = 0
-    for ids in token_lists:
-        if batches[-1] and used + len(ids) > budget:
-            batches.append([])
-            used = 0
-        batches[-1].append(ids)
-        used += len(ids)
-    return batches
-
-
 def _check_callback(on_token: Any) -> Callable[[str], None] | None:
     """Refuse a non-callable ``on_token`` now, in the caller's thread (it would fail on the scheduler's, mid-answer)."""
     if on_token is not None and not callable(on_token):
@@ -377,11 +364,10 @@ class Engine:
         ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1))
 
         def steps() -> Generator[None, None, list[DecodeResult]]:
-            # one batched forward's worth of documents per step: other requests run (and time out) in between
+            # one step per batched forward of the store: other requests run (and time out) in between
             # instead of waiting for the whole corpus
-            for batch in _token_batches([self.layout.context_ids(doc.text) for doc in docs], self.store.batch_tokens):
-                self.store.documents_tokens(self.layout, batch, stats=ctx.cache)
-                yield
+            yield from self.store.documents_in_steps(self.layout, [self.layout.context_ids(doc.text) for doc in docs],
+                                                     stats=ctx.cache)
             return []
 
         counts = self._submit(lambda: ExclusiveJob([ctx], steps()), lambda job: ctx.cache.as_dict(),
