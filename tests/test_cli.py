@@ -15,6 +15,8 @@ from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
+# Part 2 at a size CI affords (the demo's default is 6 questions x 8 passages).
+LARGE_QUESTIONS, LARGE_PASSAGES = 2, 8
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,8 @@ def demo_run(tmp_path_factory):
     store = tmp_path_factory.mktemp("demo") / "store"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert run_cli("demo", "--store", str(store)) == 0
+        assert run_cli("demo", "--store", str(store), "--large-questions", str(LARGE_QUESTIONS),
+                       "--large-passages", str(LARGE_PASSAGES)) == 0
     return store, out.getvalue()
 
 
@@ -42,36 +45,36 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
     assert out.rstrip().endswith("KV cache misses while answering: 0")
 
 
-def test_demo_part_two_compares_modes_on_sixteen_long_passages(demo_run):
+def test_demo_part_two_reports_each_modes_accuracy_rate_over_several_questions(demo_run):
     _, out = demo_run
     part = out.split("== Part 2: ")[1]
-    assert part.startswith("16 retrieved passages of ~256 tokens") and "KV caches: 16 computed, 0 reused" in part
-    question = re.search(r"Q: (.+?)   \(expected: (.+?), in (p\d\d)\)", part)
-    assert question, part
-    expected, gold = question.group(2), question.group(3)
+    assert part.startswith(f"{LARGE_QUESTIONS} questions, each over {LARGE_PASSAGES} retrieved passages of ~256 tokens")
+    assert f"KV caches: {LARGE_QUESTIONS * LARGE_PASSAGES} computed, 0 reused" in part
     modes = ("concat", "pced", "ape", "soft_nbce")
-    rows = {line.split()[0]: line for line in part.splitlines() if line.split()[:1] and line.split()[0] in modes}
+    answers = re.findall(r"^  (world-0-\d+) \[(\w+)\] em=([\d.]+) ", part, flags=re.M)
+    assert [(q, m) for q, m, _ in answers] == [(f"world-0-{i:03d}", m) for i in range(LARGE_QUESTIONS) for m in modes]
+    rows = {line.split()[0]: line.split() for line in part.split("cite R")[1].splitlines()
+            if line.split()[:1] and line.split()[0] in modes}
     assert tuple(rows) == modes
-    assert re.search(r"concat +[\d.]+ +[\d.]+ +1\.0x +1\.0x +- ", rows["concat"])  # ratios to itself, no citation
-    # PCED answers and cites the passage that holds it (greedy, fp32: deterministic). Soft-NBCE with the paper's
-    # Algorithm 1 (its default since the fidelity work) misses this question on the 135M model, as do 11 of the
-    # 12 seeds probed; it and APE (attribution=True) must still cite a passage.
-    assert rows["pced"].split("x  ")[-1].split()[0] == gold, rows["pced"]
-    assert expected in rows["pced"]
-    for mode in ("soft_nbce", "ape"):
-        assert rows[mode].split("x  ")[-1].split()[0].startswith("p"), rows[mode]
-    pced_ttft_ratio = float(re.search(r"pced +[\d.]+ +[\d.]+ +([\d.]+)x", rows["pced"]).group(1))
-    assert pced_ttft_ratio > 1  # warm caches reach the first token sooner than reading 4k tokens in one prompt
+    for mode in modes:  # the rate is the count of this mode's correct answers above, over all questions
+        correct = sum(float(em) == 1.0 for _, m, em in answers if m == mode)
+        assert rows[mode][1] == f"{correct}/{LARGE_QUESTIONS}", (mode, rows[mode])
+    assert rows["concat"][4:6] == ["1.0x", "1.0x"] and rows["concat"][6:] == ["-", "-"]  # no attribution
+    assert float(rows["pced"][4].rstrip("x")) > 1  # warm caches reach the first token sooner than one long prompt
+    for mode in ("pced", "ape"):  # both attribute tokens to passages by default, so both have citation scores
+        assert rows[mode][6] != "-" or rows[mode][7] != "-", rows[mode]
 
 
 def test_a_second_demo_computes_nothing(demo_run, capsys):
     store, _ = demo_run
     assert run_cli("demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2",
-                   "--large-modes", "pced") == 0
+                   "--large-modes", "pced", "--large-questions", str(LARGE_QUESTIONS),
+                   "--large-passages", str(LARGE_PASSAGES)) == 0
     unchanged = len(load_demo_corpus()[0])
     out = capsys.readouterr().out
     assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in out
-    assert "KV caches: 0 computed, 16 reused" in out and out.rstrip().endswith("KV cache misses while answering: 0")
+    assert f"KV caches: 0 computed, {LARGE_QUESTIONS * LARGE_PASSAGES} reused" in out
+    assert out.rstrip().endswith("KV cache misses while answering: 0")
 
 
 @pytest.mark.parametrize("mode", available_modes())
