@@ -26,10 +26,11 @@ QUESTION = "Who is the mayor of Marrowgate?"
 
 @pytest.mark.parametrize(("mode", "rule"), [("soft_nbce", SoftNBCEFusion(tau=0.5, beta=0.5, rho=0.9)),
                                             ("nbce", NBCEFusion(beta=0.5, rho=0.9))])
-def test_answer_and_citations_equal_the_rule_over_separate_prompts(mode, rule):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_answer_and_citations_equal_the_rule_over_separate_prompts(mode, rule, family):
     """Fails if the prior is built from a chunk's cache (or any stream is shifted or padded wrongly):
     on a position-sensitive model every stream must match its own prompt decoded alone."""
-    loaded = tiny_loaded("llama", seed=6, position_sensitive=True)
+    loaded = tiny_loaded(family, seed=6, position_sensitive=True)
     engine = Engine(loaded)
     options = dict(beta=0.5, rho=0.9) | (dict(tau=0.5) if mode == "soft_nbce" else {})
     steps = 10
