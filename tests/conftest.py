@@ -16,9 +16,15 @@ def embedded_engine() -> Engine:
 
 
 @pytest.fixture
-def tiny_engine(tmp_path) -> Engine:
-    """A fresh tiny random Llama engine whose caches persist under a per-test folder."""
-    return Engine(tiny_loaded("llama"), cache_dir=tmp_path / "kv")
+def family() -> str:
+    """The model family of ``tiny_engine``: Llama, unless a test parametrises ``family`` (e.g. over "qwen2")."""
+    return "llama"
+
+
+@pytest.fixture
+def tiny_engine(tmp_path, family) -> Engine:
+    """A fresh tiny random engine of ``family`` whose caches persist under a per-test folder."""
+    return Engine(tiny_loaded(family), cache_dir=tmp_path / "kv")
 
 
 @pytest.fixture(scope="module")

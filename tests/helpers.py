@@ -40,7 +40,10 @@ def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch
     ``tokenizer``: default the embedded model's (a GPU machine without the embedded wheel passes a saved one).
 
     The output embedding is not tied to the input one: a tied random model predicts its last input
-    token again and again, so greedy parity over such output would compare one repeated token.
+    token again and again, so greedy parity over such output would compare one repeated token
+    (``tie_word_embeddings=True`` with ``position_sensitive=True`` does give varied answers).
+    Qwen2's query/key/value biases (zero at init in transformers, which would make it Llama's maths)
+    are drawn with the weights' std, so a path that dropped them would change the answers.
     ``position_sensitive=True``: weights with std 0.2 and query/key projections scaled by 5, so that
     moving part of the prompt by one position changes the greedy answer
     (``test_position_sensitive_model_reacts_to_a_one_position_shift``); use it in tests of positions.
@@ -57,11 +60,15 @@ def tiny_loaded(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     name = f"tiny-{family}-{seed}"
-    if position_sensitive:
-        with torch.no_grad():
-            for layer in model.model.layers:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if projection.bias is not None:  # Qwen2's q/k/v biases start at zero: make them count
+                    projection.bias.normal_(0.0, config.initializer_range)
+            if position_sensitive:
                 layer.self_attn.q_proj.weight.mul_(POSITION_SENSITIVE_QK_SCALE)
                 layer.self_attn.k_proj.weight.mul_(POSITION_SENSITIVE_QK_SCALE)
+    if position_sensitive:
         name += "-positions"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
                        device=torch.device("cpu"), dtype=dtype)
@@ -118,3 +125,15 @@ def last_logits(loaded: LoadedModel, prompts: list[list[int]]) -> torch.Tensor:
     """
     with torch.inference_mode():
         return torch.stack([loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].float() for ids in prompts])
+
+
+def tiny_tied_qwen2(seed: int = 0, eos_token: str = "<|endoftext|>") -> LoadedModel:
+    """A tiny Qwen2 shaped like a released one: tied embeddings, and an EOS other than the tokenizer's.
+
+    Qwen2 base checkpoints end with ``<|endoftext|>`` while the embedded tokenizer's EOS is ``<|im_end|>``,
+    so a path that hard-coded the tokenizer's (or Llama's) EOS would run past this model's.
+    Position-sensitive weights: a tied random model with small weights repeats its last input token.
+    """
+    tokenizer = embedded_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids(eos_token)
+    return tiny_loaded("qwen2", seed, position_sensitive=True, tie_word_embeddings=True, eos_token_id=eos)

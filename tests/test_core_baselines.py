@@ -13,6 +13,7 @@ from tests.helpers import greedy_reference, tiny_loaded
 from tests.test_core_pced import DOCS, QUESTION, prompt_ids
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_concat_is_greedy_decoding_of_the_concatenated_prompt(tiny_engine):
     answer = tiny_engine.generate(QUESTION, DOCS, mode="concat", max_new_tokens=20)
     assert answer.token_ids == greedy_reference(tiny_engine.loaded, prompt_ids(tiny_engine, DOCS, QUESTION), 20)
@@ -20,6 +21,7 @@ def test_concat_is_greedy_decoding_of_the_concatenated_prompt(tiny_engine):
     assert answer.cache_hits == answer.cache_misses == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_single_decodes_the_top_scored_document_from_cache(tiny_engine):
     answer = tiny_engine.generate(QUESTION, DOCS, scores=[0.2, 0.4, 0.9], mode="single", max_new_tokens=20)
     assert answer.token_ids == greedy_reference(tiny_engine.loaded, prompt_ids(tiny_engine, DOCS[2:], QUESTION), 20)
@@ -35,10 +37,14 @@ def test_map_reduce_summarises_each_document_then_answers(tiny_engine):
 LONG_WORDS = "river town market water city house school road field light tree hill stone wind rain".split()
 
 
+def small_window(family: str) -> Engine:
+    """A tiny model with a 256-position window (RoPE models run past it silently, so sizes are checked)."""
+    return Engine(tiny_loaded(family, max_position_embeddings=256))
+
+
 @pytest.fixture(scope="module")
 def small_window_engine():
-    """A tiny model with a 256-position window (RoPE models run past it silently, so sizes are checked)."""
-    return Engine(tiny_loaded("llama", max_position_embeddings=256))
+    return small_window("llama")
 
 
 def test_map_reduce_cuts_a_document_longer_than_the_window_into_pieces(small_window_engine):
@@ -74,8 +80,9 @@ def test_reduce_joins_each_documents_piece_summaries_in_order():
     assert reduce_texts(docs, [0, 1, 1, 2], ["a ", "b1", " b2", ""]) == ["a", "b1 b2", "third"]
 
 
-def test_truncated_keeps_the_last_tokens_that_fit(small_window_engine):
-    engine = small_window_engine
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_truncated_keeps_the_last_tokens_that_fit(family):
+    engine = small_window(family)
     long_doc = " ".join(LONG_WORDS[i % len(LONG_WORDS)] for i in range(400))
     docs, question = [long_doc, "The code is 4821."], "What is the code?"
     answer = engine.generate(question, docs, mode="truncated", max_new_tokens=6)

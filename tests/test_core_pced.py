@@ -110,13 +110,14 @@ def test_aggregation_variants_decode(tiny_engine, aggregation):
     assert len(answer.token_ids) == 6 and all(s.document in (0, 1, 2) for s in answer.trace)
 
 
-def test_answer_and_citations_equal_a_reference_over_separate_prompts():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_answer_and_citations_equal_a_reference_over_separate_prompts(family):
     """Fused greedy decoding, recomputed from one plain forward pass per prompt and step: the amateur
     is (prefix, question) with no document, expert k is (prefix, document k, question), then
     max_k (1 + beta) log p_k - beta log p_0 + gamma log r_k. On a position-sensitive model with documents
     of different lengths. Fails if the amateur stream is built from a document's cache, if a stream's
     positions or padding are off, or if relevance scores are matched to the wrong expert."""
-    loaded = tiny_loaded("llama", seed=6, position_sensitive=True)
+    loaded = tiny_loaded(family, seed=6, position_sensitive=True)
     engine = Engine(loaded)
     scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 10
     answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps)

@@ -3,11 +3,14 @@ step reads the summaries."""
 
 from __future__ import annotations
 
+import pytest
+
 from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
 from tests.helpers import greedy_reference
 from tests.test_core_pced import DOCS, QUESTION
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_map_reduce_maps_with_the_summary_prompt_and_reduces_over_the_summaries(tiny_engine):
     """Each summary is greedy decoding of (summary system prompt, document, "Summarize the document
     above."), not of the QA prompt; the answer is greedy decoding of the QA prompt over the summaries,
@@ -25,8 +28,6 @@ def test_map_reduce_maps_with_the_summary_prompt_and_reduces_over_the_summaries(
 
 
 def test_map_reduce_refuses_an_unknown_compile_mode_by_name(tiny_engine):
-    import pytest
-
     from ctx_integrations.errors import InvalidOptionError
 
     with pytest.raises(InvalidOptionError, match="compile_mode must be one of"):

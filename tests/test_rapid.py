@@ -202,13 +202,13 @@ def test_sampled_verify_follows_its_closed_form(eta):
 # -- the decode loop -----------------------------------------------------------------------------------
 
 
-def sharp_tiny(seed: int = 0, logit_scale: float = 1.0, noise: float = 0.0):
+def sharp_tiny(seed: int = 0, logit_scale: float = 1.0, noise: float = 0.0, family: str = "llama"):
     """A tiny model whose next-token distributions are peaked enough for a chi-square test to have power.
 
     Same-tokenizer drafters of a different shape: ``logit_scale`` multiplies the final norm (all
     logits), ``noise`` perturbs the last layer's weights (a drafter that agrees with the target often).
     """
-    loaded = tiny_loaded("llama", seed, initializer_range=0.5)
+    loaded = tiny_loaded(family, seed, initializer_range=0.5)
     if logit_scale == 1.0 and noise == 0.0:
         return loaded
     model = copy.deepcopy(loaded.model)
@@ -240,10 +240,11 @@ def test_greedy_with_eta_zero_is_plain_greedy_of_the_target(gamma, drafter_kind)
     assert answer.timings["target_passes"] < 24 or answer.extra["accepted"] == 0
 
 
-def test_greedy_parity_covers_both_accepted_and_rejected_drafts():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_parity_covers_both_accepted_and_rejected_drafts(family):
     """A drafter that agrees with the target part of the time: both verification branches run."""
-    engine = Engine(sharp_tiny(0))
-    drafter = Engine(sharp_tiny(0, noise=0.05))
+    engine = Engine(sharp_tiny(0, family=family))
+    drafter = Engine(sharp_tiny(0, noise=0.05, family=family))
     answer = engine.generate(QUESTION, DOCS, mode="rapid", eta=0.0, gamma=4, drafter=drafter, max_new_tokens=32,
                              **WHOLE_CONTEXT)
     assert answer.token_ids == greedy_reference(engine.loaded, prompt_ids(engine, DOCS, QUESTION), 32)

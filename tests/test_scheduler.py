@@ -48,10 +48,11 @@ def _call(request: dict) -> dict:
 
 
 @pytest.fixture
-def engine() -> Engine:
-    return Engine(tiny_loaded("llama", seed=3, position_sensitive=True))  # a position bug changes its answers
+def engine(family) -> Engine:
+    return Engine(tiny_loaded(family, seed=3, position_sensitive=True))  # a position bug changes its answers
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_concurrent_mixed_requests_equal_their_answers_alone(engine):
     alone = [engine.generate(**_call(r)).token_ids for r in REQUESTS]
     assert all(len(ids) >= 5 for ids in alone) and len({tuple(ids) for ids in alone}) == len(alone)
@@ -247,7 +248,9 @@ def test_cancelled_error_is_typed():
     assert issubclass(RequestCancelledError, RuntimeError)
 
 
-@pytest.mark.parametrize("mode", ["concat", "single", "pced"])
+# Qwen2 runs concat (plain rows) and pced (fused streams); single's rows are concat's with one document
+@pytest.mark.parametrize(("family", "mode"), [("llama", "concat"), ("llama", "single"), ("llama", "pced"),
+                                              ("qwen2", "concat"), ("qwen2", "pced")])
 def test_pooled_answers_equal_transformers_greedy_generate(engine, mode):
     """The reference outside the pool: a wrong position, a row reading another row's keys, or a cache piece at
     the wrong offset changes the position-sensitive model's answer (comparing concurrent with alone cannot

@@ -329,6 +329,7 @@ def test_invalid_rule_options(bad):
         SoftNBCEFusion(rule="nbce")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode", ["soft_nbce", "nbce", "pcw"])
 def test_one_chunk_with_beta_zero_is_greedy_decoding(tiny_engine, mode):
     document = "The river town market sells water. The secret code is 48213. " * 3

@@ -24,12 +24,15 @@ DOCS = [
 QUESTION = "Who is the mayor of Marrowgate?"
 
 
-@pytest.mark.parametrize(("mode", "rule"), [("soft_nbce", SoftNBCEFusion(tau=0.5, beta=0.5, rho=0.9)),
-                                            ("nbce", NBCEFusion(beta=0.5, rho=0.9))])
-def test_answer_and_citations_equal_the_rule_over_separate_prompts(mode, rule):
+# Qwen2 runs the Soft-NBCE case only: hard NBCE shares its streams (and is checked on Qwen2 in test_soft_nbce.py)
+@pytest.mark.parametrize(("mode", "rule", "family"), [
+    ("soft_nbce", SoftNBCEFusion(tau=0.5, beta=0.5, rho=0.9), "llama"),
+    ("soft_nbce", SoftNBCEFusion(tau=0.5, beta=0.5, rho=0.9), "qwen2"),
+    ("nbce", NBCEFusion(beta=0.5, rho=0.9), "llama")])
+def test_answer_and_citations_equal_the_rule_over_separate_prompts(mode, rule, family):
     """Fails if the prior is built from a chunk's cache (or any stream is shifted or padded wrongly):
     on a position-sensitive model every stream must match its own prompt decoded alone."""
-    loaded = tiny_loaded("llama", seed=6, position_sensitive=True)
+    loaded = tiny_loaded(family, seed=6, position_sensitive=True)
     engine = Engine(loaded)
     options = dict(beta=0.5, rho=0.9) | (dict(tau=0.5) if mode == "soft_nbce" else {})
     steps = 10
