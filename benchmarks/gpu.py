@@ -295,7 +295,8 @@ def bench_ape(bench: Bench) -> list[dict]:
             concat, concat_s = bench.repeat(lambda: generate("concat"))
             cold, cold_s = bench.repeat(lambda: generate("ape"), before=engine.store.clear_memory)
             flex, flex_s = bench.repeat(lambda: generate("ape", attention_kernel="flex"))
-            eager, eager_s = bench.repeat(lambda: generate("ape", attention_kernel="eager"))
+            # attribution off: compare the kernels alone (the eager kernel would otherwise record attention mass)
+            eager, eager_s = bench.repeat(lambda: generate("ape", attention_kernel="eager", attribution=False))
             out = [answer_row("concat", concat, concat_s), answer_row("ape cold (auto kernel)", cold, cold_s),
                    answer_row("ape warm (flex)", flex, flex_s), answer_row("ape warm (eager)", eager, eager_s)]
             for row in out:

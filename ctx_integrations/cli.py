@@ -229,8 +229,11 @@ def _print_answer(answer: Any, indent: str = "  ") -> None:
         cited = ", ".join(f"{answer.documents[i].id} (r={answer.documents[i].score:.3f}, {n} tokens)"
                           for i, n in counts.most_common())
         print(f"{indent}    cited: {cited}")
-    elif answer.mode == "ape":  # APE merges the documents' attention; it records who won a token only when asked
-        print(f"{indent}    cited: (APE attributes tokens to documents only with --option attribution=true; "
+    elif answer.extra.get("attribution_note"):  # the mode could not attribute tokens here, and says why
+        why = f"attribution {answer.extra.get('attribution', 'unavailable')}: {answer.extra['attribution_note']}"
+        print(f"{indent}    cited: ({why}; sources listed above)")
+    elif answer.mode == "ape":  # only attribution=false leaves APE's answer without a note and without citations
+        print(f"{indent}    cited: (APE's attribution is off: drop --option attribution=false to cite; "
               "sources listed above)")
     else:
         print(f"{indent}    cited: (mode {answer.mode} has no per-token attribution; sources listed above)")

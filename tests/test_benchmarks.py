@@ -61,6 +61,13 @@ def test_ape(tmp_path):
     assert any(r.get("T") == 0.9 and r.get("S") == 0.9 for r in rows)
 
 
+def test_ape_attribution(tmp_path):
+    # the script itself raises if attribution changed the tokens
+    (row,) = run_benchmark("ape_attribution", ["--grid", "3x32", "--repeats", "1", "--max-new-tokens", "2"], tmp_path)
+    assert row["case"] == "3x32" and row["total_on_s"] > 0 and row["total_off_s"] > 0
+    assert row["total_ratio"] == row["total_on_s"] / row["total_off_s"]
+
+
 def test_ippd(tmp_path):
     rows = run_benchmark("ippd", ["--questions", "2", "--max-new-tokens", "4"], tmp_path)
     assert {r["set"] for r in rows} == {"synthetic", "musique"}

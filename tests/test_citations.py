@@ -98,7 +98,7 @@ def test_document_mass_sums_the_merged_attention_per_block():
 def test_ape_attribution_names_a_document_per_token_without_changing_the_answer():
     engine = Engine(tiny_loaded("llama", seed=2))
     docs = ["The vault code is 4721.", "Paris is the capital of France and a large city.", "Bread is baked daily."]
-    plain = engine.generate("What is the code?", docs, mode="ape", max_new_tokens=6)
+    plain = engine.generate("What is the code?", docs, mode="ape", max_new_tokens=6, attribution=False)
     traced = engine.generate("What is the code?", docs, mode="ape", max_new_tokens=6, attribution=True)
     assert traced.token_ids == plain.token_ids and len(traced.token_ids) == 6
     assert all(step.document is None for step in plain.trace) and "attention_mass" not in plain.extra

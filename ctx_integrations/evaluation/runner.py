@@ -32,7 +32,8 @@ BRACKET_SYSTEM = "concat [n]"
 CITE_ALL_SYSTEM = "cite all"
 PCED_NO_PRIOR = "pced gamma=0"
 BRACKET_INSTRUCTION = " Cite the documents you used by their numbers in brackets, like [1]."
-# Options the evaluation turns on by default: APE records attention mass so its answers have citations.
+# Options the evaluation turns on by default: APE records attention mass so its answers have citations. APE's
+# own default (attribution=None) does so only on the eager kernel; True keeps it on CUDA too (eager forced).
 EVAL_OPTIONS: dict[str, dict[str, Any]] = {"ape": {"attribution": True}}
 
 

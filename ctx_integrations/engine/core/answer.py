@@ -19,7 +19,9 @@ class Answer:
     that won that token and its fused score (``None`` for modes without per-token attribution).
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``. ``cache_hits_by_tier``
     splits ``cache_hits`` into the tier that served them (``memory``: the model's device, ``host``:
-    pinned host memory in front of a GPU, ``disk``).
+    pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
+    mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
+    and ``extra["attribution_note"]`` says why and what to pass instead (APE on the flex kernel).
     """
 
     text: str

@@ -6,7 +6,7 @@ sentence's content tokens (tokens with a letter or digit that are not stop words
 ``threshold``; a sentence with no content token is judged on all of its tokens. Sources come from:
 
 * the trace (``Answer.trace[i].document``): PCED's and Soft-NBCE's winning expert, ``single``'s top
-  document, APE's document block with the most attention mass (``attribution=True``);
+  document, APE's document block with the most attention mass (recorded by default on the eager kernel);
 * RAPID (``extra["drafted_tokens"]`` and ``extra["chunks"]``): an accepted drafted token comes from
   the drafter's retrieved chunks, so it cites their documents; a token the target chose cites
   nothing specific (the target read every document);

@@ -49,7 +49,7 @@ class ApeLayout:
     context_end: int  # key column after the last document token
     temperature: float  # T
     scale: float  # S
-    # attribution=True: each document's end column (relative to context_start), and where the attention
+    # attribution recorded: each document's end column (relative to context_start), and where the attention
     # calls append the merged attention mass per document of the last query position (one entry per layer).
     document_ends: tuple[int, ...] = ()
     masses: list[torch.Tensor] | None = field(default=None, compare=False)
@@ -151,7 +151,7 @@ def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTE
 
 
 def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
-               attribution: bool) -> Generator[None, None, DecodeResult]:
+               attribution: bool, unavailable_note: str | None) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
@@ -185,12 +185,36 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, k
     result.extra.update(context_tokens=total, query_position=prefix_len + longest)
     if masses is not None:
         _attribute(result, masses, model.config.num_hidden_layers)
+    elif unavailable_note is not None:
+        result.extra.update(attribution="unavailable", attribution_note=unavailable_note)
     return result
+
+
+# Said in the answer (``extra["attribution_note"]``) when the default attribution=None ran the flex kernel.
+FLEX_ATTRIBUTION_NOTE = ("the flex attention kernel does not expose per-document attention mass; pass attribution=True "
+                         "(CLI: --option attribution=true) to run the eager kernel, which records it")
+
+
+def attribution_plan(attribution: object, attention_kernel: str, device: object) -> tuple[str, bool, str | None]:
+    """(kernel, record the attention mass?, note for the answer) for APE's ``attribution`` option.
+
+    ``None`` (default): record whenever the resolved kernel can, i.e. on the eager kernel (CPU, or
+    ``attention_kernel="eager"``); on flex (``"auto"`` on CUDA) record nothing and return
+    :data:`FLEX_ATTRIBUTION_NOTE`, so an answer without citations says why. ``True``: record, forcing
+    the eager kernel. ``False``: record nothing, no note.
+    """
+    if attribution is not None and not isinstance(attribution, bool):
+        raise InvalidOptionError(f"APE's attribution must be True, False or None (record per-document attention "
+                                 f"mass whenever the attention kernel can), got {attribution!r}")
+    kernel = resolve_kernel(attention_kernel, device)
+    if attribution is None:
+        return kernel, kernel == "eager", None if kernel == "eager" else FLEX_ATTRIBUTION_NOTE
+    return ("eager" if attribution else kernel), attribution, None
 
 
 @register_mode("ape")
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
-            attention_kernel: str = "auto", attribution: bool = False) -> ExclusiveJob:
+            attention_kernel: str = "auto", attribution: bool | None = None) -> ExclusiveJob:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
@@ -201,13 +225,15 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).
     attribution: record, per generated token, the merged attention mass on each document (mean over
     layers and heads, ``extra["attention_mass"]``) and put the document with the most mass in the trace,
-    so APE answers have citations; off by default because it adds work to every attention call, and
-    it runs the eager attention (the flex kernel does not expose the per-document mass).
+    so APE answers have citations. ``None`` (default): whenever the kernel can, which is the eager
+    kernel only (flex does not expose the per-document mass); on flex the answer carries
+    ``extra["attribution"] = "unavailable"`` and ``extra["attribution_note"]`` saying why and what to
+    pass. ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
     Runs as an exclusive job (its attention differs from the pooled forward's), one forward per step.
     """
     check_knobs(attention_temperature, scale)
-    kernel = "eager" if attribution else resolve_kernel(attention_kernel, ctx.engine.loaded.device)
-    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, attribution)))
+    kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
+    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note)))
 
 
 PAPER_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # 0.1 .. 1.0, the paper's search range and step
