@@ -45,8 +45,13 @@ TARGETS = {
     "pced": Target("ctx_integrations/engine/modes/pced.py",
                    ("x_jensen_shannon*", "x_relevance_weights*", "xǁPCEDFusionǁ*"),
                    ("tests/test_core_fusion.py",)),
-    "ape": Target("ctx_integrations/engine/modes/ape.py", ("x_ape_attention*", "x_check_knobs*", "xǁApeLayoutǁ*"),
-                  ("tests/test_ape.py", "-m", "not slow")),
+    "ape": Target("ctx_integrations/engine/modes/ape.py", ("x_ape_attention*", "x_check_knobs*", "xǁApeLayoutǁ*",
+                                                             "x_attribution_plan*"),
+                  ("tests/test_ape.py", "tests/test_ape_attribution.py", "-m", "not slow")),
+    "model_catalog": Target("ctx_integrations/model_catalog.py",
+                            ("x_catalog_entry*", "x_pip_download*", "x__append_member*", "x_fetch*",
+                             "x_verified_path*"),
+                            ("tests/test_model_catalog.py",)),
     "ippd": Target("ctx_integrations/engine/modes/ippd.py", ("*",), ("tests/test_ippd.py", "-m", "not slow")),
     # FlexAttention traces the block mask's mask_mod with dynamo, which cannot trace mutmut's trampolines (a
     # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
