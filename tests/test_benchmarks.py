@@ -123,3 +123,12 @@ def test_serving(tmp_path):
         assert r["requests"] == 3 and r["answers_per_s"] > 0 and r["serial_answers_per_s"] > 0
         assert r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["latency_p95_s"]
         assert r["speedup_vs_serial"] == pytest.approx(r["answers_per_s"] / r["serial_answers_per_s"])
+
+
+def test_ape_search(tmp_path):
+    rows = run_benchmark("ape_search", ["--dev", "1", "--test", "1", "--grid", "0.9", "1.0", "--max-new-tokens", "2"],
+                         tmp_path)
+    assert [r["system"] for r in rows][:2] == ["concat", "ape"] and len(rows) == 3
+    tuned = rows[2]
+    assert tuned["system"] == f"ape T={tuned['T']} S={tuned['S']}" and {tuned["T"], tuned["S"]} <= {0.9, 1.0}
+    assert all(r["examples"] == 1 for r in rows)
