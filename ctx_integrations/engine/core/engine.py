@@ -58,11 +58,30 @@ def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] |
     return list(documents)
 
 
+# Below this, the tokens after the first came out with it (a speculative round accepted the whole answer).
+_BURST_S = 1e-3
+
+
+def decode_rate(new_tokens: int, ttft_s: float, total_s: float) -> float:
+    """Tokens per second after the first, or over the whole answer when they all arrived in one burst.
+
+    ``(n - 1) / (total - ttft)`` measures decoding; a mode that emits several tokens per step (RAPID
+    accepts a whole draft) can end the answer in the first step, where that ratio divides by ~0 and
+    reports thousands of tokens per second: such an answer's rate is ``n / total``.
+    """
+    if new_tokens < 1 or total_s <= 0:
+        return 0.0
+    decode_s = total_s - ttft_s
+    if new_tokens > 1 and decode_s >= _BURST_S:
+        return (new_tokens - 1) / decode_s
+    return new_tokens / total_s
+
+
 def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[str, Any]) -> Answer:
     total = time.perf_counter() - ctx.started
     decode_s = max(total - result.ttft_s, 1e-9)
     timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
-               "tokens_per_s": (len(result.token_ids) - 1) / decode_s if len(result.token_ids) > 1 else 0.0,
+               "tokens_per_s": decode_rate(len(result.token_ids), result.ttft_s, total),
                "new_tokens": float(len(result.token_ids)), **ctx.timings}
     return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
                   documents=ctx.documents, mode=mode, cache_hits=ctx.cache.hits, cache_misses=ctx.cache.misses,
