@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import median, print_table, write_results  # noqa: E402
+from benchmarks.common import add_engine_arguments, engine_from_arguments, median, print_table, write_results  # noqa: E402
 from benchmarks.synthetic import secret_code_example  # noqa: E402
 from ctx_integrations import Answer, Engine  # noqa: E402
 
@@ -53,18 +53,12 @@ def measure(engine: Engine, n_documents: int, length: int, repeats: int, max_new
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF id, local dir or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--grid", default="3x128,8x256,16x256", help="synthetic NxL cases (comma-separated)")
     parser.add_argument("--repeats", type=int, default=5, help="timed answers per setting and case")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--output", type=Path, default=None)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model)
+    engine = engine_from_arguments(args)
     rows = []
     for case in filter(None, args.grid.split(",")):
         n_documents, length = (int(x) for x in case.split("x"))

@@ -20,8 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, write_results  # noqa: E402
-from ctx_integrations import Engine  # noqa: E402
+from benchmarks.common import add_engine_arguments, engine_from_arguments, print_table, write_results  # noqa: E402
 from ctx_integrations.engine.modes.ape import search_knobs  # noqa: E402
 from ctx_integrations.evaluation import evaluate, world_set  # noqa: E402
 from ctx_integrations.evaluation.runner import EVAL_OPTIONS, System  # noqa: E402
@@ -32,21 +31,15 @@ COLUMNS = ["system", "T", "S", "examples", "substring_em", "f1", "citation_preci
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model name, .gguf or alias (default: the embedded SmolLM2)")
     parser.add_argument("--dev", type=int, default=6, help="dev questions (seed --dev-seed)")
     parser.add_argument("--test", type=int, default=8, help="test questions (seed --test-seed)")
     parser.add_argument("--dev-seed", type=int, default=1)
     parser.add_argument("--test-seed", type=int, default=0)
     parser.add_argument("--grid", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--output", type=Path, default=None)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model)
+    engine = engine_from_arguments(args)
     started = time.perf_counter()
     dev = [(e.question, list(e.documents), list(e.answers)) for e in world_set(args.dev, seed=args.dev_seed)]
     found = search_knobs(engine, dev, grid=tuple(args.grid), max_new_tokens=args.max_new_tokens)

@@ -53,6 +53,23 @@ def environment() -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
+def add_engine_arguments(parser: Any) -> None:
+    """``--model``, ``--threads`` and ``--output``, which every benchmark takes alike."""
+    parser.add_argument("--model", default=None, help="HF id, local dir, .gguf or fetched alias (default: the "
+                                                      "embedded SmolLM2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--output", type=Path, default=None)
+
+
+def engine_from_arguments(args: Any) -> Any:
+    """Set torch's threads from ``args.threads`` (when given) and load ``args.model``."""
+    from ctx_integrations import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Engine.from_pretrained(args.model)
+
+
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     """Print (and return) a Markdown table of ``rows`` restricted to ``columns``."""
 
