@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ctx_integrations.engine.core.streams import FusionState
 from ctx_integrations.engine.modes.pced import PCEDFusion, jensen_shannon, relevance_weights
 from ctx_integrations.errors import InvalidOptionError
 
@@ -52,15 +53,25 @@ def test_fused_scores_equal_reference(space, aggregation, beta):
     assert fused.evidence.shape == (4, 50)
 
 
-def test_dynamic_beta_is_computed_once_then_fixed():
+def test_dynamic_beta_is_computed_once_then_carried_in_the_state():
     generator = torch.Generator().manual_seed(0)
     first, second = torch.randn(3, 20, generator=generator), torch.randn(3, 20, generator=generator)
+    rule = PCEDFusion([0.5, 0.5], gamma=0.0)
+    step = rule(first)
+    torch.testing.assert_close(step.carry.double(), reference_jsd(first[1:], first[0].expand(2, -1)))
+    carried = rule(second, FusionState(0, 0, step.carry))
+    assert torch.equal(carried.carry, step.carry)
+    expected = reference_pced(second, [0.5, 0.5], step.carry.tolist(), 0.0, "logprobs", "max")
+    torch.testing.assert_close(carried.scores.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rule_keeps_no_answer_state_on_itself():
+    """One rule object may serve several answers: a new answer's first step computes its own beta."""
+    generator = torch.Generator().manual_seed(1)
+    first, other = torch.randn(3, 20, generator=generator), torch.randn(3, 20, generator=generator)
     rule = PCEDFusion([0.5, 0.5])
     rule(first)
-    beta_after_first = rule.beta.clone()
-    rule(second)
-    assert torch.equal(rule.beta, beta_after_first)
-    torch.testing.assert_close(beta_after_first.double(), reference_jsd(first[1:], first[0].expand(2, -1)))
+    torch.testing.assert_close(rule(other).carry, PCEDFusion([0.5, 0.5])(other).carry)
 
 
 def test_jensen_shannon_bounds():

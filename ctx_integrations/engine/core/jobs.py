@@ -22,7 +22,7 @@ import torch
 
 from ctx_integrations.engine.core.registry import DecodeContext
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.streams import DecodeResult, Emitter, FusionRule, TraceStep
+from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, Emitter, FusionRule, choose_token
 
 
 class Job:
@@ -90,6 +90,7 @@ class FusedJob(PooledJob):
         self.emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
         self._next: list[list[Run]] = [[Run(s.prompt, s.first_position)] for s in streams]
         self._positions = [s.first_position + len(s.prompt) for s in streams]
+        self.state = FIRST_STEP  # what the rule knows of the steps before (its carry, the last token and winner)
 
     @property
     def done(self) -> bool:
@@ -104,14 +105,12 @@ class FusedJob(PooledJob):
     def consume(self, logits: list[torch.Tensor]) -> None:
         if "prefill_s" not in self.ctx.timings:
             self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
-        fused = self.rule(torch.stack([row[-1] for row in logits]))
-        token = self.ctx.sampler(fused.scores)
-        winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
-        score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
-        if self.emitter.push(TraceStep(token, winner, score)):
+        step, self.state = choose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
+                                        self.ctx.sampler)
+        if self.emitter.push(step):
             self._next = [[] for _ in self.streams]
             return
-        self._next = [[Run((token,), position)] for position in self._positions]
+        self._next = [[Run((step.token_id,), position)] for position in self._positions]
         self._positions = [p + 1 for p in self._positions]
 
     def results(self) -> list[DecodeResult]:

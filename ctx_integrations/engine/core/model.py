@@ -21,12 +21,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.engine.core.validation import torch_device
+from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
 from ctx_integrations.file_hashes import file_content_hash
 from ctx_integrations.model_catalog import CATALOG, verified_path
@@ -66,6 +68,11 @@ class LoadedModel:
             elif source:
                 ids.update(int(i) for i in source)
         return frozenset(ids)
+
+    @cached_property
+    def word_pieces(self) -> WordPieces:
+        """Which output token ids continue a word (built on first use: one decode per vocabulary id)."""
+        return word_pieces(self.tokenizer, int(self.model.get_output_embeddings().weight.shape[0]))
 
 
 def default_device() -> torch.device:

@@ -32,13 +32,29 @@ class FusedStep:
 
     scores: torch.Tensor  # [V]
     evidence: torch.Tensor | None = None  # [K, V]
+    carry: object = None  # what the rule hands its next call (FusionState.carry), e.g. PCED's dynamic beta
 
 
-FusionRule = Callable[[torch.Tensor], FusedStep]
+@dataclass(frozen=True)
+class FusionState:
+    """What a fusion rule may know of the steps before this one; the job keeps it, so rules stay pure.
+
+    ``last_token`` / ``last_winner``: the token chosen at the previous step and the stream that won it
+    (``None`` at the first step); ``carry``: the previous call's :attr:`FusedStep.carry`. Like the
+    ``input_ids`` a transformers logits processor receives, it is read, never edited.
+    """
+
+    last_token: int | None = None
+    last_winner: int | None = None
+    carry: object = None
+
+
+FIRST_STEP = FusionState()
+FusionRule = Callable[[torch.Tensor, FusionState], FusedStep]
 Result = TypeVar("Result")
 
 
-def single_stream(logits: torch.Tensor) -> FusedStep:
+def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
     """The identity rule: one stream, its own logits, no attribution."""
     return FusedStep(logits[0])
 
@@ -226,6 +242,17 @@ class Emitter:
                             steps=len(self.trace))
 
 
+def choose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
+                 sampler: TokenSampler) -> tuple[TraceStep, FusionState]:
+    """One fused step: fuse the streams' logits ``[K, V]``, sample a token, attribute it to the stream with
+    the most evidence for it; return the trace step and the state the rule sees next."""
+    fused = rule(logits, state)
+    token = sampler(fused.scores)
+    winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
+    score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
+    return TraceStep(token, winner, score), FusionState(token, winner, fused.carry)
+
+
 def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,
                 rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
                 on_token: Callable[[str], None] | None = None,
@@ -238,14 +265,12 @@ def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: obje
     """
     emitter = Emitter(tokenizer, stop, on_token, started)
     batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
+    state = FIRST_STEP
     while True:
-        fused = rule(logits)
-        token = sampler(fused.scores)
-        winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
-        score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
-        if emitter.push(TraceStep(token, winner, score)):
+        step, state = choose_token(rule, logits, state, sampler)
+        if emitter.push(step):
             return emitter.result()
-        logits = forward(torch.full((batch, 1), token, device=device))
+        logits = forward(torch.full((batch, 1), step.token_id, device=device))
         yield
 
 

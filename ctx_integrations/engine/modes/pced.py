@@ -14,12 +14,14 @@ import torch
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import DecodeResult, FusedStep
+from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.validation import choice, real_number
+from ctx_integrations.engine.core.word_pieces import WordPieces
 from ctx_integrations.errors import InvalidOptionError
 
 SCORE_SPACES = ("logprobs", "logits")
 AGGREGATIONS = ("max", "mixture", "product")
+SWITCHES = ("token", "word")
 TINY = torch.finfo(torch.float32).tiny
 # Largest beta and gamma: past them float32 loses the scores (gamma * log r reaches -8.7e3 x gamma for r near 0,
 # and a common offset of 1e8 rounds every token's score to the same value, so argmax returns token 0), and at
@@ -48,64 +50,99 @@ class PCEDFusion:
     s^_k = (1 + beta_k) s_k - beta_k s_0 + gamma log r_k, then ``max`` over experts (default),
     or ``mixture`` (log sum_k w_k p_k) / ``product`` (sum_k w_k log p_k) with w = r / sum r and
     p_k = softmax((1 + beta_k) s_k - beta_k s_0). ``beta=None`` is AdaCAD's dynamic rule:
-    beta_k = JSD(softmax(s_k), softmax(s_0)) at the first generated token, then fixed.
+    beta_k = JSD(softmax(s_k), softmax(s_0)) at the first generated token, then fixed (carried from
+    step to step in :class:`FusionState`, not kept on the rule: one rule may serve many answers).
     ``score_space="logprobs"`` normalises each stream first so experts are comparable (raw logits
     carry a per-expert offset); ``"logits"`` is the paper's literal formula.
+
+    ``switch="token"`` is the paper's rule: any expert may win any token. ``switch="word"`` (our
+    variant, not the paper's) lets an expert win a token that continues an open word (a sub-word
+    piece with no leading space) only if it won the word's previous token, so one invented name is
+    never spelled by two documents; experts still switch freely between words. It needs ``max``
+    aggregation (one winner per token) and the vocabulary's :class:`WordPieces`.
     """
 
     def __init__(self, relevance: Sequence[float], *, beta: float | None = None, gamma: float = 2.5,
-                 score_space: str = "logprobs", aggregation: str = "max"):
+                 score_space: str = "logprobs", aggregation: str = "max", switch: str = "token",
+                 word_pieces: WordPieces | None = None):
         if len(relevance) == 0:
             raise InvalidOptionError("PCED needs at least one expert")
         choice("score_space", score_space, SCORE_SPACES)
         choice("aggregation", aggregation, AGGREGATIONS)
+        choice("switch", switch, SWITCHES)
+        if switch == "word" and aggregation != "max":
+            raise InvalidOptionError(f"switch='word' needs aggregation='max' (one expert wins each token), "
+                                     f"got aggregation={aggregation!r}")
+        if switch == "word" and word_pieces is None:
+            raise InvalidOptionError("switch='word' needs the vocabulary's word pieces (LoadedModel.word_pieces)")
         if beta is not None:
             real_number("beta", beta, minimum=0.0, maximum=MAX_BETA, hint=" (or None: dynamic)")
         real_number("gamma", gamma, minimum=0.0, maximum=MAX_GAMMA)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
-        self.beta: torch.Tensor | None = None if beta is None else torch.full((len(relevance),), float(beta))
+        self.fixed_beta = None if beta is None else torch.full((len(relevance),), float(beta))
+        self.word_pieces = word_pieces if switch == "word" else None
 
-    def __call__(self, logits: torch.Tensor) -> FusedStep:
+    def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         logits = logits.float()
         amateur, experts = logits[0], logits[1:]
         if experts.shape[0] != self.relevance.shape[0]:
             raise InvalidOptionError(f"got {experts.shape[0]} expert streams for {self.relevance.shape[0]} scores")
-        if self.beta is None:
-            self.beta = jensen_shannon(experts, amateur.expand_as(experts)).cpu()
-        beta = self.beta.to(logits.device).unsqueeze(1)
+        beta = state.carry if state.carry is not None else self.fixed_beta
+        if beta is None:
+            beta = jensen_shannon(experts, amateur.expand_as(experts)).cpu()
         if self.score_space == "logprobs":
             amateur, experts = torch.log_softmax(amateur, -1), torch.log_softmax(experts, -1)
-        contrastive = (1 + beta) * experts - beta * amateur
+        scale = beta.to(logits.device).unsqueeze(1)
+        contrastive = (1 + scale) * experts - scale * amateur
         relevance = self.relevance.to(logits.device)
         if self.aggregation == "max":
             adjusted = contrastive + self.gamma * torch.log(relevance.clamp_min(TINY)).unsqueeze(1)
-            return FusedStep(adjusted.max(0).values, adjusted)
+            adjusted = self._keep_words_whole(adjusted, state)
+            return FusedStep(adjusted.max(0).values, adjusted, carry=beta)
         weights = relevance_weights(relevance).to(logits.device).unsqueeze(1)
         log_p = torch.log_softmax(contrastive, -1)
         if self.aggregation == "mixture":
             weighted = torch.log(weights.clamp_min(TINY)) + log_p
-            return FusedStep(torch.logsumexp(weighted, 0), weighted)
-        return FusedStep((weights * log_p).sum(0), torch.log(weights.clamp_min(TINY)) + log_p)
+            return FusedStep(torch.logsumexp(weighted, 0), weighted, carry=beta)
+        return FusedStep((weights * log_p).sum(0), torch.log(weights.clamp_min(TINY)) + log_p, carry=beta)
 
+    def _keep_words_whole(self, adjusted: torch.Tensor, state: FusionState) -> torch.Tensor:
+        """``switch="word"``: only the last token's winner may continue its open word (a new tensor)."""
+        if self.word_pieces is None or state.last_winner is None:
+            return adjusted
+        continuing = self.word_pieces.continues_word(state.last_token)
+        if continuing is None:
+            return adjusted
+        if continuing.shape[0] != adjusted.shape[1]:
+            raise InvalidOptionError(f"word pieces cover {continuing.shape[0]} token ids, the logits "
+                                     f"{adjusted.shape[1]}: build them for this model's vocabulary")
+        others = torch.ones(adjusted.shape[0], 1, dtype=torch.bool, device=adjusted.device)
+        others[state.last_winner] = False
+        return adjusted.masked_fill(others & continuing.to(adjusted.device).unsqueeze(0), -math.inf)
 
 
 @register_mode("pced")
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.5, score_space: str = "logprobs",
-             aggregation: str = "max") -> FusedJob:
+             aggregation: str = "max", switch: str = "token") -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
     beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float in [0, 100].
     gamma: weight of the retrieval prior gamma * log r_k, in [0, 100] (2.5, the paper's default).
     score_space: "logprobs" (default: experts comparable) or "logits" (the paper's literal rule).
     aggregation: "max" (token-level expert switching, default), "mixture" or "product".
+    switch: "token" (the paper's rule) or "word" (our variant: the expert that began a word finishes it).
     """
+    choice("switch", switch, SWITCHES)
+    pieces = ctx.engine.loaded.word_pieces if switch == "word" else None
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
-                      aggregation=aggregation)
+                      aggregation=aggregation, switch=switch, word_pieces=pieces)
     ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens([d.text for d in ctx.documents]), "PCED's streams")
 
     def finish(result: DecodeResult) -> DecodeResult:
-        result.extra["beta"] = [round(float(b), 6) for b in rule.beta] if rule.beta is not None else None
+        used = job.state.carry  # the beta the answer was decoded with (None: no step ran)
+        result.extra["beta"] = [round(float(b), 6) for b in used] if used is not None else None
         return result
 
-    return expert_streams_job(ctx, rule, finish=finish)
+    job = expert_streams_job(ctx, rule, finish=finish)
+    return job

@@ -26,7 +26,7 @@ import torch
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import DecodeResult, FusedStep, TraceStep
+from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
@@ -167,7 +167,7 @@ class SoftNBCEFusion:
         """Weights over the chunk axis (0) from the chunks' entropies."""
         return torch.softmax(-entropy / self.tau, dim=0)
 
-    def __call__(self, logits: torch.Tensor) -> FusedStep:
+    def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         if logits.shape[0] < 2:
             raise InvalidOptionError("Soft-NBCE needs the prior stream plus at least one chunk stream")
         logprobs = torch.log_softmax(logits.float(), -1)
