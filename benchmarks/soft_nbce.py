@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import best_f1, load_musique, print_table, substring_match, write_results  # noqa: E402
 from ctx_integrations import Engine  # noqa: E402
+from ctx_integrations.engine.core.registry import kv_bytes_per_token  # noqa: E402
 from ctx_integrations.engine.modes.soft_nbce import split_documents  # noqa: E402
 
 MODES = ("soft_nbce", "nbce", "pcw", "pced")
@@ -98,9 +99,7 @@ def _release_freed_memory() -> None:
 
 def stream_kv_mb(engine: Engine, question: str, texts: list[str], max_new_tokens: int) -> float:
     """Size of the batched stream cache: (1 + chunks) streams x (prefix + longest chunk + question + answer)."""
-    config, layout = engine.loaded.model.config, engine.layout
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * engine.loaded.dtype.itemsize
+    layout, per_token = engine.layout, kv_bytes_per_token(engine.loaded)
     width = (len(layout.prefix_ids) + max(len(layout.context_ids(t)) for t in texts) + len(layout.suffix_ids(question))
              + max_new_tokens)
     return (1 + len(texts)) * width * per_token / 2**20

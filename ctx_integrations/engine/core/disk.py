@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.validation import optional_whole_number
 from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning
@@ -61,7 +62,7 @@ ORPHAN_AGE_S = 60.0
 # Errors after which no write to the folder can succeed: stop trying, keep entries in memory.
 _FOLDER_UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_WIDEST_DTYPE_BYTES = max(dtype.itemsize for dtype in _CACHE_DTYPES)
+_WIDEST_DTYPE = max(_CACHE_DTYPES, key=lambda dtype: dtype.itemsize)
 # A safetensors header: 8 bytes of length, then JSON naming two tensors and our metadata (format, key, checksum,
 # signature): a few hundred bytes. Anything past this bound is not one of our entries.
 _HEADER_BYTES = 16 << 10
@@ -222,10 +223,8 @@ class DiskTier:
 
     def max_entry_bytes(self, tokens: int) -> int:
         """The largest file an entry of ``tokens`` tokens can be: header + KV at the widest dtype + token ids."""
-        config = self.loaded.model.config
-        layers = int(getattr(config, "get_text_config", lambda: config)().num_hidden_layers)
-        kv_heads, head_dim = model_kv_shape(config)
-        return 8 + _HEADER_BYTES + tokens * (layers * 2 * kv_heads * head_dim * _WIDEST_DTYPE_BYTES + 8)
+        per_token = kv_shape(self.loaded.model.config).bytes_per_token(_WIDEST_DTYPE)
+        return 8 + _HEADER_BYTES + tokens * (per_token + 8)
 
     def delete(self, key: str) -> None:
         """Remove the entry, and its copy in the legacy layout if there is one."""
@@ -373,7 +372,8 @@ class DiskTier:
         kv = tensors["kv"]
         if kv.dtype not in _CACHE_DTYPES:
             return f"dtype {kv.dtype} is not a floating KV cache dtype"
-        expected = (config.num_hidden_layers, 2, *model_kv_shape(config), len(token_ids))
+        shape = kv_shape(config)
+        expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
         if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
             return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "
                     f"{[expected[0], 2, expected[2], expected[4], expected[3]]})")
@@ -382,14 +382,6 @@ class DiskTier:
         if not bool(kv.any()):
             return "all values are zero"
         return None
-
-
-def model_kv_shape(config: object) -> tuple[int, int]:
-    """(kv_heads, head_dim) of a transformers config."""
-    config = getattr(config, "get_text_config", lambda: config)()
-    heads = getattr(config, "num_attention_heads", 1) or 1
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return int(kv_heads), int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def signature(key: bytes, entry_key: str, tensors: dict[str, torch.Tensor]) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import CacheStats
+from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
@@ -42,12 +43,7 @@ DEFAULT_CPU_REQUEST_BYTES = 2 * 1024**3
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """Bytes one token's keys and values take in every layer (layers x 2 x kv_heads x head_dim x dtype bytes)."""
-    config = loaded.model.config
-    config = getattr(config, "get_text_config", lambda: config)()
-    heads = getattr(config, "num_attention_heads", 1) or 1
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return int(config.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim) * loaded.dtype.itemsize
+    return kv_shape(loaded.model.config).bytes_per_token(loaded.dtype)
 
 
 def default_request_bytes(loaded: LoadedModel) -> int:

@@ -52,6 +52,7 @@ import torch
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
+from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool
 from ctx_integrations.errors import (
@@ -452,12 +453,10 @@ class Scheduler:
         if not incoming:
             return
         loaded = self.loaded
-        config = loaded.model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = kv_shape(loaded.model.config)
         try:
             pool = RowPool.build([row for job, _, _ in incoming for row in job.rows()],
-                                 (config.num_hidden_layers, heads, dim), loaded.device, loaded.dtype)
+                                 (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype)
             logits = self._forward(pool, [row for job, _, _ in incoming for row in job.runs()])
         except Exception as error:  # noqa: BLE001 - the joint prefill failed: fail the requests it held
             for _, submission, _ in incoming:
