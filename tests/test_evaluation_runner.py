@@ -134,3 +134,17 @@ def test_eval_on_the_embedded_model(embedded_engine):
     assert pced["cache_hits"] == 3 and pced["ttft_s"] > 0 and pced["tokens_per_s"] > 0
     # an invented single-hop fact (greedy, fp32: deterministic): read off and cited to its one document
     assert pced["substring_em"] == 1.0 and pced["citation_precision"] == 1.0 and pced["citation_recall"] == 1.0
+
+
+def test_citation_precision_on_supported_questions_leaves_out_the_unanswerable():
+    """An unanswerable question has no gold support: citing anything there scores precision 0, which the
+    plain mean counts and the supported-only mean leaves out."""
+    from ctx_integrations.evaluation.runner import System, summarize
+
+    base = dict(system="pced", substring_em=0.0, f1=0.0, citation_recall=None)
+    records = [dict(base, example="a", kind="unanswerable", gold=[], cited=[1], citation_precision=0.0),
+               dict(base, example="b", kind="single_hop", gold=[0], cited=[0, 1], citation_precision=0.5),
+               dict(base, example="c", kind="single_hop", gold=[2], cited=[2], citation_precision=1.0)]
+    row = summarize(records, [System("pced", "pced")])[0]
+    assert row["citation_precision"] == pytest.approx(0.5)
+    assert row["citation_precision_supported"] == pytest.approx(0.75)

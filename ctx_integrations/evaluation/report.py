@@ -9,8 +9,9 @@ from typing import Any
 from ctx_integrations.errors import missing_dependency
 from ctx_integrations.evaluation.runner import EvalReport
 
-TABLE_COLUMNS = ("system", "examples", "substring_em", "f1", "citation_precision", "citation_recall", "ttft_s",
-                 "total_s", "tokens_per_s", "cache_hits", "ttft_vs_concat", "total_vs_concat")
+TABLE_COLUMNS = ("system", "examples", "substring_em", "f1", "citation_precision", "citation_precision_supported",
+                 "citation_recall", "ttft_s", "total_s", "tokens_per_s", "cache_hits", "ttft_vs_concat",
+                 "total_vs_concat")
 
 
 def _cell(value: Any) -> str:

@@ -156,14 +156,18 @@ _AVERAGED = ("substring_em", "f1", "citation_precision", "citation_recall", "ttf
 
 
 def summarize(records: Sequence[dict[str, Any]], systems: Sequence[System]) -> list[dict[str, Any]]:
-    """One row per system: means over its examples (citation metrics over the examples where defined),
-    per-kind substring EM, and TTFT / total time relative to ``concat`` on the same examples."""
+    """One row per system: means over its examples (citation metrics over the examples where defined;
+    ``citation_precision_supported`` over those with gold support only), per-kind substring EM, and TTFT /
+    total time relative to ``concat`` on the same examples."""
     rows = []
     for system in systems:
         mine = [r for r in records if r["system"] == system.name]
         row: dict[str, Any] = {"system": system.name, "mode": system.mode, "examples": len(mine)}
         for key in _AVERAGED:
             row[key] = mean_defined(r.get(key) for r in mine)
+        # an unanswerable question has no gold support, so any citation of it scores precision 0: this column
+        # separates "cites the wrong document" from "answers (and cites) where it should abstain"
+        row["citation_precision_supported"] = mean_defined(r.get("citation_precision") for r in mine if r["gold"])
         for kind in dict.fromkeys(r["kind"] for r in mine):
             row[f"em_{kind}"] = mean_defined(r.get("substring_em") for r in mine if r["kind"] == kind)
         rows.append(row)
