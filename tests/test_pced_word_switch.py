@@ -82,6 +82,7 @@ def test_word_pieces_of_mismatched_vocabulary_are_refused():
 def test_word_pieces_of_a_real_tokenizer():
     tokenizer = embedded_tokenizer()
     pieces = word_pieces(tokenizer, len(tokenizer) + 5)
+    assert pieces.continues.dtype == pieces.inside.dtype == torch.bool  # masks, 1 byte per vocabulary id
     ids = tokenizer.encode(" Stosbraend founded it, in 2019.")
     text = [tokenizer.decode([i]) for i in ids]
     assert [bool(pieces.continues[i]) for i in ids] == [bool(t) and t[0].isalnum() for t in text]
