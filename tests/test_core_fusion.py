@@ -53,15 +53,16 @@ def test_fused_scores_equal_reference(space, aggregation, beta):
     assert fused.evidence.shape == (4, 50)
 
 
-def test_dynamic_beta_is_computed_once_then_carried_in_the_state():
+@pytest.mark.parametrize("aggregation", ["max", "mixture", "product"])
+def test_dynamic_beta_is_computed_once_then_carried_in_the_state(aggregation):
     generator = torch.Generator().manual_seed(0)
     first, second = torch.randn(3, 20, generator=generator), torch.randn(3, 20, generator=generator)
-    rule = PCEDFusion([0.5, 0.5], gamma=0.0)
+    rule = PCEDFusion([0.5, 0.5], gamma=0.0, aggregation=aggregation)
     step = rule(first)
     torch.testing.assert_close(step.carry.double(), reference_jsd(first[1:], first[0].expand(2, -1)))
     carried = rule(second, FusionState(0, 0, step.carry))
     assert torch.equal(carried.carry, step.carry)
-    expected = reference_pced(second, [0.5, 0.5], step.carry.tolist(), 0.0, "logprobs", "max")
+    expected = reference_pced(second, [0.5, 0.5], step.carry.tolist(), 0.0, "logprobs", aggregation)
     torch.testing.assert_close(carried.scores.double(), expected, rtol=1e-5, atol=1e-5)
 
 

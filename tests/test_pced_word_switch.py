@@ -56,6 +56,13 @@ def test_without_an_open_word_it_is_the_papers_rule(state):
     torch.testing.assert_close(word.evidence, paper.evidence)
 
 
+def test_word_pieces_are_ignored_under_the_papers_rule():
+    logits = torch.tensor([[0.0] * 6, [0.0, 3.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0, 0.0, 0.0]])
+    paper = PCEDFusion([0.5, 0.5], beta=0.0, gamma=0.0, switch="token", word_pieces=PIECES)
+    torch.testing.assert_close(paper(logits, FusionState(last_token=0, last_winner=0)).evidence,
+                               PCEDFusion([0.5, 0.5], beta=0.0, gamma=0.0)(logits).evidence)
+
+
 def test_inputs_are_not_modified():
     logits = torch.tensor([[0.0] * 6, [0.0, 3.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 9.0, 0.0, 0.0, 0.0]])
     copy = logits.clone()
@@ -65,8 +72,8 @@ def test_inputs_are_not_modified():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(switch="word", word_pieces=PIECES, aggregation="mixture"), "aggregation='max'"),
-    (dict(switch="word"), "word pieces"),
-    (dict(switch="sentence"), "switch"),
+    (dict(switch="word"), r"^switch='word' needs the vocabulary's word pieces \(LoadedModel.word_pieces\)$"),
+    (dict(switch="sentence"), "^switch "),
 ])
 def test_bad_switch_options_are_refused(kwargs, message):
     with pytest.raises(InvalidOptionError, match=message):
