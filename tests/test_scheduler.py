@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ctx_integrations import Engine
+from ctx_integrations import Engine, SamplingParams
 from ctx_integrations.engine.core import scheduler as scheduler_module
 from ctx_integrations.engine.core.scheduler import RequestCancelledError
 from ctx_integrations.errors import EngineOverloadedError, InvalidOptionError, RequestTimeoutError
@@ -147,7 +147,7 @@ def test_a_full_queue_refuses_at_once_with_a_typed_error(monkeypatch):
     engine = Engine(tiny_loaded("llama", seed=3), max_queued_requests=1)
     release = threading.Event()
     monkeypatch.setattr(engine.store, "prefetch", lambda layout, ids: release.wait(10))  # hold the queue
-    first = engine._request("Who?", DOCS[:1], None, "pced", None, None, 4, 0.0, 1.0, None, (), {})
+    first = engine._request("Who?", DOCS[:1], None, "pced", None, None, SamplingParams(4), {})
     with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
         engine.generate("Who else?", DOCS[:1], max_new_tokens=4)
     release.set()

@@ -37,6 +37,7 @@ from ctx_integrations.engine.core.registry import (
     check_options,
     resolve_mode,
 )
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
 from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler, single_stream
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
@@ -179,13 +180,12 @@ class Engine:
                                                       rows_hint=rows_hint), self.max_queued_requests)
 
     def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
-                 on_token: Callable[[str], None] | None, timeout: float | None, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int | None, stop: Sequence[str] | str,
+                 on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
                  options: dict[str, Any]) -> RequestHandle:
         """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer]."""
         run = self._check_call(mode, options)
-        ctx = self._context(query, prepare_documents(documents, scores), TokenSampler(temperature, top_p, seed),
-                            StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), on_token)
+        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(),
+                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token)
         plan = (lambda: run([ctx], **options)) if answers_many(mode) else (lambda: run(ctx, **options))
         return self._submit(plan, lambda job: [_answer(ctx, job.results()[0], mode, options)], timeout=timeout,
                             prefetch=self._prefetcher([ctx]), rows_hint=len(ctx.documents) + 1)
@@ -202,47 +202,53 @@ class Engine:
                  mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
                  on_token: Callable[[str], None] | None = None, timeout: float | None = None,
-                 **options: Any) -> Answer:
+                 sampling: SamplingParams | None = None, **options: Any) -> Answer:
         """Answer ``query`` from ``documents`` with decoding ``mode`` (blocks until the answer is done).
 
         ``documents``: strings, :class:`~ctx_integrations.Document` objects or retrieved objects with
         ``text``/``score``; ``scores`` (one r in [0, 1] per document) overrides their scores.
         ``on_token`` receives each new piece of text as it is decoded (on the scheduler's thread: keep it
         quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError``.
+        ``sampling``: a :class:`SamplingParams` instead of max_new_tokens / temperature / top_p / seed / stop.
         ``options`` are the mode's knobs (see ``ctx_integrations.engine.core.registry.mode_options(mode)``).
         """
-        return self._request(query, documents, scores, mode, on_token, timeout, max_new_tokens, temperature, top_p,
-                             seed, stop, options).result()[0]
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        return self._request(query, documents, scores, mode, on_token, timeout, settings, options).result()[0]
 
     async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                         mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                        timeout: float | None = None, **options: Any) -> Answer:
+                        timeout: float | None = None, sampling: SamplingParams | None = None,
+                        **options: Any) -> Answer:
         """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop.
 
         Cancelling the awaiting task cancels the request (its rows leave the batch at the next step).
         """
-        handle = self._request(query, documents, scores, mode, None, timeout, max_new_tokens, temperature, top_p,
-                               seed, stop, options)
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        handle = self._request(query, documents, scores, mode, None, timeout, settings, options)
         return (await handle.wait())[0]
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                 mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                timeout: float | None = None, **options: Any) -> AnswerStream:
+                timeout: float | None = None, sampling: SamplingParams | None = None,
+                **options: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
         The request is validated now and queued when iteration starts; leaving the loop early cancels it.
         """
         if "on_token" in options:
             raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
         run = self._check_call(mode, options)  # fail at once on a bad mode or option
         del run
         prepare_documents(documents, scores)
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._request(query, documents, scores, mode, on_token, timeout, max_new_tokens, temperature,
-                                 top_p, seed, stop, options)
+            return self._request(query, documents, scores, mode, on_token, timeout, settings, options)
 
         return AnswerStream(start, lambda answers: answers[0])
 
@@ -258,8 +264,7 @@ class Engine:
         return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
-              max_new_tokens: int, temperature: float, top_p: float, seed: int | None, stop: Sequence[str] | str,
-              timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
+              sampling: SamplingParams, timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
         run = self._check_call(mode, options)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
             got = "a single string" if isinstance(questions, (str, bytes)) else (
@@ -273,9 +278,8 @@ class Engine:
             if scores is not None:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
-        contexts = [self._context(q, list(docs),
-                                  TokenSampler(temperature, top_p, None if seed is None else seed + i),
-                                  StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop), None)
+        contexts = [self._context(q, list(docs), sampling.sampler(seed_offset=i),
+                                  sampling.stop_criteria(self.loaded.eos_token_ids), None)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         if answers_many(mode):
             return [self._submit(lambda: run(contexts, **options),
@@ -293,7 +297,7 @@ class Engine:
                       mode: str = "ippd", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop: Sequence[str] | str = (), timeout: float | None = None,
-                      **options: Any) -> list[Answer]:
+                      sampling: SamplingParams | None = None, **options: Any) -> list[Answer]:
         """Answer every question in ``questions``; one :class:`Answer` per question, in order.
 
         ``documents`` is either one list of documents shared by every question, or one list per
@@ -301,10 +305,11 @@ class Engine:
         default) decodes all questions in one stacked prompt, one forward pass per step for every
         answer; any other mode sends the questions as concurrent requests, which the scheduler batches
         (``mode="concat"``: the independent baseline). With a ``seed``, question i samples with seed
-        ``seed + i``.
+        ``seed + i``. ``sampling``: a :class:`SamplingParams` instead of the separate settings.
         """
-        handles = self._many(questions, documents, scores, mode, max_new_tokens, temperature, top_p, seed, stop,
-                             timeout, options)
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options)
         try:
             return [answer for handle in handles for answer in handle.result()]
         except BaseException:  # one question failed: the others stop too instead of decoding for nobody
@@ -317,10 +322,11 @@ class Engine:
                              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                              stop: Sequence[str] | str = (), timeout: float | None = None,
-                             **options: Any) -> list[Answer]:
+                             sampling: SamplingParams | None = None, **options: Any) -> list[Answer]:
         """:meth:`generate_many` for async callers."""
-        handles = self._many(questions, documents, scores, mode, max_new_tokens, temperature, top_p, seed, stop,
-                             timeout, options)
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options)
         try:
             return [answer for handle in handles for answer in await handle.wait()]
         except BaseException:
@@ -329,33 +335,37 @@ class Engine:
             raise
 
     # -- chat (no documents) -------------------------------------------------------------------------
-    def _chat_request(self, messages: Sequence[dict[str, str]], max_new_tokens: int, temperature: float, top_p: float,
-                      seed: int | None, stop: Sequence[str] | str, on_token: Callable[[str], None] | None,
-                      timeout: float | None, ids: list[int] | None = None) -> RequestHandle:
+    def _chat_request(self, messages: Sequence[dict[str, str]], sampling: SamplingParams,
+                      on_token: Callable[[str], None] | None, timeout: float | None,
+                      ids: list[int] | None = None) -> RequestHandle:
         ids = conversation_ids(self.layout, messages) if ids is None else ids
-        sampler = TokenSampler(temperature, top_p, seed)
-        criteria = StopCriteria(self.loaded.eos_token_ids, max_new_tokens, stop)
-        if len(ids) + max_new_tokens > self.loaded.max_positions:
+        if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
-                f"the conversation has {len(ids)} tokens + max_new_tokens={max_new_tokens}, more than the model's "
-                f"window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        ctx = DecodeContext(self, "", [], sampler, criteria, _check_callback(on_token))
+                f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
+                f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
+        ctx = DecodeContext(self, "", [], sampling.sampler(), sampling.stop_criteria(self.loaded.eos_token_ids),
+                            _check_callback(on_token))
         ctx.timings["prompt_tokens"] = float(len(ids))
         return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream),
                             lambda job: [_answer(ctx, job.results()[0], CHAT_MODE, {})], timeout=timeout)
 
     def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-             on_token: Callable[[str], None] | None = None, timeout: float | None = None) -> Answer:
+             on_token: Callable[[str], None] | None = None, timeout: float | None = None,
+             sampling: SamplingParams | None = None) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
-        return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token,
-                                  timeout).result()[0]
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        return self._chat_request(messages, settings, on_token, timeout).result()[0]
 
     async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                    stop: Sequence[str] | str = (), timeout: float | None = None) -> Answer:
+                    stop: Sequence[str] | str = (), timeout: float | None = None,
+                    sampling: SamplingParams | None = None) -> Answer:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request)."""
-        handle = self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, None, timeout)
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
+        handle = self._chat_request(messages, settings, None, timeout)
         return (await handle.wait())[0]
 
     def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
@@ -364,12 +374,15 @@ class Engine:
 
     def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                     stop: Sequence[str] | str = (), timeout: float | None = None) -> AnswerStream:
+                     stop: Sequence[str] | str = (), timeout: float | None = None,
+                     sampling: SamplingParams | None = None) -> AnswerStream:
         """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
+        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, stop=stop)
         ids = conversation_ids(self.layout, messages)  # fail now on a bad conversation; tokenised once, here
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._chat_request(messages, max_new_tokens, temperature, top_p, seed, stop, on_token, timeout, ids)
+            return self._chat_request(messages, settings, on_token, timeout, ids)
 
         return AnswerStream(start, lambda answers: answers[0])
 
