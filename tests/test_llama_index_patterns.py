@@ -89,7 +89,7 @@ def test_llm_argument_and_settings_llm_pick_one_engine(index, engine, llm, setti
                      ContextOfExpertsChatEngine.from_index(index)._query_engine]
     assert all(item.llm is llm and item.engine is engine for item in from_settings)
     assert KVCacheWarmer().engine is engine
-    assert from_settings[0].settings["max_new_tokens"] == TOKENS  # the LLM's settings, unless overridden
+    assert from_settings[0].sampling.max_tokens == TOKENS  # the LLM's settings, unless overridden
 
 
 def test_another_settings_llm_is_not_used_silently(index, shared_tiny, monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.errors import InvalidOptionError
 
@@ -56,19 +57,19 @@ class _Request:
 
     engine: Engine
     messages: list[dict[str, str]]
-    settings: dict[str, Any]
+    sampling: SamplingParams
 
     def run(self) -> Answer:
-        return self.engine.chat(self.messages, **self.settings)
+        return self.engine.chat(self.messages, sampling=self.sampling)
 
     def stream(self) -> Iterator[str]:
-        return self.engine.stream_chat(self.messages, **self.settings)
+        return self.engine.stream_chat(self.messages, sampling=self.sampling)
 
     async def arun(self) -> Answer:
-        return await self.engine.achat(self.messages, **self.settings)
+        return await self.engine.achat(self.messages, sampling=self.sampling)
 
     def astream(self) -> AnswerStream:
-        return self.engine.astream_chat(self.messages, **self.settings)
+        return self.engine.astream_chat(self.messages, sampling=self.sampling)
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
@@ -138,11 +139,16 @@ class ExpertDecoderLLM(CustomLLM):
         if unknown:
             raise InvalidOptionError(f"ExpertDecoderLLM does not accept {', '.join(unknown)}; per-call options are: "
                                      f"{', '.join(_CALL_OPTIONS)}")
-        settings = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens),
-                    "temperature": kwargs.get("temperature", self.temperature),
-                    "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
-                    "stop": tuple(kwargs.get("stop", self.stop) or ())}
-        return _Request(engine, messages, settings)
+        return _Request(engine, messages, self.sampling_params(kwargs))
+
+    def sampling_params(self, overrides: Mapping[str, Any] | None = None) -> SamplingParams:
+        """This LLM's decoding settings as one :class:`~ctx_integrations.SamplingParams`, with ``overrides``
+        (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``; ``None`` keeps the LLM's value)."""
+        given = {name: value for name, value in (overrides or {}).items() if value is not None}
+        return SamplingParams(max_tokens=given.get("max_new_tokens", self.max_new_tokens),
+                              temperature=given.get("temperature", self.temperature),
+                              top_p=given.get("top_p", self.top_p), seed=given.get("seed", self.seed),
+                              stop=tuple(given.get("stop", self.stop) or ()))
 
     def _prompt_messages(self, prompt: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

@@ -30,6 +30,7 @@ from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.registry import resolve_mode
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.llama_index.convert import node_text, to_document
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
@@ -126,8 +127,9 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
         return self.synthesizer.mode_options
 
     @property
-    def settings(self) -> dict[str, Any]:
-        return self.synthesizer.settings
+    def sampling(self) -> SamplingParams:
+        """The decoding settings of every answer (the synthesizer's)."""
+        return self.synthesizer.sampling
 
     @property
     def streaming(self) -> bool:
@@ -245,7 +247,8 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
         if self.batch_mode is not None and not shared:
             per_question = _shared_order(per_question)
         lists = [[to_document(item) for item in nodes] for nodes in per_question]
-        return mode, per_question, lists[0] if shared else lists, {**self.settings, **self.mode_options.get(mode, {})}
+        return (mode, per_question, lists[0] if shared else lists,
+                {"sampling": self.sampling, **self.mode_options.get(mode, {})})
 
     def _responses(self, questions: list[str], answers: list[Answer],
                    per_question: list[list[NodeWithScore]]) -> list[Response]:

@@ -52,21 +52,10 @@ from ctx_integrations.llama_index.score_keeping import (
 from ctx_integrations.llama_index.scores import check_score_kind
 
 dispatcher = instrument.get_dispatcher(__name__)
-_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
 
 
 class MissingScoreWarning(UserWarning):
     """Nodes reached the decoder without a score, so they get r = 1 (no relevance prior)."""
-
-
-def decoding_settings(llm: ExpertDecoderLLM, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The decoding settings of every answer: the LLM's, with the given (non-``None``) overrides."""
-    settings = {name: getattr(llm, name) for name in _SETTINGS}
-    settings.update({name: value for name, value in overrides.items() if value is not None})
-    if not isinstance(settings["max_new_tokens"], int) or settings["max_new_tokens"] < 1:
-        raise InvalidOptionError(f"max_new_tokens must be a positive integer, got {settings['max_new_tokens']!r}")
-    settings["stop"] = tuple(settings["stop"] or ())
-    return settings
 
 
 class ContextOfExpertsSynthesizer(BaseSynthesizer):
@@ -105,8 +94,8 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
             check_options(name, options)
         self.retrieval_score_kind = check_score_kind(retrieval_score_kind)
         budget = max_tokens if max_new_tokens is None else max_new_tokens
-        self.settings = decoding_settings(llm, {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
-                                                "seed": seed, "stop": stop})
+        self.sampling = llm.sampling_params({"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
+                                             "seed": seed, "stop": stop})
         self._warned_missing_scores = False
         # explicit prompt helpers: the defaults read llm.metadata, which would load the model at construction
         super().__init__(llm=llm, callback_manager=callback_manager, prompt_helper=PromptHelper(),
@@ -177,7 +166,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         engine, documents = self.engine, [to_document(item) for item in nodes]
         payload = self._llm_payload(engine, query, documents)
         event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = engine.generate(query, documents, mode=self.mode, **self.settings, **self._options(self.mode))
+        answer = engine.generate(query, documents, mode=self.mode, sampling=self.sampling, **self._options(self.mode))
         self._end_llm_event(event_id, payload, engine, query, documents, answer)
         return answer
 
@@ -185,7 +174,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         engine, documents = self.engine, [to_document(item) for item in nodes]
         payload = self._llm_payload(engine, query, documents)
         event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = await engine.agenerate(query, documents, mode=self.mode, **self.settings,
+        answer = await engine.agenerate(query, documents, mode=self.mode, sampling=self.sampling,
                                         **self._options(self.mode))
         self._end_llm_event(event_id, payload, engine, query, documents, answer)
         return answer
@@ -203,7 +192,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         engine, documents = self.engine, [to_document(item) for item in nodes]
         payload = self._llm_payload(engine, query, documents)
         event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = yield from engine.stream(query, documents, mode=self.mode, **self.settings,
+        answer = yield from engine.stream(query, documents, mode=self.mode, sampling=self.sampling,
                                           **self._options(self.mode))
         self._end_llm_event(event_id, payload, engine, query, documents, answer)
         metadata.update(self.answer_metadata(query, answer, nodes))
@@ -212,7 +201,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         engine, documents = self.engine, [to_document(item) for item in nodes]
         payload = self._llm_payload(engine, query, documents)
         event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        stream = engine.astream(query, documents, mode=self.mode, **self.settings, **self._options(self.mode))
+        stream = engine.astream(query, documents, mode=self.mode, sampling=self.sampling, **self._options(self.mode))
         try:
             async for piece in stream:
                 yield piece
