@@ -39,6 +39,7 @@ from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.langchain.convert import (
@@ -84,7 +85,7 @@ class _Request:
     documents: list[Any] | None
     mode: str
     options: dict[str, Any]
-    settings: dict[str, Any]
+    sampling: SamplingParams
 
     @property
     def question(self) -> str:
@@ -95,24 +96,27 @@ class _Request:
 
     def run(self) -> Answer:
         if self.documents is None:
-            return self.engine.chat(self.messages, **self.settings)
-        return self.engine.generate(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
+            return self.engine.chat(self.messages, sampling=self.sampling)
+        return self.engine.generate(self.question, self.documents, mode=self.mode, sampling=self.sampling,
+                                    **self.options)
 
     def stream(self) -> Iterator[str]:
         if self.documents is None:
-            return self.engine.stream_chat(self.messages, **self.settings)
-        return self.engine.stream(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
+            return self.engine.stream_chat(self.messages, sampling=self.sampling)
+        return self.engine.stream(self.question, self.documents, mode=self.mode, sampling=self.sampling,
+                                  **self.options)
 
     async def arun(self) -> Answer:
         if self.documents is None:
-            return await self.engine.achat(self.messages, **self.settings)
-        return await self.engine.agenerate(self.question, self.documents, mode=self.mode, **self.settings,
+            return await self.engine.achat(self.messages, sampling=self.sampling)
+        return await self.engine.agenerate(self.question, self.documents, mode=self.mode, sampling=self.sampling,
                                            **self.options)
 
     def astream(self) -> AnswerStream:
         if self.documents is None:
-            return self.engine.astream_chat(self.messages, **self.settings)
-        return self.engine.astream(self.question, self.documents, mode=self.mode, **self.settings, **self.options)
+            return self.engine.astream_chat(self.messages, sampling=self.sampling)
+        return self.engine.astream(self.question, self.documents, mode=self.mode, sampling=self.sampling,
+                                   **self.options)
 
     def input_tokens(self, answer: Answer) -> int:
         if self.documents is None:
@@ -202,12 +206,12 @@ class ChatContextOfExperts(BaseChatModel):
         mode = kwargs.get("mode", self.mode)
         options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
         budget = kwargs.get("max_tokens") or kwargs.get("max_new_tokens")
-        settings = {"max_new_tokens": budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
-                    "temperature": kwargs.get("temperature", self.temperature),
-                    "top_p": kwargs.get("top_p", self.top_p), "seed": kwargs.get("seed", self.seed),
-                    "stop": tuple(stop if stop is not None else self.stop or ())}
+        sampling = SamplingParams(max_tokens=budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
+                                  temperature=kwargs.get("temperature", self.temperature),
+                                  top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed),
+                                  stop=tuple(stop if stop is not None else self.stop or ()))
         docs = None if documents is None else from_langchain_documents(documents)
-        return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, settings)
+        return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, sampling)
 
     def _warn_if_context_is_lost(self, messages: Sequence[BaseMessage]) -> None:
         """Warn once when a chained prompt mentions context but none reached the decoder as documents.

@@ -28,6 +28,7 @@ from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.chat_model import ChatContextOfExperts
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
@@ -43,7 +44,7 @@ class _Call:
     documents: list[Document]
     mode: str
     options: dict[str, Any]
-    settings: dict[str, Any]
+    sampling: SamplingParams
 
     @property
     def messages(self) -> list[BaseMessage]:
@@ -52,14 +53,14 @@ class _Call:
     @property
     def model_options(self) -> dict[str, Any]:
         """The chat model's per-call options for this request (its ``stop`` is passed separately)."""
-        settings = self.settings
+        sampling = self.sampling
         return {"documents": self.documents, "mode": self.mode, "mode_options": self.options,
-                "max_tokens": settings["max_new_tokens"], "temperature": settings["temperature"],
-                "top_p": settings["top_p"], "seed": settings["seed"]}
+                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "seed": sampling.seed}
 
     @property
     def stop(self) -> list[str]:
-        return list(self.settings["stop"])
+        return list(self.sampling.stop)
 
 
 def merge_streamed_input(chunks: Iterator[Any]) -> Any:
@@ -157,15 +158,14 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     # ----------------------------------------------------------------- resolving one call
 
-    def _settings(self, config: RunnableConfig | None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    def _settings(self, config: RunnableConfig | None) -> tuple[str, dict[str, Any], SamplingParams]:
         configurable = (config or {}).get("configurable") or {}
         mode = configurable.get("mode", self.mode)
         options = {**self.mode_options.get(mode, {}), **(configurable.get("mode_options") or {})}
         budget = configurable.get("max_tokens", configurable.get("max_new_tokens", self.max_tokens))
-        settings = {"max_new_tokens": budget,
-                    "temperature": configurable.get("temperature", self.temperature),
-                    "top_p": self.top_p, "seed": self.seed, "stop": tuple(self.stop)}
-        return mode, options, settings
+        sampling = SamplingParams(max_tokens=budget, temperature=configurable.get("temperature", self.temperature),
+                                  top_p=self.top_p, seed=self.seed, stop=tuple(self.stop))
+        return mode, options, sampling
 
     def _question(self, input: Any) -> tuple[str, Any]:
         """The question and the given documents (``None``: retrieve them)."""
@@ -185,8 +185,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
                                    "'documents': [...]} or build the runnable with retriever=...")
 
     def _call(self, question: str, documents: Any, config: RunnableConfig | None) -> _Call:
-        mode, options, settings = self._settings(config)
-        return _Call(question, from_langchain_documents(documents), mode, options, settings)
+        mode, options, sampling = self._settings(config)
+        return _Call(question, from_langchain_documents(documents), mode, options, sampling)
 
     def _resolve(self, input: Any, config: RunnableConfig | None) -> _Call:
         question, documents = self._question(input)
@@ -306,7 +306,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
         options = self.mode_options.get(self.batch_mode, {})
         answers = engine.generate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,
-                                       **calls[0].settings, **options)
+                                       sampling=calls[0].sampling, **options)
         return [self._output(engine, c, a) for c, a in zip(calls, answers)]
 
     def _batch_shared(self, inputs: list[Any], run_manager: list[CallbackManagerForChainRun],
@@ -319,7 +319,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
         options = self.mode_options.get(self.batch_mode, {})
         answers = await engine.agenerate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,
-                                              **calls[0].settings, **options)
+                                              sampling=calls[0].sampling, **options)
         return [self._output(engine, c, a) for c, a in zip(calls, answers)]
 
     def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
