@@ -269,7 +269,7 @@ class _Server:
 def _engine_job(query: str, documents: list[dict[str, Any]], mode: str, options: dict[str, Any],
                 sampling: Any) -> dict[str, Any]:
     return {"query": query, "documents": documents, "mode": mode, "options": dict(options),
-            "sampling": sampling.engine_kwargs(), "timeout": sampling.timeout}
+            "sampling": sampling.sampling_fields(), "timeout": sampling.timeout}
 
 
 def _finish_reason(answer: dict[str, Any]) -> str:
@@ -380,7 +380,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             documents = shared if shared is not None else list(per_query)
         mode = body.mode or ("ippd" if shared is not None else "pced")
         job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
-               "sampling": body.engine_kwargs(), "timeout": body.timeout}
+               "sampling": body.sampling_fields(), "timeout": body.timeout}
 
         async def work() -> dict[str, Any]:
             answers = await server.backend.batch(job)
@@ -403,7 +403,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
             documents = await server.retrieve(query, body.ctx.top_k, field="ctx.store")
             job = _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
         else:
-            job = {"messages": body.conversation(), "sampling": sampling.engine_kwargs(), "timeout": None}
+            job = {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None}
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = body.model or server.model_name
 

@@ -6,7 +6,8 @@ plain-dict *jobs* (documents already inline, so a router can see them) and gets 
 app front a Ray Serve deployment (:mod:`ctx_integrations.serve.ray_app`).
 
 A job: ``{"query", "documents": [{"text", "id", "score", "scores", "metadata"}], "mode", "options",
-"sampling": {max_new_tokens, temperature, top_p, seed, stop}, "timeout"}``; a chat job has
+"sampling": {max_tokens, temperature, top_p, seed, stop}, "timeout"}`` (``"sampling"``: the fields of
+:class:`~ctx_integrations.SamplingParams`); a chat job has
 ``"messages"`` instead of query/documents/mode; a batch job has ``"queries"`` and ``"documents"``
 (shared list, or one list per query).
 
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from ctx_integrations.adapters import prompt_tokens
+from ctx_integrations.engine.core.sampling import SamplingParams
 
 
 class Backend(Protocol):
@@ -44,6 +46,10 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
+def _sampling(job: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{**job["sampling"], "stop": tuple(job["sampling"]["stop"])})
+
+
 class LocalBackend:
     """One :class:`~ctx_integrations.Engine` in this process, shared by every request (its scheduler batches them)."""
 
@@ -52,8 +58,8 @@ class LocalBackend:
 
     def _open(self, job: dict[str, Any]) -> Any:
         if "messages" in job:
-            return self.engine.astream_chat(job["messages"], **job["sampling"], timeout=job.get("timeout"))
-        return self.engine.astream(job["query"], job["documents"], mode=job["mode"], **job["sampling"],
+            return self.engine.astream_chat(job["messages"], sampling=_sampling(job), timeout=job.get("timeout"))
+        return self.engine.astream(job["query"], job["documents"], mode=job["mode"], sampling=_sampling(job),
                                    timeout=job.get("timeout"), **job["options"])
 
     def _with_prompt_tokens(self, question: str, answer: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +91,8 @@ class LocalBackend:
 
     async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
-                                                   **job["sampling"], timeout=job.get("timeout"), **job["options"])
+                                                   sampling=_sampling(job), timeout=job.get("timeout"),
+                                                   **job["options"])
         return await asyncio.to_thread(lambda: [self._with_prompt_tokens(q, a.to_dict())
                                                 for q, a in zip(job["queries"], answers)])
 

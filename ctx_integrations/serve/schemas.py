@@ -131,9 +131,11 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
     timeout: float | None = Field(default=None, gt=0.0, description="seconds; past it the request is cancelled")
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop": tuple(self.stop)}
+    def sampling_fields(self) -> dict[str, Any]:
+        """A job's ``"sampling"``: the fields of :class:`~ctx_integrations.SamplingParams` as a plain dict (it
+        crosses to a Ray replica unchanged); the backend builds the object from it."""
+        return {"max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed, "stop": list(self.stop)}
 
 
 class AnswerRequest(Sampling):
