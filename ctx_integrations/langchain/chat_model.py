@@ -209,7 +209,7 @@ class ChatContextOfExperts(BaseChatModel):
         sampling = SamplingParams(max_tokens=budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
                                   temperature=kwargs.get("temperature", self.temperature),
                                   top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed),
-                                  stop=tuple(stop if stop is not None else self.stop or ()))
+                                  stop=stop if stop is not None else self.stop)
         docs = None if documents is None else from_langchain_documents(documents)
         return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, sampling)
 

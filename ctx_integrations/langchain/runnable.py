@@ -164,7 +164,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         options = {**self.mode_options.get(mode, {}), **(configurable.get("mode_options") or {})}
         budget = configurable.get("max_tokens", configurable.get("max_new_tokens", self.max_tokens))
         sampling = SamplingParams(max_tokens=budget, temperature=configurable.get("temperature", self.temperature),
-                                  top_p=self.top_p, seed=self.seed, stop=tuple(self.stop))
+                                  top_p=self.top_p, seed=self.seed, stop=self.stop)
         return mode, options, sampling
 
     def _question(self, input: Any) -> tuple[str, Any]:

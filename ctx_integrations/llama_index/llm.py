@@ -148,7 +148,7 @@ class ExpertDecoderLLM(CustomLLM):
         return SamplingParams(max_tokens=given.get("max_new_tokens", self.max_new_tokens),
                               temperature=given.get("temperature", self.temperature),
                               top_p=given.get("top_p", self.top_p), seed=given.get("seed", self.seed),
-                              stop=tuple(given.get("stop", self.stop) or ()))
+                              stop=given.get("stop", self.stop))
 
     def _prompt_messages(self, prompt: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

@@ -47,7 +47,7 @@ class Backend(Protocol):
 
 
 def _sampling(job: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**{**job["sampling"], "stop": tuple(job["sampling"]["stop"])})
+    return SamplingParams(**job["sampling"])
 
 
 class LocalBackend:

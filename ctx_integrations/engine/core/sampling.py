@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
+from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler, as_stop_strings, sampling_knobs
 from ctx_integrations.engine.core.validation import whole_number
 from ctx_integrations.errors import InvalidOptionError
 
@@ -28,13 +28,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        whole_number("max_tokens (max_new_tokens)", self.max_tokens, minimum=1)
-        criteria = StopCriteria(frozenset(), self.max_tokens, self.stop)  # normalises stop (and checks it)
-        sampler = TokenSampler(self.temperature, self.top_p, self.seed)  # checks temperature, top_p and seed
-        object.__setattr__(self, "max_tokens", criteria.max_new_tokens)
-        object.__setattr__(self, "stop", tuple(criteria.stop_strings))
-        object.__setattr__(self, "temperature", sampler.temperature)
-        object.__setattr__(self, "top_p", sampler.top_p)
+        temperature, top_p, seed = sampling_knobs(self.temperature, self.top_p, self.seed)
+        object.__setattr__(self, "max_tokens", whole_number("max_tokens (max_new_tokens)", self.max_tokens, minimum=1))
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop", as_stop_strings(self.stop))
 
     @classmethod
     def resolve(cls, sampling: SamplingParams | None, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -42,12 +41,12 @@ class SamplingParams:
                 stop: Sequence[str] | str = ()) -> SamplingParams:
         """``sampling`` if given (then the separate arguments must be left at their defaults), else the
         separate arguments as one object: what every public method with both spellings calls."""
-        separate = cls(max_new_tokens, temperature, top_p, seed, () if stop is None else stop)  # type: ignore[arg-type]
+        separate = cls(max_new_tokens, temperature, top_p, seed, stop)  # type: ignore[arg-type]
         if sampling is None:
             return separate
         if not isinstance(sampling, cls):
             raise InvalidOptionError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if separate != cls():
+        if separate != DEFAULT_SAMPLING:
             raise InvalidOptionError("give the decoding settings either as sampling=SamplingParams(...) or as "
                                      "separate arguments (max_new_tokens, temperature, top_p, seed, stop), not both")
         return sampling
@@ -58,3 +57,6 @@ class SamplingParams:
 
     def stop_criteria(self, eos_token_ids: frozenset[int]) -> StopCriteria:
         return StopCriteria(eos_token_ids, self.max_tokens, self.stop)
+
+
+DEFAULT_SAMPLING = SamplingParams()

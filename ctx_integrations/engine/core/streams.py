@@ -104,17 +104,38 @@ def check_finite_scores(best: float) -> None:
             "the defaults, or a model in float32")
 
 
+def sampling_knobs(temperature: float, top_p: float, seed: int | None) -> tuple[float, float, int | None]:
+    """Check temperature, top_p and seed (typed errors naming the argument); return them normalised."""
+    from ctx_integrations.engine.core.validation import optional_whole_number, real_number
+
+    temperature = real_number("temperature", temperature, minimum=0.0, hint=" (0 = greedy)")
+    if 0 < temperature < 1e-4:  # scores / temperature would overflow to inf, and softmax give NaN
+        raise InvalidOptionError(f"temperature must be 0 (greedy) or >= 1e-4, got {temperature}")
+    top_p = real_number("top_p", top_p, minimum=0.0, maximum=1.0, min_inclusive=False)
+    seed = optional_whole_number("seed", seed, minimum=0, maximum=2**64 - 1, hint=" (None = a fresh random seed)")
+    return temperature, top_p, seed
+
+
+def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
+    """A stop string, a list of them or None, as a tuple of strings (anything else: ``InvalidOptionError``)."""
+    if isinstance(value, str):
+        return (value,)
+    if value is None:
+        return ()
+    try:
+        strings = tuple(value)
+    except TypeError:
+        raise InvalidOptionError(f"stop must be a string or a list of strings, got {value!r}") from None
+    if not all(isinstance(s, str) for s in strings):
+        raise InvalidOptionError(f"stop must be a string or a list of strings, got {strings!r}")
+    return strings
+
+
 class TokenSampler:
     """Greedy (temperature 0) or temperature + nucleus sampling with its own seeded generator."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-        from ctx_integrations.engine.core.validation import optional_whole_number, real_number
-
-        temperature = real_number("temperature", temperature, minimum=0.0, hint=" (0 = greedy)")
-        if 0 < temperature < 1e-4:  # scores / temperature would overflow to inf, and softmax give NaN
-            raise InvalidOptionError(f"temperature must be 0 (greedy) or >= 1e-4, got {temperature}")
-        top_p = real_number("top_p", top_p, minimum=0.0, maximum=1.0, min_inclusive=False)
-        seed = optional_whole_number("seed", seed, minimum=0, maximum=2**64 - 1, hint=" (None = a fresh random seed)")
+        temperature, top_p, seed = sampling_knobs(temperature, top_p, seed)
         self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator()
         if seed is not None:
@@ -167,16 +188,7 @@ class StopCriteria:
         from ctx_integrations.engine.core.validation import whole_number
 
         self.max_new_tokens = whole_number("max_new_tokens", self.max_new_tokens, minimum=1)
-        if isinstance(self.stop_strings, str):
-            self.stop_strings = (self.stop_strings,)
-        if self.stop_strings is None:
-            self.stop_strings = ()
-        try:
-            self.stop_strings = tuple(self.stop_strings)
-        except TypeError:
-            raise InvalidOptionError(f"stop must be a string or a list of strings, got {self.stop_strings!r}") from None
-        if not all(isinstance(s, str) for s in self.stop_strings):
-            raise InvalidOptionError(f"stop must be a string or a list of strings, got {self.stop_strings!r}")
+        self.stop_strings = as_stop_strings(self.stop_strings)
 
     def cut(self, text: str) -> tuple[str, bool]:
         """Return the text up to the first stop string and whether one was found."""

@@ -133,8 +133,7 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
     aggregation: "max" (token-level expert switching, default), "mixture" or "product".
     switch: "token" (the paper's rule) or "word" (our variant: the expert that began a word finishes it).
     """
-    choice("switch", switch, SWITCHES)
-    pieces = ctx.engine.loaded.word_pieces if switch == "word" else None
+    pieces = ctx.engine.loaded.word_pieces if switch == "word" else None  # PCEDFusion checks switch
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation, switch=switch, word_pieces=pieces)
     ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens([d.text for d in ctx.documents]), "PCED's streams")
