@@ -343,16 +343,16 @@ def test_a_job_that_breaks_while_being_admitted_fails_alone(engine, monkeypatch)
 
 
 def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_goes_on(engine, monkeypatch):
-    decode = scheduler_module.Scheduler._decode
+    consume = scheduler_module.Scheduler._consume
     calls = []
 
-    def decode_once_broken(self):
+    def consume_once_broken(self, output, joining):
         calls.append(1)
         if len(calls) == 2:  # the first decode step after both requests were admitted
             raise RuntimeError("the step broke")
-        decode(self)
+        consume(self, output, joining)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_decode", decode_once_broken)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_consume", consume_once_broken)
 
     async def run():
         return await asyncio.wait_for(asyncio.gather(

@@ -59,6 +59,13 @@ TARGETS = {
     # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
     "rows": Target("ctx_integrations/engine/core/rows.py", ("x_visible*", "x_visibility__*", "xǁRowPoolǁ*", "x__pad*"),
                    ("tests/test_rows.py", "-k", "not flex")),
+    # the scheduler's decisions (admission by bytes, the row table, retirement), driven by a fake runner
+    "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
+    "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
+                        ("xǁSchedulerǁ_plan*", "xǁSchedulerǁ_build*", "xǁSchedulerǁ_take_ready*",
+                         "xǁSchedulerǁ_reserved*", "xǁSchedulerǁ_retire*", "xǁSchedulerǁ_consume*",
+                         "xǁSchedulerǁ_waiting*", "xǁSchedulerǁ_step*", "xǁSchedulerǁ_count*"),
+                        ("tests/test_scheduler_core.py",)),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",
                         ("x_check_rule*", "x_nucleus_mask*", "x_nucleus_logprobs*", "x_nucleus_entropy*",
                          "x_paper_contrast*", "x_paper_fusion*", "x_truncated_entropy*", "x_contrast_chunks*",

@@ -116,6 +116,10 @@ class Engine:
     takes the entries the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on
     CPU). ``max_request_bytes``: the most KV one request may allocate, checked
     before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
+    ``max_batch_bytes``: the KV bytes all running requests of the model may reserve together (prompt +
+    ``max_new_tokens``, all their streams); a request that does not fit waits in the queue until running
+    ones finish (``None``: half the host's RAM on CPU, half the GPU's memory on CUDA; engines on one model
+    share it).
     ``max_queued_requests``: requests waiting for admission beyond this are refused with
     :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
     per-request timeout (``None``: none); ``timeout=`` on a call overrides it. ``attention_kernel``: the
@@ -129,7 +133,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
                  half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int | None = None,
                  host_bytes: int | None = None,
-                 max_request_bytes: int | None = None,
+                 max_request_bytes: int | None = None, max_batch_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
                  context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto"):
@@ -144,7 +148,8 @@ class Engine:
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
-        self.scheduler = scheduler_for(loaded, attention_kernel)
+        self.scheduler = scheduler_for(loaded, attention_kernel,
+                                       optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1))
         self._closed = False
 
     @classmethod
@@ -165,19 +170,19 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
     def _submission(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
-                    prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> Submission:
+                    prefetch: Callable[[], None] | None = None) -> Submission:
         if self._closed:
             raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
         timeout = _check_timeout(timeout) if timeout is not None else self.request_timeout_s
-        submission = Submission(plan, finish, self, prefetch=prefetch, rows_hint=rows_hint)
+        submission = Submission(plan, finish, self, prefetch=prefetch)
         if timeout is not None:
             submission.deadline = submission.submitted + timeout
         return submission
 
     def _submit(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
-                prefetch: Callable[[], None] | None = None, rows_hint: int = 1) -> RequestHandle:
-        return self.scheduler.submit(self._submission(plan, finish, timeout=timeout, prefetch=prefetch,
-                                                      rows_hint=rows_hint), self.max_queued_requests)
+                prefetch: Callable[[], None] | None = None) -> RequestHandle:
+        return self.scheduler.submit(self._submission(plan, finish, timeout=timeout, prefetch=prefetch),
+                                     self.max_queued_requests)
 
     def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
                  on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
@@ -188,7 +193,7 @@ class Engine:
                             sampling.stop_criteria(self.loaded.eos_token_ids), on_token)
         plan = (lambda: run([ctx], **options)) if answers_many(mode) else (lambda: run(ctx, **options))
         return self._submit(plan, lambda job: [_answer(ctx, job.results()[0], mode, options)], timeout=timeout,
-                            prefetch=self._prefetcher([ctx]), rows_hint=len(ctx.documents) + 1)
+                            prefetch=self._prefetcher([ctx]))
 
     def _prefetcher(self, contexts: list[DecodeContext]) -> Callable[[], None]:
         """Read the requests' document caches from disk into memory on the scheduler's loader thread."""
@@ -284,13 +289,13 @@ class Engine:
         if answers_many(mode):
             return [self._submit(lambda: run(contexts, **options),
                                  lambda job: [_answer(c, r, mode, options) for c, r in zip(contexts, job.results())],
-                                 timeout=timeout, prefetch=self._prefetcher(contexts), rows_hint=len(contexts))]
+                                 timeout=timeout, prefetch=self._prefetcher(contexts))]
         # independent requests, which the scheduler batches; queued all or nothing, so an overload refusal
         # leaves none of them running for nobody
         return self.scheduler.submit_all([
             self._submission(lambda ctx=ctx: run(ctx, **options),
                              lambda job, ctx=ctx: [_answer(ctx, job.results()[0], mode, options)],
-                             timeout=timeout, prefetch=self._prefetcher([ctx]), rows_hint=len(ctx.documents) + 1)
+                             timeout=timeout, prefetch=self._prefetcher([ctx]))
             for ctx in contexts], self.max_queued_requests)
 
     def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
@@ -416,6 +421,9 @@ class Engine:
                 "answered": scheduler.answered, "failed": scheduler.failed, "cancelled": scheduler.cancelled,
                 "timed_out": scheduler.timed_out, "steps": scheduler.steps, "forwards": scheduler.forwards,
                 "forward_s": scheduler.forward_s, "busy_s": scheduler.busy_s,
+                "step_overhead_s": max(0.0, scheduler.busy_s - scheduler.forward_s),
+                "kv_bytes": {"reserved": self.scheduler.reserved_bytes(), "budget": self.scheduler.max_batch_bytes,
+                             "peak": scheduler.peak_kv_bytes, "bytes_per_token": self.scheduler.bytes_per_token},
                 "cache": {**cache, "hits_by_tier": self.store.stats.by_tier()},
                 "bytes": {"memory": self.store.memory_used, "host": self.store.host_used,
                           "disk": self.store.disk_used()},

@@ -40,6 +40,12 @@ class Job:
     def results(self) -> list[DecodeResult]:
         raise NotImplementedError
 
+    def kv_tokens(self) -> int:
+        """The KV tokens this request may hold at once, all its rows, prompt + answer budget: what the
+        scheduler reserves before admitting it. By default what the mode declared when it checked its
+        per-request budget (:meth:`DecodeContext.check_streams`); jobs that know their rows count them."""
+        return sum(ctx.kv_tokens for ctx in self.contexts)
+
 
 class PooledJob(Job):
     """A job whose streams are rows of the scheduler's shared batched cache."""
@@ -98,6 +104,10 @@ class FusedJob(PooledJob):
 
     def rows(self) -> list[list[Piece]]:
         return [list(s.pieces) for s in self.streams]
+
+    def kv_tokens(self) -> int:
+        answer = self.ctx.stop.max_new_tokens
+        return sum(sum(p.kv.shape[3] for p in s.pieces) + len(s.prompt) + answer for s in self.streams)
 
     def runs(self) -> list[list[Run]]:
         return self._next

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,19 @@ def default_request_bytes(loaded: LoadedModel) -> int:
 
         return torch.cuda.get_device_properties(loaded.device).total_memory // 2
     return DEFAULT_CPU_REQUEST_BYTES
+
+
+def default_batch_bytes(loaded: LoadedModel) -> int:
+    """The KV bytes all running requests may reserve together when the engine sets none
+    (``Engine(max_batch_bytes=...)``): half the accelerator's memory, or half the host's RAM on CPU
+    (8 GiB where the platform does not say), and never less than one request's default budget."""
+    if loaded.device.type == "cuda":
+        return default_request_bytes(loaded)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+        ram = 16 * 1024**3
+    return max(ram // 2, DEFAULT_CPU_REQUEST_BYTES)
 
 
 @runtime_checkable
@@ -135,6 +149,7 @@ class DecodeContext:
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
     cache: CacheStats = field(default_factory=CacheStats)  # this request's own cache lookups
+    kv_tokens: int = 0  # the most KV tokens the mode declared it holds at once (check_streams)
 
     def check_window(self, prompt_tokens: int, what: str, new_tokens: int | None = None,
                      new_tokens_name: str = "max_new_tokens") -> None:
@@ -163,7 +178,9 @@ class DecodeContext:
         """
         loaded = self.engine.loaded
         budget = getattr(self.engine, "max_request_bytes", None) or default_request_bytes(loaded)
-        needed = kv_bytes_per_token(loaded) * int(tokens_per_stream) * int(streams)
+        tokens = int(tokens_per_stream) * int(streams)
+        self.kv_tokens = max(self.kv_tokens, tokens)
+        needed = kv_bytes_per_token(loaded) * tokens
         if needed > budget:
             raise RequestTooLargeError(
                 f"{what}: {streams} stream(s) of up to {tokens_per_stream} tokens need {needed / 2**20:.0f} MiB of KV "

@@ -1,27 +1,31 @@
-"""The step scheduler: one background thread owns the model and feeds it one batched forward per step.
+"""The step scheduler: one background thread owns the model and decides, at every step, what it computes.
 
 Shaped like vLLM v1's engine core, on top of transformers: requests enter a queue; a loader thread
 reads their documents' KV caches from disk into the memory tier (so disk reads overlap with the
 model's work); at every step the scheduler thread
 
-1. retires cancelled and timed-out requests (their rows leave the pool; a deadline watcher thread has
+1. retires cancelled and timed-out requests (their rows leave the batch; a deadline watcher thread has
    already failed a late request on time, even while a long step held the model),
-2. runs ONE forward over the rows of every running pooled job (PCED / Soft-NBCE experts and their
-   context-free rows, ``single`` / ``concat`` / chat sequences, IPPD stacks) and hands each job the
-   logits of its own rows, which it turns into tokens with its own per-step rule,
-3. admits waiting requests: builds their jobs (cache misses are computed here, on the model's
-   thread), prefills their uncached suffixes together in one forward of their own, and merges their
-   rows into the pool (continuous batching: requests join and leave at step boundaries),
+2. plans waiting requests (builds their jobs; cache misses are computed here, on the model's thread)
+   and admits them while the batch's KV byte budget allows: a request reserves its KV bytes (prompt +
+   ``max_new_tokens``, all its rows) when it joins and frees them when it leaves; the first one that
+   does not fit waits, and everything behind it waits too (first come, first served),
+3. hands the model runner ONE typed step (:class:`~ctx_integrations.engine.core.step.ScheduledStep`):
+   the next tokens of every running pooled row (PCED / Soft-NBCE experts and their context-free rows,
+   ``single`` / ``concat`` / chat sequences, IPPD stacks) and the joining rows with their prompts; the
+   runner runs one batched forward over the running rows and one prefill forward over the joining
+   rows, and returns per-row logits; each job turns its own rows' logits into tokens with its rule,
 4. advances each exclusive job (APE, RAPID, MapReduce) by one forward of its own,
 5. hands finished answers back to their callers.
 
-Why a new request's prefill runs in its own forward rather than inside the decode step: the pool is
-a padded batch, so a 40-token suffix in the same forward would make every decoding row take 40
-columns of padding (40x the compute and cache growth for one step); a separate forward costs each
-running request one step of latency, once.
+Why a new request's prefill runs in its own forward rather than inside the decode step: the batch is
+padded, so a 40-token suffix in the same forward would make every decoding row take 40 columns of
+padding (40x the compute and cache growth for one step); a separate forward costs each running
+request one step of latency, once.
 
 Exactness: each request's rows see exactly their own keys (the mask), so a greedy answer is the
-same token for token whether the request runs alone or batched (tests/test_scheduler.py).
+same token for token whether the request runs alone or batched (tests/test_scheduler.py). The
+scheduler itself never touches the model: tests/test_scheduler_core.py drives it with a fake runner.
 
 A request's own code (its ``on_token`` callback, its mode's rule) can raise anything, ``SystemExit``
 and ``GeneratorExit`` included: every call into it is guarded, so it fails that request alone (a
@@ -52,19 +56,20 @@ import torch
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
-from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
-from ctx_integrations.engine.core.rows import RowPool
+from ctx_integrations.engine.core.registry import default_batch_bytes, kv_bytes_per_token
+from ctx_integrations.engine.core.runner import ModelRunner
+from ctx_integrations.engine.core.step import RowTable, Runner, ScheduledStep, StepOutput
 from ctx_integrations.errors import (
     CallbackError,
     CtxIntegrationsError,
     EngineOverloadedError,
     InvalidOptionError,
     RequestTimeoutError,
+    RequestTooLargeError,
 )
 
 IDLE_EXIT_S = 2.0  # the scheduler thread exits after this long without work, and restarts on demand
-PACK_AT_PADDING = 0.5  # left-pack the pool when more than this share of its key columns is padding
 EXIT_NOTICE_S = 5.0  # at interpreter exit, say why the process still waits for a step after this long
 
 
@@ -78,7 +83,8 @@ class Submission:
 
     ``plan`` builds the job on the scheduler thread (it may run the model: cache misses);
     ``prefetch`` runs first on the loader thread (disk reads only); ``finish`` turns the job's
-    results into what the caller's future receives.
+    results into what the caller's future receives. ``job`` and ``kv_bytes`` (the KV bytes it
+    reserves while it runs) are set when it is planned.
     """
 
     plan: Callable[[], Job]
@@ -86,7 +92,8 @@ class Submission:
     owner: object
     prefetch: Callable[[], None] | None = None
     deadline: float | None = None
-    rows_hint: int = 1
+    job: Job | None = None
+    kv_bytes: int = 0
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -161,6 +168,8 @@ class SchedulerStats:
     forward_s: float = 0.0
     busy_s: float = 0.0
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
+    peak_kv_bytes: int = 0  # most KV bytes the running requests had reserved at once
+    held: int = 0  # times the request at the head of the queue waited for KV bytes to free up
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
@@ -200,26 +209,29 @@ def _timeout_error(submission: Submission) -> RequestTimeoutError:
 
 
 class Scheduler:
-    """The owner of one model: a queue, a loader thread, and the step loop on its own thread."""
+    """The owner of one model: a queue, a loader thread, and the step loop on its own thread.
 
-    def __init__(self, loaded: LoadedModel, attention_kernel: str, max_rows: int = 1024):
-        # weak: the engines (and the requests in flight) keep the model alive, not its scheduler
-        self._loaded, self.max_rows = weakref.ref(loaded), max_rows
-        self.attention_kernel = attention_kernel  # the row pool's, resolved by scheduler_for: "eager" or "flex"
+    ``runner`` computes the steps (:class:`~ctx_integrations.engine.core.runner.ModelRunner`, or a fake
+    in tests); ``bytes_per_token`` is the model's KV bytes per token (``registry.kv_bytes_per_token``);
+    ``max_batch_bytes`` the KV bytes the running requests may reserve together.
+    """
+
+    def __init__(self, runner: Runner, bytes_per_token: int, max_batch_bytes: int, attention_kernel: str = "eager"):
+        self.runner, self.bytes_per_token, self.max_batch_bytes = runner, bytes_per_token, max_batch_bytes
+        self.attention_kernel = attention_kernel  # the runner's, resolved by scheduler_for: "eager" or "flex"
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._loading: list[Submission] = []  # on the loader thread
         self._ready: deque[Submission] = deque()  # prefetched, waiting for admission
-        self._pooled: list[tuple[PooledJob, Submission, int]] = []  # in pool row order, with row counts
+        self._held: Submission | None = None  # planned, waiting for KV bytes (the head of the queue)
+        self._batch: RowTable[PooledJob, Submission] = RowTable()  # the running pooled jobs, in row order
         self._exclusive: list[tuple[ExclusiveJob, Submission]] = []
-        self._pool: RowPool | None = None
         self._dropped: list[Submission] = []  # failed this step, settled when the step retires them
         self._deadlines: list[Submission] = []  # requests with a deadline, until they are over (the watcher's)
         self._thread: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-kv-loader")
-        self._pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
 
     # -- the caller's side ---------------------------------------------------------------------------
     def submit(self, submission: Submission, max_queued: int | None = None) -> RequestHandle:
@@ -232,7 +244,7 @@ class Scheduler:
         behind running for nobody."""
         with self._cond:
             owner = submissions[0].owner
-            waiting = sum(1 for s in (*self._loading, *self._ready) if s.owner is owner)
+            waiting = len(self._waiting(owner))
             if max_queued is not None and waiting + len(submissions) > max_queued:
                 many = f"these {len(submissions)} requests do not fit: " if len(submissions) > 1 else ""
                 raise EngineOverloadedError(
@@ -250,16 +262,29 @@ class Scheduler:
         with self._cond:
             self._cond.notify_all()
 
+    def _waiting(self, owner: object | None) -> list[Submission]:
+        """Requests not running yet (holding ``_cond``): loading, ready, or planned and waiting for KV bytes."""
+        held = [self._held] if self._held is not None and not self._held.over else []  # timed out: dropped next step
+        return [s for s in (*self._loading, *self._ready, *held) if owner is None or s.owner is owner]
+
     def queue_depth(self, owner: object | None = None) -> int:
         with self._cond:
-            return sum(1 for s in (*self._loading, *self._ready) if owner is None or s.owner is owner)
+            return len(self._waiting(owner))
 
     def active(self, owner: object | None = None) -> tuple[int, int]:
         """Running requests and their pooled rows (of ``owner``'s requests, or of all)."""
         with self._cond:
-            pooled = [(s, rows) for _, s, rows in self._pooled if owner is None or s.owner is owner]
+            pooled = [(s, rows) for _, s, rows in self._batch.entries if owner is None or s.owner is owner]
             exclusive = [s for _, s in self._exclusive if owner is None or s.owner is owner]
             return len(pooled) + len(exclusive), sum(rows for _, rows in pooled)
+
+    def reserved_bytes(self) -> int:
+        """The KV bytes the running requests have reserved (never more than ``max_batch_bytes``)."""
+        with self._cond:
+            return self._reserved()
+
+    def _reserved(self) -> int:
+        return sum(s.kv_bytes for _, s, _ in self._batch.entries) + sum(s.kv_bytes for _, s in self._exclusive)
 
     def _prefetch(self, submission: Submission) -> None:
         try:
@@ -309,6 +334,7 @@ class Scheduler:
             self._loading.remove(submission)
         elif submission in self._ready:
             self._ready.remove(submission)
+        # a held request stays where it is: the step loop drops it (and closes its job) at its next step
         if _settle(submission.future, error=_timeout_error(submission)):
             self.stats.timed_out += 1
 
@@ -350,7 +376,7 @@ class Scheduler:
     def _wait_for_work(self) -> list[Submission] | None:
         """The requests to admit at the next step, or None when the loop ends (stopping, or idle for a while)."""
         with self._cond:
-            while not (self._ready or self._pooled or self._exclusive) or self._stopping:
+            while not (self._ready or self._held or self._batch.entries or self._exclusive) or self._stopping:
                 if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S)
                                       and not (self._ready or self._loading)):
                     self._thread = None
@@ -364,114 +390,121 @@ class Scheduler:
         caller would wait forever. Errors of one request are caught closer to it and fail it alone.
         """
         with self._cond:
-            running = [s for _, s, _ in self._pooled] + [s for _, s in self._exclusive]
+            running = [s for _, s, _ in self._batch.entries] + [s for _, s in self._exclusive]
+            held, self._held = self._held, None
             for job, _ in self._exclusive:
                 job.close()
-            self._pooled, self._exclusive, self._pool = [], [], None
-        for submission in (*running, *admit):
+            self._batch, self._exclusive = RowTable(), []
+        self.runner.keep_rows([])
+        for submission in (*running, *admit, *([held] if held is not None else [])):
+            if isinstance(submission.job, ExclusiveJob) and submission not in running:
+                submission.job.close()
             self._fail(submission, error)
         dropped, self._dropped = self._dropped, []
         for submission in dropped:
             _settle(submission.future, error=submission.error)
 
     def _take_ready(self) -> list[Submission]:
-        """Waiting requests that fit under ``max_rows`` (one is always admitted when nothing runs)."""
-        rows = sum(r for _, _, r in self._pooled)
-        admit: list[Submission] = []
-        while self._ready:
-            hint = self._ready[0].rows_hint
-            if admit or self._pooled:
-                if rows + hint > self.max_rows:
-                    break
-            admit.append(self._ready.popleft())
-            rows += hint
+        """The requests to plan this step, in queue order: the held one first, then every ready one."""
+        admit = [self._held] if self._held is not None else []
+        self._held = None
+        admit.extend(self._ready)
+        self._ready.clear()
         return admit
 
     def _step(self, admit: list[Submission]) -> None:
         self._expire()
-        self._decode()
-        self._admit(admit)
+        joining = self._plan(admit)
+        output = self.runner.execute(ScheduledStep(
+            decode=self._batch.runs() if self._batch.entries else (),
+            joining=[row for job, _, _ in joining.entries for row in job.rows()],
+            joining_runs=joining.runs() if joining.entries else ()))
+        self._count(output)
+        self._consume(output, joining)
         for job, submission in list(self._exclusive):
             if not self._expired(submission):
                 self._guard(submission, job.step)
         self._retire()
 
-    @property
-    def loaded(self) -> LoadedModel:
-        loaded = self._loaded()
-        assert loaded is not None, "a scheduler runs only while an engine holds its model"
-        return loaded
+    def _count(self, output: StepOutput) -> None:
+        self.stats.forward_s += output.forward_s
+        self.stats.forwards += output.forwards
+        self.stats.peak_rows = max(self.stats.peak_rows, output.rows)
 
-    def _forward(self, pool: RowPool, runs: list) -> list[torch.Tensor]:
-        started = time.perf_counter()
-        logits = pool.forward(self.loaded.model, runs, self._pad_token, self.attention_kernel)
-        self.stats.forward_s += time.perf_counter() - started
-        self.stats.forwards += 1
-        self.stats.peak_rows = max(self.stats.peak_rows, pool.rows)
-        return logits
+    def _plan(self, admit: list[Submission]) -> RowTable[PooledJob, Submission]:
+        """Plan the waiting requests in order and admit them while their KV bytes fit the batch's budget.
 
-    def _decode(self) -> None:
-        """One forward over the rows of every running pooled job; each consumes its own rows' logits."""
-        if self._pool is None or not self._pooled:
-            return
-        runs = [row for job, _, _ in self._pooled for row in job.runs()]
-        try:
-            logits = self._forward(self._pool, runs)
-        except Exception as error:  # noqa: BLE001 - a failed batched forward fails every request in it
-            for _, submission, _ in self._pooled:
-                self._fail(submission, error)
-            return
-        offset = 0
-        for job, submission, rows in self._pooled:
-            if not submission.over:
-                self._guard(submission, job.consume, logits[offset:offset + rows])
-            offset += rows
-        if self._pool.padding_share() > PACK_AT_PADDING:
-            self._pool.pack()
-
-    def _admit(self, admit: list[Submission]) -> None:
-        """Build the new jobs, prefill the pooled ones together in one forward, and merge them into the pool."""
-        incoming: list[tuple[PooledJob, Submission, int]] = []
-        for submission in admit:
+        The first request that does not fit is held (planned, its bytes known) and the ones behind it go
+        back to the queue: nothing overtakes it, so a large request is never starved by small ones.
+        Exclusive jobs join the exclusive list; pooled ones are returned, to be prefilled this step.
+        """
+        joining: RowTable[PooledJob, Submission] = RowTable()
+        reserved = self._reserved()
+        for index, submission in enumerate(admit):
             if self._expired(submission):
+                if isinstance(submission.job, ExclusiveJob):
+                    submission.job.close()
                 continue
-            try:
-                job = submission.plan()
-                rows = 0 if isinstance(job, ExclusiveJob) else len(job.rows())
-            except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
-                self._fail(submission, contained(error))
+            if submission.job is None and not self._build(submission):
                 continue
+            job = submission.job
             if submission.over:  # timed out (the watcher) while its plan computed caches
                 if isinstance(job, ExclusiveJob):
                     job.close()
                 continue
+            if reserved + submission.kv_bytes > self.max_batch_bytes and (reserved or joining.entries):
+                with self._cond:
+                    self._held = submission
+                    self._ready.extendleft(reversed(admit[index + 1:]))
+                self.stats.held += 1
+                break
+            reserved += submission.kv_bytes
             if isinstance(job, ExclusiveJob):
                 with self._cond:
                     self._exclusive.append((job, submission))
             else:
-                incoming.append((job, submission, rows))
-        if not incoming:
-            return
-        loaded = self.loaded
-        shape = kv_shape(loaded.model.config)
+                joining.entries.append((job, submission, len(job.rows())))
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, reserved)
+        return joining
+
+    def _build(self, submission: Submission) -> bool:
+        """Plan the request's job and size its KV bytes; a job that cannot be built, or never fits, fails alone."""
         try:
-            pool = RowPool.build([row for job, _, _ in incoming for row in job.rows()],
-                                 (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype)
-            logits = self._forward(pool, [row for job, _, _ in incoming for row in job.runs()])
-        except Exception as error:  # noqa: BLE001 - the joint prefill failed: fail the requests it held
-            for _, submission, _ in incoming:
-                self._fail(submission, error)
-            return
-        offset = 0
-        for job, submission, rows in incoming:
-            self._guard(submission, job.consume, logits[offset:offset + rows])
-            offset += rows
-        with self._cond:
-            if self._pool is None or not self._pooled:
-                self._pool = pool
-            else:
-                self._pool.merge(pool)
-            self._pooled.extend(incoming)
+            job = submission.plan()
+            needed = job.kv_tokens() * self.bytes_per_token
+            if needed > self.max_batch_bytes:
+                if isinstance(job, ExclusiveJob):
+                    job.close()
+                raise RequestTooLargeError(
+                    f"this request needs {needed / 2**20:.1f} MiB of KV cache (its prompt and max_new_tokens, all its "
+                    f"streams), more than the {self.max_batch_bytes / 2**20:.1f} MiB all running requests may hold "
+                    "together: retrieve fewer documents (top_k), lower max_new_tokens, or raise "
+                    "Engine(max_batch_bytes=...)")
+            if not isinstance(job, ExclusiveJob):
+                job.rows()  # a mode whose rows cannot be laid out fails here, alone
+        except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
+            self._fail(submission, contained(error))
+            return False
+        submission.job, submission.kv_bytes = job, needed
+        return True
+
+    def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Submission]) -> None:
+        """Each job takes its own rows' logits; joining jobs become running ones (their rows were appended)."""
+        if output.decode_error is not None:  # a failed batched forward fails every request in it
+            for _, submission, _ in self._batch.entries:
+                self._fail(submission, output.decode_error)
+        elif output.decoded is not None:
+            for job, submission, logits in self._batch.split(output.decoded):
+                if not submission.over:
+                    self._guard(submission, job.consume, logits)
+        if output.join_error is not None:  # the joint prefill failed: fail the requests it held
+            for _, submission, _ in joining.entries:
+                self._fail(submission, output.join_error)
+        elif output.joined is not None:
+            for job, submission, logits in joining.split(output.joined):
+                self._guard(submission, job.consume, logits)
+            with self._cond:
+                self._batch.extend(joining)
 
     def _guard(self, submission: Submission, call: Callable[..., None], *args: Any) -> None:
         try:
@@ -492,7 +525,7 @@ class Scheduler:
         return submission.over
 
     def _expire(self) -> None:
-        for _, submission, _ in self._pooled:
+        for _, submission, _ in self._batch.entries:
             self._expired(submission)
         for _, submission in self._exclusive:
             self._expired(submission)
@@ -514,30 +547,18 @@ class Scheduler:
         The bookkeeping is updated before any caller is woken, so a caller that reads ``stats()`` right
         after its answer arrives no longer sees its own request running.
         """
-        keep_jobs, keep_rows, offset, finished = [], [], 0, []
-        for job, submission, rows in self._pooled:
-            if submission.over or job.done:
-                finished.append((job, submission))
-            else:
-                gone = set(job.take_finished_rows())
-                keep_jobs.append((job, submission, rows - len(gone)))
-                keep_rows.extend(offset + row for row in range(rows) if row not in gone)
-            offset += rows
-        still = []
-        for job, submission in self._exclusive:
-            if submission.over or job.done:
-                finished.append((job, submission))
-                job.close()
-            else:
-                still.append((job, submission))
         with self._cond:
-            if len(keep_rows) != sum(rows for _, _, rows in self._pooled):
-                self._pooled = keep_jobs
-                if not keep_jobs:
-                    self._pool = None
-                elif self._pool is not None:
-                    self._pool.keep_rows(keep_rows)
+            keep, finished = self._batch.retire(lambda job, submission: submission.over or job.done)
+            still = []
+            for job, submission in self._exclusive:
+                if submission.over or job.done:
+                    finished.append((job, submission))
+                    job.close()
+                else:
+                    still.append((job, submission))
             self._exclusive = still
+        if keep is not None:
+            self.runner.keep_rows(keep)
         for job, submission in finished:
             if not submission.over:
                 self._finish(job, submission)
@@ -571,18 +592,28 @@ def _stop_all() -> None:
         scheduler.stop()
 
 
-def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto") -> Scheduler:
+def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
+                  max_batch_bytes: int | None = None) -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
-    ``attention_kernel`` is the row pool's (``flex.resolve_kernel``); engines sharing a model share
-    its pool, so a second engine asking for another kernel is refused rather than silently ignored.
+    ``attention_kernel`` is the row pool's (``flex.resolve_kernel``) and ``max_batch_bytes`` the KV bytes
+    its running requests may reserve together (``None``: ``registry.default_batch_bytes`` for a new
+    scheduler, whatever the existing one has otherwise). Engines sharing a model share both,
+    so a second engine asking for other values is refused rather than silently ignored.
     """
     kernel = resolve_kernel(attention_kernel, loaded.device)
     with _SCHEDULERS_LOCK:
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
-            scheduler = _SCHEDULERS[loaded.model] = Scheduler(loaded, attention_kernel=kernel)
+            budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
+                                                              budget, attention_kernel=kernel)
             _LIVE.add(scheduler)
+        elif max_batch_bytes is not None and scheduler.max_batch_bytes != max_batch_bytes:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs with max_batch_bytes={scheduler.max_batch_bytes}, and every "
+                f"engine on one model shares it: build this engine with the same value (or none), or load the model "
+                f"again for max_batch_bytes={max_batch_bytes}")
         elif scheduler.attention_kernel != kernel:
             raise InvalidOptionError(
                 f"this model's scheduler already runs its row pool with attention_kernel="

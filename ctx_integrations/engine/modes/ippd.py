@@ -128,6 +128,10 @@ class StackedJob(PooledJob):
     def runs(self) -> list[list[Run]]:
         return [self._next[stack] for stack in self._live]
 
+    def kv_tokens(self) -> int:
+        return sum(self.prefix_len + sum(entry.kv.shape[3] for entry in stack.contexts)
+                   + sum(len(q.suffix) + q.ctx.stop.max_new_tokens for q in stack.questions) for stack in self.stacks)
+
     def consume(self, logits: list[torch.Tensor]) -> None:
         first_step = "prefill_s" not in self.contexts[0].timings
         if first_step:

@@ -1,0 +1,121 @@
+"""What passes between the scheduler and the model runner: one typed step, its output, and the row table.
+
+The scheduler decides; the runner computes. Like vLLM v1's ``SchedulerOutput`` and nano-vllm's
+``ModelRunner.run``, the scheduler hands the runner one :class:`ScheduledStep` per step (the tokens
+every running row takes, and the rows that join with their cached pieces and prompts) and gets back
+one :class:`StepOutput` (per row, the logits after each of its runs). Nothing in here touches a model,
+so the scheduler can be driven by a fake runner in tests.
+
+:class:`RowTable` is the one place that knows which rows of the batch belong to which request: the
+scheduler never walks row offsets by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from ctx_integrations.engine.core.rows import Piece, Run
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One step as the scheduler decided it.
+
+    ``decode``: per row of the running batch (in its order), the runs it takes this step (a row with
+    no run takes nothing; the runner pads it). ``joining``: per new row, its cached pieces;
+    ``joining_runs``: per new row, its first runs (the prompt's uncached suffix). Joining rows are
+    prefilled in a forward of their own and appended after the running rows (docs/scheduler.md says why).
+    """
+
+    decode: Sequence[Sequence[Run]] = ()
+    joining: Sequence[Sequence[Piece]] = ()
+    joining_runs: Sequence[Sequence[Run]] = ()
+
+
+@dataclass
+class StepOutput:
+    """What the runner returns: per row, the logits after each of its runs (``[runs, V]``, fp32).
+
+    A forward that raised leaves its logits ``None`` and its error here: a failed decode fails the
+    running requests, a failed prefill the joining ones (whose rows then never join).
+    """
+
+    decoded: list[torch.Tensor] | None = None
+    joined: list[torch.Tensor] | None = None
+    decode_error: Exception | None = None
+    join_error: Exception | None = None
+    forwards: int = 0
+    forward_s: float = 0.0
+    rows: int = 0  # the most rows one of the step's forwards carried
+
+
+class Runner(Protocol):
+    """What the scheduler needs of a model runner (:class:`~ctx_integrations.engine.core.runner.ModelRunner`,
+    or a fake in tests)."""
+
+    def execute(self, step: ScheduledStep) -> StepOutput: ...
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only these rows of the running batch (in this order); an empty list frees the batch."""
+
+
+J = TypeVar("J")
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+@dataclass
+class RowTable(Generic[J, S]):
+    """The running batch's rows in order, grouped by request: ``(job, submission, rows)`` per request.
+
+    Jobs expose ``runs()`` (per row) and ``take_finished_rows()``; the table turns them into the
+    batch's per-row lists and back, so row offsets are computed here only.
+    """
+
+    entries: list[tuple[J, S, int]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(rows for _, _, rows in self.entries)
+
+    def runs(self) -> list[list[Run]]:
+        """Every row's runs this step, in batch order."""
+        return [list(row) for job, _, _ in self.entries for row in job.runs()]
+
+    def split(self, per_row: Sequence[T]) -> Iterator[tuple[J, S, list[T]]]:
+        """Each request with its own slice of a per-row list (e.g. the step's logits)."""
+        if len(per_row) != self.rows:
+            raise AssertionError(f"{len(per_row)} rows of output for a batch of {self.rows} rows")
+        offset = 0
+        for job, submission, rows in self.entries:
+            yield job, submission, list(per_row[offset:offset + rows])
+            offset += rows
+
+    def extend(self, other: RowTable[J, S]) -> None:
+        """Append joining requests after the running ones (their rows were appended the same way)."""
+        self.entries.extend(other.entries)
+
+    def retire(self, leaves: Callable[[J, S], bool]) -> tuple[list[int] | None, list[tuple[J, S]]]:
+        """Drop the requests for which ``leaves(job, submission)`` holds, and the rows the others finished with.
+
+        Returns the batch rows to keep (``None`` when every row stays) and the requests that left.
+        """
+        kept: list[tuple[J, S, int]] = []
+        keep: list[int] = []
+        left: list[tuple[J, S]] = []
+        offset = 0
+        for job, submission, rows in self.entries:
+            if leaves(job, submission):
+                left.append((job, submission))
+            else:
+                gone = set(job.take_finished_rows())
+                kept.append((job, submission, rows - len(gone)))
+                keep.extend(offset + row for row in range(rows) if row not in gone)
+            offset += rows
+        changed = len(keep) != offset
+        self.entries = kept
+        return (keep if changed else None), left

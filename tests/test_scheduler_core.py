@@ -1,0 +1,302 @@
+"""The scheduler's decisions, without a model: a fake runner stands in for the model runner.
+
+The fake runner remembers which request each batch row belongs to (a label carried by the row's
+cached piece when it joins) and answers every row with that label, so a job that is handed another
+request's logits notices. Admission is checked against the byte budget step by step from the runner's
+log. Bugs these catch: a wrong row offset when jobs of different row counts share the batch, wrong
+rows kept after a request (or part of one) leaves, a request admitted past the KV budget, a small
+request overtaking a held large one, a held request that cannot be cancelled or timed out, a failed
+forward failing the wrong requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
+from ctx_integrations.engine.core.rows import Piece, Run
+from ctx_integrations.engine.core.scheduler import RequestCancelledError, Scheduler, Submission
+from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepOutput
+from ctx_integrations.errors import EngineOverloadedError, RequestTimeoutError, RequestTooLargeError
+
+WAIT_S = 20
+
+
+class FakeRunner:
+    """Keeps one label per batch row; answers each row's runs with ``[label, runs]`` rows of 'logits'."""
+
+    def __init__(self, fail_decode_at: int | None = None, fail_join_of: int | None = None):
+        self.labels: list[int] = []
+        self.log: list[tuple[list[int], list[int]]] = []  # per step: labels decoded, labels joining
+        self.fail_decode_at, self.fail_join_of = fail_decode_at, fail_join_of
+
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        time.sleep(0.001)  # a step takes time, so requests arrive while others run
+        out = StepOutput()
+        joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
+        self.log.append((list(self.labels) if step.decode else [], joining))
+        if step.decode:
+            assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
+            if self.fail_decode_at == len(self.log):
+                out.decode_error = RuntimeError("decode broke")
+            else:
+                out.decoded = [torch.tensor([[label, len(runs)]] * max(len(runs), 1), dtype=torch.float)
+                               for label, runs in zip(self.labels, step.decode)]
+            out.forwards += 1
+        if joining:
+            if self.fail_join_of in joining:
+                out.join_error = RuntimeError("prefill broke")
+            else:
+                out.joined = [torch.tensor([[label, len(runs)]], dtype=torch.float)
+                              for label, runs in zip(joining, step.joining_runs)]
+                self.labels.extend(joining)
+            out.forwards += 1
+        out.rows = len(self.labels)
+        return out
+
+    def keep_rows(self, keep: list[int]) -> None:
+        self.labels = [self.labels[i] for i in keep]
+
+    def steps_with(self, *labels: int) -> list[int]:
+        """Steps in which any of these labels was decoded or joined."""
+        return [i for i, (decoded, joined) in enumerate(self.log) if set(labels) & set(decoded + joined)]
+
+
+class FakeJob(PooledJob):
+    """``rows`` rows labelled ``label * 100 + row``; done after ``steps`` steps (and once ``gate`` is set).
+
+    ``drop``: {step: rows} -- rows (original indices) that finish at that step while the job goes on.
+    """
+
+    def __init__(self, label: int, rows: int = 1, steps: int = 3, kv_tokens: int = 10,
+                 gate: threading.Event | None = None, drop: dict[int, list[int]] | None = None):
+        super().__init__([])
+        self.labels = [label * 100 + row for row in range(rows)]
+        self.live = list(self.labels)
+        self.steps, self.tokens, self.gate, self.drop = steps, kv_tokens, gate, drop or {}
+        self.seen: list[list[int]] = []  # per step, the labels of the logits this job was handed
+        self._dropping: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.seen) >= self.steps and (self.gate is None or self.gate.is_set())
+
+    def rows(self) -> list[list[Piece]]:
+        return [[Piece(torch.full((1, 2, 1, 1, 1), float(label)), 0)] for label in self.labels]
+
+    def runs(self) -> list[list[Run]]:
+        return [[Run((1,), len(self.seen))] for _ in self.live]
+
+    def consume(self, logits: list[torch.Tensor]) -> None:
+        labels = [int(row[-1, 0]) for row in logits]
+        if labels != self.live:
+            raise AssertionError(f"job handed rows {labels}, its own are {self.live}")
+        self.seen.append(labels)
+        gone = [self.labels[i] for i in self.drop.get(len(self.seen), [])]
+        self._dropping = [self.live.index(label) for label in gone]
+
+    def take_finished_rows(self) -> list[int]:
+        rows, self._dropping = self._dropping, []
+        self.live = [label for i, label in enumerate(self.live) if i not in rows]
+        return rows
+
+    def kv_tokens(self) -> int:
+        return self.tokens
+
+    def results(self) -> list:
+        return []
+
+
+class FakeExclusive(ExclusiveJob):
+    def __init__(self, steps: int, kv_tokens: int, gate: threading.Event | None = None):
+        def run():
+            for _ in range(steps):
+                yield
+            while gate is not None and not gate.is_set():
+                yield
+            return []
+
+        super().__init__([], run())
+        self.tokens = kv_tokens
+
+    def kv_tokens(self) -> int:
+        return self.tokens
+
+
+def submission(job, **kwargs) -> Submission:
+    return Submission(lambda: job, lambda done: done, owner="tests", **kwargs)
+
+
+@pytest.fixture
+def scheduler():
+    made = []
+
+    def make(runner=None, budget=100, bytes_per_token=1):
+        made.append(Scheduler(runner or FakeRunner(), bytes_per_token, budget))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.perf_counter() + WAIT_S
+    while not condition():
+        assert time.perf_counter() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=10_000)
+    jobs = [FakeJob(1, rows=1, steps=2), FakeJob(2, rows=3, steps=6), FakeJob(3, rows=2, steps=3),
+            FakeJob(4, rows=4, steps=8, drop={2: [0, 2], 5: [3]}), FakeJob(5, rows=2, steps=4)]
+    handles = [sched.submit(submission(job)) for job in jobs[:3]]
+    wait_until(lambda: any(joined for _, joined in runner.log), "the first requests to join")
+    handles += [sched.submit(submission(job)) for job in jobs[3:]]  # join a running batch
+    for handle, job in zip(handles, jobs):
+        assert handle.future.result(timeout=WAIT_S) is job
+        assert len(job.seen) == job.steps
+    four = jobs[3].seen  # rows 400 and 402 left after step 2, row 403 after step 5; the rest went on
+    assert four[0] == four[1] == [400, 401, 402, 403] and four[2] == [401, 403] and four[5] == [401]
+    assert runner.labels == [] and sched.active() == (0, 0)
+    assert sched.stats.peak_rows >= 5  # the batch did hold several requests at once
+
+
+def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
+    runner, gate = FakeRunner(), threading.Event()
+    sched = scheduler(runner, budget=100)
+    first = sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    second = sched.submit(submission(FakeJob(2, kv_tokens=60)))
+    wait_until(lambda: sched.stats.held >= 1, "the second request to wait for bytes")
+    assert sched.queue_depth() == 1 and sched.reserved_bytes() == 60 and sched.active()[0] == 1
+    gate.set()
+    first.future.result(timeout=WAIT_S)
+    second.future.result(timeout=WAIT_S)
+    assert max(runner.steps_with(100)) < min(runner.steps_with(200))  # never in the batch together
+    assert sched.stats.peak_kv_bytes == 60 and sched.reserved_bytes() == 0
+
+
+def test_requests_that_fit_together_run_together(scheduler):
+    runner, gate = FakeRunner(), threading.Event()
+    sched = scheduler(runner, budget=100)
+    first = sched.submit(submission(FakeJob(1, kv_tokens=50, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    second = sched.submit(submission(FakeJob(2, kv_tokens=50)))
+    second.future.result(timeout=WAIT_S)  # answered while the first still runs: 50 + 50 fits 100
+    assert not first.future.done() and sched.stats.held == 0 and sched.stats.peak_kv_bytes == 100
+    gate.set()
+    first.future.result(timeout=WAIT_S)
+
+
+def test_a_small_request_does_not_overtake_a_held_one(scheduler):
+    runner, gate = FakeRunner(), threading.Event()
+    sched = scheduler(runner, budget=100)
+    sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    held = sched.submit(submission(FakeJob(2, kv_tokens=60)))
+    wait_until(lambda: sched.stats.held >= 1, "the second request to wait")
+    small = sched.submit(submission(FakeJob(3, kv_tokens=10)))  # would fit now, but waits its turn
+    time.sleep(0.05)
+    assert not small.future.done() and sched.queue_depth() == 2
+    gate.set()
+    held.future.result(timeout=WAIT_S)
+    small.future.result(timeout=WAIT_S)
+    assert min(runner.steps_with(300)) >= min(runner.steps_with(200))
+
+
+def test_a_request_larger_than_the_whole_budget_fails_with_a_typed_error(scheduler):
+    sched = scheduler(budget=100)
+    big = sched.submit(submission(FakeJob(1, kv_tokens=101)))
+    with pytest.raises(RequestTooLargeError, match=r"max_batch_bytes"):
+        big.future.result(timeout=WAIT_S)
+    assert sched.submit(submission(FakeJob(2, kv_tokens=100))).future.result(timeout=WAIT_S).steps == 3
+
+
+def test_bytes_are_tokens_times_the_models_bytes_per_token(scheduler):
+    sched = scheduler(budget=100, bytes_per_token=4)
+    with pytest.raises(RequestTooLargeError):
+        sched.submit(submission(FakeJob(1, kv_tokens=26))).future.result(timeout=WAIT_S)  # 104 bytes
+    sched.submit(submission(FakeJob(2, kv_tokens=25))).future.result(timeout=WAIT_S)  # 100 bytes
+
+
+def test_the_queue_limit_counts_a_held_request(scheduler):
+    gate = threading.Event()
+    sched = scheduler(budget=100)
+    sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    sched.submit(submission(FakeJob(2, kv_tokens=60)), max_queued=1)
+    wait_until(lambda: sched.stats.held >= 1, "the second request to wait")
+    with pytest.raises(EngineOverloadedError):
+        sched.submit(submission(FakeJob(3, kv_tokens=1)), max_queued=1)
+    gate.set()
+
+
+def test_a_held_request_can_be_cancelled_or_time_out(scheduler):
+    runner, gate = FakeRunner(), threading.Event()
+    sched = scheduler(runner, budget=100)
+    first = sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    cancelled = sched.submit(submission(FakeJob(2, kv_tokens=60)))
+    wait_until(lambda: sched.stats.held >= 1, "the request to wait")
+    cancelled.cancel()
+    with pytest.raises(RequestCancelledError):
+        cancelled.future.result(timeout=WAIT_S)
+    late = submission(FakeJob(3, kv_tokens=60))
+    late.deadline = late.submitted + 0.2
+    late_handle = sched.submit(late)
+    with pytest.raises(RequestTimeoutError):
+        late_handle.future.result(timeout=WAIT_S)
+    gate.set()
+    first.future.result(timeout=WAIT_S)
+    assert runner.steps_with(200, 300) == [] and sched.queue_depth() == 0
+
+
+def test_an_exclusive_job_reserves_its_bytes_too(scheduler):
+    runner, gate = FakeRunner(), threading.Event()
+    sched = scheduler(runner, budget=100)
+    exclusive = sched.submit(submission(FakeExclusive(steps=2, kv_tokens=70, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the exclusive request to run")
+    pooled = sched.submit(submission(FakeJob(2, kv_tokens=40)))
+    wait_until(lambda: sched.stats.held >= 1, "the pooled request to wait")
+    assert runner.steps_with(200) == []
+    gate.set()
+    exclusive.future.result(timeout=WAIT_S)
+    pooled.future.result(timeout=WAIT_S)
+
+
+def test_a_failed_decode_fails_the_running_requests_and_a_failed_prefill_only_the_joining(scheduler):
+    runner = FakeRunner(fail_join_of=300)
+    sched = scheduler(runner, budget=10_000)
+    gate = threading.Event()
+    running = sched.submit(submission(FakeJob(1, steps=2, gate=gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    broken = sched.submit(submission(FakeJob(3)))
+    with pytest.raises(RuntimeError, match="prefill broke"):
+        broken.future.result(timeout=WAIT_S)
+    assert 300 not in runner.labels and not running.future.done()  # the joiner's rows never joined
+    runner.fail_decode_at = len(runner.log) + 1
+    with pytest.raises(RuntimeError, match="decode broke"):
+        running.future.result(timeout=WAIT_S)
+    assert runner.labels == []
+    assert sched.submit(submission(FakeJob(4))).future.result(timeout=WAIT_S).steps == 3  # serving goes on
+
+
+def test_the_row_table_maps_rows_to_requests():
+    table = RowTable()
+    a, b = FakeJob(1, rows=2), FakeJob(2, rows=3, drop={1: [1]})
+    table.entries += [(a, "a", 2), (b, "b", 3)]
+    assert [(s, rows) for _, s, rows in table.split(["a0", "a1", "b0", "b1", "b2"])] == [
+        ("a", ["a0", "a1"]), ("b", ["b0", "b1", "b2"])]
+    with pytest.raises(AssertionError, match="4 rows of output for a batch of 5"):
+        list(table.split([0, 1, 2, 3]))
+    assert table.retire(lambda job, s: False) == (None, [])  # nobody leaves: keep everything as it is
+    b.consume([torch.tensor([[label, 1.0]]) for label in (200, 201, 202)])  # row 201 finishes
+    keep, left = table.retire(lambda job, s: s == "a")
+    assert keep == [2, 4] and left == [(a, "a")] and table.entries == [(b, "b", 2)]
