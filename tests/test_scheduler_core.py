@@ -151,6 +151,22 @@ def wait_until(condition, what: str) -> None:
         time.sleep(0.002)
 
 
+def start_gated(sched: Scheduler, label: int, kv_tokens: int, **kwargs):
+    """Run a request that stays until its gate is set; returns (handle, gate) once it runs."""
+    gate = threading.Event()
+    handle = sched.submit(submission(FakeJob(label, kv_tokens=kv_tokens, gate=gate), **kwargs))
+    wait_until(lambda: sched.active()[0] >= 1, "the gated request to run")
+    return handle, gate
+
+
+def submit_held(sched: Scheduler, job, max_queued: int | None = None):
+    """Submit a request that does not fit beside the running ones; returns its handle once it is held."""
+    held_before = sched.stats.held
+    handle = sched.submit(submission(job), max_queued=max_queued)
+    wait_until(lambda: sched.stats.held > held_before, "the request to wait for KV bytes")
+    return handle
+
+
 def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=10_000)
@@ -169,12 +185,10 @@ def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler
 
 
 def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
-    runner, gate = FakeRunner(), threading.Event()
+    runner = FakeRunner()
     sched = scheduler(runner, budget=100)
-    first = sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
-    second = sched.submit(submission(FakeJob(2, kv_tokens=60)))
-    wait_until(lambda: sched.stats.held >= 1, "the second request to wait for bytes")
+    first, gate = start_gated(sched, 1, 60)
+    second = submit_held(sched, FakeJob(2, kv_tokens=60))
     assert sched.queue_depth() == 1 and sched.reserved_bytes() == 60 and sched.active()[0] == 1
     gate.set()
     first.future.result(timeout=WAIT_S)
@@ -184,10 +198,8 @@ def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
 
 
 def test_requests_that_fit_together_run_together(scheduler):
-    runner, gate = FakeRunner(), threading.Event()
-    sched = scheduler(runner, budget=100)
-    first = sched.submit(submission(FakeJob(1, kv_tokens=50, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    sched = scheduler(budget=100)
+    first, gate = start_gated(sched, 1, 50)
     second = sched.submit(submission(FakeJob(2, kv_tokens=50)))
     second.future.result(timeout=WAIT_S)  # answered while the first still runs: 50 + 50 fits 100
     assert not first.future.done() and sched.stats.held == 0 and sched.stats.peak_kv_bytes == 100
@@ -196,12 +208,10 @@ def test_requests_that_fit_together_run_together(scheduler):
 
 
 def test_a_small_request_does_not_overtake_a_held_one(scheduler):
-    runner, gate = FakeRunner(), threading.Event()
+    runner = FakeRunner()
     sched = scheduler(runner, budget=100)
-    sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
-    held = sched.submit(submission(FakeJob(2, kv_tokens=60)))
-    wait_until(lambda: sched.stats.held >= 1, "the second request to wait")
+    _, gate = start_gated(sched, 1, 60)
+    held = submit_held(sched, FakeJob(2, kv_tokens=60))
     small = sched.submit(submission(FakeJob(3, kv_tokens=10)))  # would fit now, but waits its turn
     time.sleep(0.05)
     assert not small.future.done() and sched.queue_depth() == 2
@@ -227,24 +237,19 @@ def test_bytes_are_tokens_times_the_models_bytes_per_token(scheduler):
 
 
 def test_the_queue_limit_counts_a_held_request(scheduler):
-    gate = threading.Event()
     sched = scheduler(budget=100)
-    sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
-    sched.submit(submission(FakeJob(2, kv_tokens=60)), max_queued=1)
-    wait_until(lambda: sched.stats.held >= 1, "the second request to wait")
+    _, gate = start_gated(sched, 1, 60)
+    submit_held(sched, FakeJob(2, kv_tokens=60), max_queued=1)
     with pytest.raises(EngineOverloadedError):
         sched.submit(submission(FakeJob(3, kv_tokens=1)), max_queued=1)
     gate.set()
 
 
 def test_a_held_request_can_be_cancelled_or_time_out(scheduler):
-    runner, gate = FakeRunner(), threading.Event()
+    runner = FakeRunner()
     sched = scheduler(runner, budget=100)
-    first = sched.submit(submission(FakeJob(1, kv_tokens=60, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
-    cancelled = sched.submit(submission(FakeJob(2, kv_tokens=60)))
-    wait_until(lambda: sched.stats.held >= 1, "the request to wait")
+    first, gate = start_gated(sched, 1, 60)
+    cancelled = submit_held(sched, FakeJob(2, kv_tokens=60))
     cancelled.cancel()
     with pytest.raises(RequestCancelledError):
         cancelled.future.result(timeout=WAIT_S)
@@ -263,8 +268,7 @@ def test_an_exclusive_job_reserves_its_bytes_too(scheduler):
     sched = scheduler(runner, budget=100)
     exclusive = sched.submit(submission(FakeExclusive(steps=2, kv_tokens=70, gate=gate)))
     wait_until(lambda: sched.active()[0] == 1, "the exclusive request to run")
-    pooled = sched.submit(submission(FakeJob(2, kv_tokens=40)))
-    wait_until(lambda: sched.stats.held >= 1, "the pooled request to wait")
+    pooled = submit_held(sched, FakeJob(2, kv_tokens=40))
     assert runner.steps_with(200) == []
     gate.set()
     exclusive.future.result(timeout=WAIT_S)
@@ -274,9 +278,7 @@ def test_an_exclusive_job_reserves_its_bytes_too(scheduler):
 def test_a_failed_decode_fails_the_running_requests_and_a_failed_prefill_only_the_joining(scheduler):
     runner = FakeRunner(fail_join_of=300)
     sched = scheduler(runner, budget=10_000)
-    gate = threading.Event()
-    running = sched.submit(submission(FakeJob(1, steps=2, gate=gate)))
-    wait_until(lambda: sched.active()[0] == 1, "the first request to run")
+    running, _ = start_gated(sched, 1, 10)
     broken = sched.submit(submission(FakeJob(3)))
     with pytest.raises(RuntimeError, match="prefill broke"):
         broken.future.result(timeout=WAIT_S)
