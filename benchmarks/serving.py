@@ -35,10 +35,13 @@ from typing import Any
 
 from benchmarks.common import print_table, write_results
 
-MIX = ("pced", "concat", "soft_nbce")
+MIXES = {"mix": ("pced", "concat", "soft_nbce"),
+         # the five methods' serving mix (issue: pced, ape, rapid, concat, ippd), one after another
+         "methods": ("pced", "ape", "rapid", "concat", "ippd")}
 COLUMNS = ("target", "corpus", "mode", "load", "requests", "answers_per_s", "ttft_p50_s", "ttft_p95_s",
            "latency_p50_s", "latency_p95_s", "tokens_per_s", "serial_answers_per_s", "speedup_vs_serial",
-           "ttft_p95_vs_serial")
+           "ttft_p95_vs_serial", "rows_per_step", "forward_share", "exclusive_share", "overhead_ms_per_step")
+STEP_COUNTERS = ("steps", "forward_s", "exclusive_s", "busy_s", "rows_stepped")
 
 
 @dataclass
@@ -83,7 +86,7 @@ def synthetic_jobs(layout: Any, n_documents: int, length: int, count: int) -> li
 
 
 def with_modes(pairs: list[tuple[str, list[Any]]], mode: str, total: int) -> list[Job]:
-    modes = MIX if mode == "mix" else (mode,)
+    modes = MIXES.get(mode, (mode,))
     return [Job(pairs[i % len(pairs)][0], pairs[i % len(pairs)][1], modes[i % len(modes)]) for i in range(total)]
 
 
@@ -182,13 +185,29 @@ def summarise(samples: list[Sample], wall_s: float) -> dict[str, float]:
             "tokens_per_s": sum(s.tokens for s in samples) / wall_s, "wall_s": wall_s}
 
 
-async def measure(send: Send, jobs: list[Job], load: tuple[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+def step_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Where the scheduler's time went during a cell, from two ``engine.stats()`` readings."""
+    delta = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    busy, steps = delta["busy_s"] or float("nan"), delta["steps"] or float("nan")
+    return {"rows_per_step": delta["rows_stepped"] / steps, "forward_share": delta["forward_s"] / busy,
+            "exclusive_share": delta["exclusive_s"] / busy,
+            "overhead_ms_per_step": 1000 * (delta["busy_s"] - delta["forward_s"] - delta["exclusive_s"]) / steps}
+
+
+async def measure(send: Send, jobs: list[Job], load: tuple[str, float],
+                  engine: Any = None) -> tuple[dict[str, float], dict[str, float]]:
+    """One cell: concurrently (with the scheduler's time split, in-process only), then one at a time."""
     kind, value = load
+    before = engine.stats() if engine is not None else None
     if kind == "clients":
         concurrent = summarise(*await closed_loop(send, jobs, int(value), serial=False))
-        serial = summarise(*await closed_loop(send, jobs, int(value), serial=True))
     else:
         concurrent = summarise(*await open_loop(send, jobs, value, serial=False))
+    if engine is not None:
+        concurrent.update(step_split(before, engine.stats()))
+    if kind == "clients":
+        serial = summarise(*await closed_loop(send, jobs, int(value), serial=True))
+    else:
         serial = summarise(*await open_loop(send, jobs, value, serial=True))
     return concurrent, serial
 
@@ -215,7 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--url", action="append", default=[],
                         help="benchmark a running server (repeatable: e.g. 1 and 2 replicas) instead of in-process")
     parser.add_argument("--corpus", default="demo,synthetic", help="demo, synthetic or both (comma-separated)")
-    parser.add_argument("--modes", default="pced,concat,mix", help="pced, concat, mix (pced/concat/soft_nbce)")
+    parser.add_argument("--modes", default="pced,concat,mix,methods",
+                        help="any mode, mix (pced/concat/soft_nbce in turn) or methods (pced/ape/rapid/concat/ippd)")
     parser.add_argument("--clients", default="1,2,4,8,16", help="closed-loop client counts")
     parser.add_argument("--rates", default="", help="open-loop Poisson rates in requests/s (e.g. 0.5,1,2)")
     parser.add_argument("--requests", type=int, default=16, help="requests per cell (default 16)")
@@ -227,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.corpus, args.modes, args.clients, args.rates = "demo,synthetic", "pced,mix", "1,2", "4"
+        args.corpus, args.modes, args.clients, args.rates = "demo,synthetic", "pced,methods", "1,2", "4"
         args.requests, args.documents, args.doc_tokens, args.max_new_tokens = 3, 2, 32, 2
     return args
 
@@ -274,7 +294,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     jobs = with_modes(pairs, mode, args.requests)
                     await send(jobs[0])  # warm-up (caches, first-call costs) outside the measurement
                     for load in loads:
-                        concurrent, serial = await measure(send, jobs, load)
+                        concurrent, serial = await measure(send, jobs, load, engine)
                         rows.append(row(target, corpus, mode, load, concurrent, serial))
                         print(f"  {target} {corpus} {mode} {rows[-1]['load']}: "
                               f"{concurrent['answers_per_s']:.2f} answers/s "

@@ -117,12 +117,17 @@ def test_llama_index_warm(tmp_path):
 def test_serving(tmp_path):
     """Every row has the same requests timed concurrently and one at a time, and consistent percentiles."""
     rows = run_benchmark("serving", ["--quick"], tmp_path)
-    assert {r["corpus"] for r in rows} == {"demo", "synthetic"} and {r["mode"] for r in rows} == {"pced", "mix"}
+    assert {r["corpus"] for r in rows} == {"demo", "synthetic"} and {r["mode"] for r in rows} == {"pced", "methods"}
     assert {r["load"] for r in rows} == {"K=1", "K=2", "4/s"}
     for r in rows:
         assert r["requests"] == 3 and r["answers_per_s"] > 0 and r["serial_answers_per_s"] > 0
         assert r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["latency_p95_s"]
         assert r["speedup_vs_serial"] == pytest.approx(r["answers_per_s"] / r["serial_answers_per_s"])
+        # the scheduler's time split over the concurrent cell: shares of its busy time, rows per step
+        assert 0 < r["forward_share"] and r["forward_share"] + r["exclusive_share"] <= 1 + 1e-9
+        assert r["overhead_ms_per_step"] >= 0 and r["rows_per_step"] > 0
+        # the methods mix (pced, ape, rapid) runs APE and RAPID as exclusive jobs; pced alone has none
+        assert (r["exclusive_share"] > 0) == (r["mode"] == "methods")
 
 
 def test_ape_search(tmp_path):

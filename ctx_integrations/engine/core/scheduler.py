@@ -165,8 +165,10 @@ class SchedulerStats:
     timed_out: int = 0
     steps: int = 0
     forwards: int = 0
-    forward_s: float = 0.0
-    busy_s: float = 0.0
+    forward_s: float = 0.0  # the runner's batched forwards (pooled jobs)
+    exclusive_s: float = 0.0  # exclusive jobs' own steps (APE, RAPID, MapReduce, warm): their forwards and rules
+    busy_s: float = 0.0  # whole steps: the above plus the scheduler's and the pooled jobs' own work
+    rows_stepped: int = 0  # rows summed over steps (divided by steps: how many rows a step carried)
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
     peak_kv_bytes: int = 0  # most KV bytes the running requests had reserved at once
     held: int = 0  # times the request at the head of the queue waited for KV bytes to free up
@@ -365,11 +367,10 @@ class Scheduler:
         while (admit := self._wait_for_work()) is not None:
             started = time.perf_counter()
             try:
-                self._step(admit)
+                self._step(admit, started)
             except BaseException as error:  # noqa: BLE001 - a bug outside any one request: fail what runs, keep serving
                 self._fail_all(admit, contained(error))
-            self.stats.busy_s += time.perf_counter() - started
-            self.stats.steps += 1
+                self._count(StepOutput(), 0.0, started)
         if not self._stopping:  # idle: give the memory a burst of requests grew back to the system
             release_freed_memory()
 
@@ -412,24 +413,31 @@ class Scheduler:
         self._ready.clear()
         return admit
 
-    def _step(self, admit: list[Submission]) -> None:
+    def _step(self, admit: list[Submission], started: float) -> None:
         self._expire()
         joining = self._plan(admit)
         output = self.runner.execute(ScheduledStep(
             decode=self._batch.runs() if self._batch.entries else (),
             joining=[row for job, _, _ in joining.entries for row in job.rows()],
             joining_runs=joining.runs() if joining.entries else ()))
-        self._count(output)
         self._consume(output, joining)
+        exclusive_started = time.perf_counter()
         for job, submission in list(self._exclusive):
             if not self._expired(submission):
                 self._guard(submission, job.step)
+        self._count(output, time.perf_counter() - exclusive_started if self._exclusive else 0.0, started)
         self._retire()
 
-    def _count(self, output: StepOutput) -> None:
+    def _count(self, output: StepOutput, exclusive_s: float, started: float) -> None:
+        """Add the step's times, all at once and before any caller is woken (``_retire``), so a reading of
+        ``stats`` never sees a step's forwards without its busy time."""
         self.stats.forward_s += output.forward_s
+        self.stats.exclusive_s += exclusive_s
+        self.stats.busy_s += time.perf_counter() - started
+        self.stats.steps += 1
         self.stats.forwards += output.forwards
         self.stats.peak_rows = max(self.stats.peak_rows, output.rows)
+        self.stats.rows_stepped += output.rows
 
     def _plan(self, admit: list[Submission]) -> RowTable[PooledJob, Submission]:
         """Plan the waiting requests in order and admit them while their KV bytes fit the batch's budget.
