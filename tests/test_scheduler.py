@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ctx_integrations import Engine, SamplingParams
 from ctx_integrations.engine.core import scheduler as scheduler_module
@@ -363,3 +364,43 @@ def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_go
     assert all(isinstance(r, RuntimeError) and "the step broke" in str(r) for r in results)
     assert engine.stats()["active_requests"] == 0 and engine.stats()["active_rows"] == 0
     assert len(engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=4).token_ids) == 4
+
+
+def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
+    # gpt-fast / nano-vllm: tokens are chosen on the device and read back in one transfer for the whole batch.
+    # Counting every tensor-to-Python read while the jobs choose their tokens: a job that read its own token
+    # (or its winner, or its score) back would add reads per job per step.
+    engine = Engine(tiny_loaded("llama", seed=3))
+    inside, reads, steps = [False], [0], [0]
+    consume = scheduler_module.Scheduler._consume
+
+    def counted_consume(self, output, joining):
+        inside[0] = True
+        steps[0] += output.decoded is not None or output.joined is not None
+        try:
+            consume(self, output, joining)
+        finally:
+            inside[0] = False
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads[0] += inside[0] and threading.current_thread().name == "ctx-scheduler"
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
+        counting(name)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_consume", counted_consume)
+
+    async def run():
+        return await asyncio.gather(
+            *(engine.agenerate(q, DOCS[:3], max_new_tokens=6) for q in ("Who is the mayor?", "Where is it?")),
+            engine.agenerate("What river?", DOCS[:2], mode="soft_nbce", max_new_tokens=6, rule="nbce_code"),
+            engine.agenerate_many(["When is the fair?", "Who is the harbour master?"], DOCS[2:4], max_new_tokens=6))
+
+    answers = asyncio.run(run())
+    assert all(len(a.token_ids) == 6 for a in answers[:3]) and steps[0] >= 6
+    assert reads[0] == steps[0]

@@ -91,8 +91,11 @@ class FakeJob(PooledJob):
     def runs(self) -> list[list[Run]]:
         return [[Run((1,), len(self.seen))] for _ in self.live]
 
-    def consume(self, logits: list[torch.Tensor]) -> None:
-        labels = [int(row[-1, 0]) for row in logits]
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([row[-1, 0] for row in logits])  # the labels of the rows it was handed
+
+    def accept(self, values: list[float]) -> None:
+        labels = [int(value) for value in values]
         if labels != self.live:
             raise AssertionError(f"job handed rows {labels}, its own are {self.live}")
         self.seen.append(labels)
@@ -299,6 +302,6 @@ def test_the_row_table_maps_rows_to_requests():
     with pytest.raises(AssertionError, match="4 rows of output for a batch of 5"):
         list(table.split([0, 1, 2, 3]))
     assert table.retire(lambda job, s: False) == (None, [])  # nobody leaves: keep everything as it is
-    b.consume([torch.tensor([[label, 1.0]]) for label in (200, 201, 202)])  # row 201 finishes
+    b.accept([200.0, 201.0, 202.0])  # row 201 finishes
     keep, left = table.retire(lambda job, s: s == "a")
     assert keep == [2, 4] and left == [(a, "a")] and table.entries == [(b, "b", 2)]

@@ -22,7 +22,14 @@ import torch
 
 from ctx_integrations.engine.core.registry import DecodeContext
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, Emitter, FusionRule, choose_token
+from ctx_integrations.engine.core.streams import (
+    FIRST_STEP,
+    DecodeResult,
+    Emitter,
+    FusionRule,
+    propose_token,
+    settle_token,
+)
 
 
 class Job:
@@ -58,8 +65,16 @@ class PooledJob(Job):
         """The tokens each row takes this step (the first step: the prompt's uncached suffix)."""
         raise NotImplementedError
 
-    def consume(self, logits: list[torch.Tensor]) -> None:
-        """Per row, the logits after each of its runs (``[runs, V]``): choose tokens, emit, decide the next runs."""
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Per row, the logits after each of its runs (``[runs, V]``): choose this step's tokens on the device.
+
+        Returns a 1-D tensor of values the scheduler reads back together with every other job's (one
+        transfer per step for the whole batch) and hands to :meth:`accept`.
+        """
+        raise NotImplementedError
+
+    def accept(self, values: list[float]) -> None:
+        """This job's proposal, read back: emit its tokens and decide the next runs."""
         raise NotImplementedError
 
     def take_finished_rows(self) -> list[int]:
@@ -97,6 +112,7 @@ class FusedJob(PooledJob):
         self._next: list[list[Run]] = [[Run(s.prompt, s.first_position)] for s in streams]
         self._positions = [s.first_position + len(s.prompt) for s in streams]
         self.state = FIRST_STEP  # what the rule knows of the steps before (its carry, the last token and winner)
+        self._carry: object = None  # the rule's carry of the step proposed, until it is accepted
 
     @property
     def done(self) -> bool:
@@ -112,11 +128,15 @@ class FusedJob(PooledJob):
     def runs(self) -> list[list[Run]]:
         return self._next
 
-    def consume(self, logits: list[torch.Tensor]) -> None:
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         if "prefill_s" not in self.ctx.timings:
             self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
-        step, self.state = choose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
-                                        self.ctx.sampler)
+        values, self._carry = propose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
+                                            self.ctx.sampler)
+        return values
+
+    def accept(self, values: list[float]) -> None:
+        step, self.state = settle_token(values, self._carry)
         if self.emitter.push(step):
             self._next = [[] for _ in self.streams]
             return

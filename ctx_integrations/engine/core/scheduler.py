@@ -497,22 +497,34 @@ class Scheduler:
         return True
 
     def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Submission]) -> None:
-        """Each job takes its own rows' logits; joining jobs become running ones (their rows were appended)."""
+        """Each job chooses its tokens from its own rows' logits on the device; all choices are read back in
+        ONE transfer for the whole batch, then each job emits its own; joining jobs become running ones."""
+        taking: list[tuple[PooledJob, Submission, list[torch.Tensor]]] = []
         if output.decode_error is not None:  # a failed batched forward fails every request in it
             for _, submission, _ in self._batch.entries:
                 self._fail(submission, output.decode_error)
         elif output.decoded is not None:
-            for job, submission, logits in self._batch.split(output.decoded):
-                if not submission.over:
-                    self._guard(submission, job.consume, logits)
+            taking.extend(entry for entry in self._batch.split(output.decoded) if not entry[1].over)
         if output.join_error is not None:  # the joint prefill failed: fail the requests it held
             for _, submission, _ in joining.entries:
                 self._fail(submission, output.join_error)
         elif output.joined is not None:
-            for job, submission, logits in joining.split(output.joined):
-                self._guard(submission, job.consume, logits)
+            taking.extend(joining.split(output.joined))
             with self._cond:
                 self._batch.extend(joining)
+        proposals = []
+        for job, submission, logits in taking:
+            try:
+                proposals.append((job, submission, job.propose(logits)))
+            except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
+                self._fail(submission, contained(error))
+        if not proposals:
+            return
+        values = torch.cat([proposal for _, _, proposal in proposals]).tolist()  # the step's one read back
+        offset = 0
+        for job, submission, proposal in proposals:
+            self._guard(submission, job.accept, values[offset:offset + proposal.numel()])
+            offset += proposal.numel()
 
     def _guard(self, submission: Submission, call: Callable[..., None], *args: Any) -> None:
         try:

@@ -144,18 +144,30 @@ class TokenSampler:
             self.generator.seed()
 
     def __call__(self, scores: torch.Tensor) -> int:
+        token, checked = self.pick(scores)
+        check_finite_scores(float(checked))
+        return int(token)
+
+    def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token (a 0-d tensor on ``scores``' device) and the score whose finiteness the caller checks
+        (:func:`check_finite_scores`) once it reads both back.
+
+        Greedy reads nothing back, so a batch of jobs can read all their tokens in one transfer. Sampling
+        reads the scores once: its seeded generator is a CPU one (the same draws on every device), and
+        NaN scores must be refused before ``multinomial`` sees them.
+        """
         if self.temperature == 0:
-            token = int(torch.argmax(scores))  # NaN wins argmax, and all -inf gives 0: checked next
-            check_finite_scores(float(scores[token]))
-            return token
-        check_finite_scores(float(scores.max()))
+            token = torch.argmax(scores)  # NaN wins argmax, and all -inf gives 0: the caller's check catches both
+            return token, scores[token]
+        best = scores.max()
+        check_finite_scores(float(best))
         probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
             keep[0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self.generator)[0].to(scores.device), best
 
 
 class IncrementalText:
@@ -254,15 +266,40 @@ class Emitter:
                             steps=len(self.trace))
 
 
+PROPOSAL_SIZE = 4  # a proposal's values: token, winner (-1: none), score, the score checked for finiteness
+
+
+def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
+                  sampler: TokenSampler) -> tuple[torch.Tensor, object]:
+    """The device half of a fused step: fuse the streams' logits ``[K, V]``, pick a token and the stream with
+    the most evidence for it, and read nothing back (gpt-fast / nano-vllm keep tokens on the device).
+
+    Returns the proposal (``[PROPOSAL_SIZE]`` float64 on the logits' device, read back later together with
+    every other job's) and the rule's carry; :func:`settle_token` turns the values read into the step.
+    """
+    fused = rule(logits, state)
+    token, checked = sampler.pick(fused.scores)
+    if fused.evidence is not None:
+        winner = torch.argmax(fused.evidence[:, token])
+        score = fused.evidence[winner, token]
+    else:
+        winner, score = torch.full((), -1, device=token.device), fused.scores[token]
+    return torch.stack([token.double(), winner.double(), score.double(), checked.double()]), fused.carry
+
+
+def settle_token(values: Sequence[float], carry: object) -> tuple[TraceStep, FusionState]:
+    """The host half: the step and the state the rule sees next, from a proposal's values read back."""
+    token, winner, score, checked = values
+    check_finite_scores(checked)
+    token_id, won = int(token), (int(winner) if winner >= 0 else None)
+    return TraceStep(token_id, won, score), FusionState(token_id, won, carry)
+
+
 def choose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
                  sampler: TokenSampler) -> tuple[TraceStep, FusionState]:
-    """One fused step: fuse the streams' logits ``[K, V]``, sample a token, attribute it to the stream with
-    the most evidence for it; return the trace step and the state the rule sees next."""
-    fused = rule(logits, state)
-    token = sampler(fused.scores)
-    winner = int(torch.argmax(fused.evidence[:, token])) if fused.evidence is not None else None
-    score = float(fused.evidence[winner, token]) if winner is not None else float(fused.scores[token])
-    return TraceStep(token, winner, score), FusionState(token, winner, fused.carry)
+    """One fused step for a caller on its own (one read back): :func:`propose_token` then :func:`settle_token`."""
+    values, carry = propose_token(rule, logits, state, sampler)
+    return settle_token(values.tolist(), carry)
 
 
 def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,

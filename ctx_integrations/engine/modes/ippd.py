@@ -30,7 +30,7 @@ from ctx_integrations.engine.core.cache import CachedKV
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
-from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep
+from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep, check_finite_scores
 from ctx_integrations.engine.core.transfer import same_device
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
@@ -132,17 +132,29 @@ class StackedJob(PooledJob):
         return sum(self.prefix_len + sum(entry.kv.shape[3] for entry in stack.contexts)
                    + sum(len(q.suffix) + q.ctx.stop.max_new_tokens for q in stack.questions) for stack in self.stacks)
 
-    def consume(self, logits: list[torch.Tensor]) -> None:
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Per waiting question, in stack order: its token, the token's log-probability and the score to check."""
         first_step = "prefill_s" not in self.contexts[0].timings
         if first_step:
             prefill = time.perf_counter() - self.contexts[0].started
             for ctx in self.contexts:
                 ctx.timings["prefill_s"] = prefill
+        values = []
         for stack, row in zip(self._live, logits):
-            still = []
             for question, scores in zip(self._waiting[stack], row):
-                token = question.ctx.sampler(scores)
-                if not question.emitter.push(TraceStep(token, None, float(torch.log_softmax(scores, -1)[token]))):
+                token, checked = question.ctx.sampler.pick(scores)
+                values.append(torch.stack([token.double(), torch.log_softmax(scores, -1)[token].double(),
+                                           checked.double()]))
+        return torch.cat(values)
+
+    def accept(self, values: list[float]) -> None:
+        chosen = iter(zip(values[0::3], values[1::3], values[2::3]))
+        for stack in self._live:
+            still = []
+            for question in self._waiting[stack]:
+                token, logprob, checked = next(chosen)
+                check_finite_scores(checked)
+                if not question.emitter.push(TraceStep(int(token), None, logprob)):
                     still.append(question)
             self._waiting[stack] = still
             self._next[stack] = [Run((q.emitter.trace[-1].token_id,), q.next_position, q.context, q.qid)
