@@ -29,7 +29,8 @@ DOCS = [
     "The secret code of the vault is 4721.",
 ]
 
-# mixed modes, document counts and lengths, answer budgets (APE and RAPID run as exclusive jobs beside them)
+# mixed modes, document counts and lengths, answer budgets (APE and RAPID run as exclusive jobs beside them;
+# MapReduce's map rows, then its reduce row, share the batch)
 REQUESTS = [
     dict(query="Who is the mayor?", documents=DOCS[:2], mode="pced", max_new_tokens=12),
     dict(query="What is the secret code?", documents=DOCS, mode="pced", max_new_tokens=20, gamma=0.0),
@@ -40,6 +41,8 @@ REQUESTS = [
     dict(query="Tell me about the city.", documents=DOCS[:3], mode="ape", max_new_tokens=10),
     dict(query="What is served at the fair?", documents=[DOCS[2]] * 2 + DOCS[:1], mode="rapid", max_new_tokens=14,
          draft_context_tokens=16, chunk_tokens=8),
+    dict(query="Who is the mayor and where?", documents=DOCS[:3], mode="map_reduce", max_new_tokens=8,
+         summary_tokens=5),
 ]
 
 
@@ -404,3 +407,12 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
     answers = asyncio.run(run())
     assert all(len(a.token_ids) == 6 for a in answers[:3]) and steps[0] >= 6
     assert reads[0] == steps[0]
+
+
+def test_map_reduce_runs_both_steps_in_the_shared_batch():
+    engine = Engine(tiny_loaded("llama", seed=3))
+    answer = engine.generate("Who is the mayor?", DOCS[:3], mode="map_reduce", summary_tokens=5, max_new_tokens=6)
+    stats = engine.stats()
+    assert len(answer.token_ids) == 6 and len(answer.extra["summaries"]) == 3
+    assert stats["exclusive_s"] == 0 and stats["kv_bytes"]["peak"] > 0  # no exclusive step ran
+    assert engine.scheduler.stats.peak_rows == 3  # the three map rows, then the reduce row

@@ -114,6 +114,19 @@ class FakeJob(PooledJob):
         return []
 
 
+class FakeTwoStepJob(FakeJob):
+    """A job whose request goes on in a follow-up job (as MapReduce's map step is followed by its reduce)."""
+
+    def __init__(self, label: int, then: FakeJob | Exception, **kwargs):
+        super().__init__(label, **kwargs)
+        self.then = then
+
+    def follow_up(self) -> FakeJob:
+        if isinstance(self.then, Exception):
+            raise self.then
+        return self.then
+
+
 class FakeExclusive(ExclusiveJob):
     def __init__(self, steps: int, kv_tokens: int, gate: threading.Event | None = None):
         def run():
@@ -305,3 +318,31 @@ def test_the_row_table_maps_rows_to_requests():
     b.accept([200.0, 201.0, 202.0])  # row 201 finishes
     keep, left = table.retire(lambda job, s: s == "a")
     assert keep == [2, 4] and left == [(a, "a")] and table.entries == [(b, "b", 2)]
+
+
+def test_a_follow_up_job_carries_the_request_on_in_new_rows(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=100)
+    reduce = FakeJob(2, rows=1, steps=2, kv_tokens=80)  # more than the map step's 60 + the other's 30
+    other_gate = threading.Event()
+    other = sched.submit(submission(FakeJob(3, kv_tokens=30, gate=other_gate)))
+    wait_until(lambda: sched.active()[0] == 1, "the other request to run")
+    mapped = sched.submit(submission(FakeTwoStepJob(1, reduce, rows=3, steps=2, kv_tokens=60)))
+    wait_until(lambda: sched.stats.held >= 1, "the follow-up to wait for the other request's bytes")
+    assert not mapped.future.done() and 100 not in runner.labels  # the map rows left; the reduce waits
+    other_gate.set()
+    assert mapped.future.result(timeout=WAIT_S) is reduce and len(reduce.seen) == 2  # finish gets the last job
+    assert max(runner.steps_with(100, 101, 102)) < min(runner.steps_with(200))
+    assert sched.stats.peak_kv_bytes == 90 and sched.reserved_bytes() == 0
+    other.future.result(timeout=WAIT_S)
+
+
+@pytest.mark.parametrize("then, error", [(RuntimeError("reduce prompt too long"), RuntimeError),
+                                         (FakeJob(2, kv_tokens=101), RequestTooLargeError)])
+def test_a_follow_up_that_cannot_run_fails_its_request_alone(scheduler, then, error):
+    sched = scheduler(budget=100)
+    failing = sched.submit(submission(FakeTwoStepJob(1, then, rows=2)))
+    with pytest.raises(error):
+        failing.future.result(timeout=WAIT_S)
+    assert sched.submit(submission(FakeJob(3))).future.result(timeout=WAIT_S).steps == 3
+    assert sched.active() == (0, 0) and sched.queue_depth() == 0

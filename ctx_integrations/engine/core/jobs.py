@@ -47,6 +47,15 @@ class Job:
     def results(self) -> list[DecodeResult]:
         raise NotImplementedError
 
+    def follow_up(self) -> Job | None:
+        """The job that carries the request on once this one is done, or ``None``: the request is answered.
+
+        A request whose work goes on in new rows (MapReduce's reduce step after its map step) returns its
+        next job here; the scheduler drops this job's rows and admits the next one like a new request at
+        the head of the queue (its KV bytes reserved anew). ``finish`` receives the last job.
+        """
+        return None
+
     def kv_tokens(self) -> int:
         """The KV tokens this request may hold at once, all its rows, prompt + answer budget: what the
         scheduler reserves before admitting it. By default what the mode declared when it checked its

@@ -479,15 +479,7 @@ class Scheduler:
         """Plan the request's job and size its KV bytes; a job that cannot be built, or never fits, fails alone."""
         try:
             job = submission.plan()
-            needed = job.kv_tokens() * self.bytes_per_token
-            if needed > self.max_batch_bytes:
-                if isinstance(job, ExclusiveJob):
-                    job.close()
-                raise RequestTooLargeError(
-                    f"this request needs {needed / 2**20:.1f} MiB of KV cache (its prompt and max_new_tokens, all its "
-                    f"streams), more than the {self.max_batch_bytes / 2**20:.1f} MiB all running requests may hold "
-                    "together: retrieve fewer documents (top_k), lower max_new_tokens, or raise "
-                    "Engine(max_batch_bytes=...)")
+            needed = self._bytes_needed(job)
             if not isinstance(job, ExclusiveJob):
                 job.rows()  # a mode whose rows cannot be laid out fails here, alone
         except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
@@ -580,11 +572,39 @@ class Scheduler:
         if keep is not None:
             self.runner.keep_rows(keep)
         for job, submission in finished:
-            if not submission.over:
+            if not submission.over and not self._follow_up(job, submission):
                 self._finish(job, submission)
         dropped, self._dropped = self._dropped, []
         for submission in dropped:
             _settle(submission.future, error=submission.error)
+
+    def _follow_up(self, job: Job, submission: Submission) -> bool:
+        """Queue the job that carries the request on (:meth:`Job.follow_up`) at the head of the queue; whether
+        there was one (a follow-up that cannot be built, or can never fit, fails the request)."""
+        try:
+            follow = job.follow_up()
+            if follow is None:
+                return False
+            submission.job, submission.kv_bytes = follow, self._bytes_needed(follow)
+        except BaseException as error:  # noqa: BLE001 - e.g. the reduce prompt does not fit the window
+            self._fail(submission, contained(error))  # settled with the step's other failures, right after
+            return True
+        with self._cond:
+            self._ready.appendleft(submission)
+        return True
+
+    def _bytes_needed(self, job: Job) -> int:
+        """The KV bytes ``job`` reserves; :class:`RequestTooLargeError` when even alone it could never fit."""
+        needed = job.kv_tokens() * self.bytes_per_token
+        if needed > self.max_batch_bytes:
+            if isinstance(job, ExclusiveJob):
+                job.close()
+            raise RequestTooLargeError(
+                f"this request needs {needed / 2**20:.1f} MiB of KV cache (its prompt and max_new_tokens, all its "
+                f"streams), more than the {self.max_batch_bytes / 2**20:.1f} MiB all running requests may hold "
+                "together: retrieve fewer documents (top_k), lower max_new_tokens, or raise "
+                "Engine(max_batch_bytes=...)")
+        return needed
 
     def _finish(self, job: Job, submission: Submission) -> None:
         try:

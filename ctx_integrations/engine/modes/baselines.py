@@ -20,15 +20,17 @@ from transformers import DynamicCache
 
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.cache import StreamBatch, batch_streams
-from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Stream, single_result
+from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, PooledJob, Stream, single_result
 from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.rows import Piece
+from ctx_integrations.engine.core.rows import Piece, Run
 from ctx_integrations.engine.core.static_decode import StaticStreams, check_compile_mode
 from ctx_integrations.engine.core.streams import (
     DecodeResult,
+    Emitter,
     StopCriteria,
     TraceStep,
+    check_finite_scores,
     forward_streams,
     fused_steps,
     independent_steps,
@@ -136,17 +138,105 @@ def reduce_texts(documents: list[Document], sources: list[int], summaries: list[
     return texts
 
 
-def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
-                      compile_mode: str | None) -> Generator[None, None, DecodeResult]:
-    engine, loaded = ctx.engine, ctx.engine.loaded
+def _map_plan(ctx: DecodeContext, summary_tokens: int) -> tuple[PromptLayout, list[tuple[int, list[int]]], list[int]]:
+    """The map step's summary layout, its inputs (:func:`map_inputs`) and suffix, checked against the budgets."""
+    loaded = ctx.engine.loaded
     summary_layout = PromptLayout(loaded.tokenizer, SUMMARY_SYSTEM_PROMPT, SUMMARY_QUESTION_TEMPLATE)
     suffix = summary_layout.suffix_ids("")
     inputs = map_inputs(summary_layout, [d.text for d in ctx.documents], summary_tokens, loaded.max_positions)
-    context_ids = [ids for _, ids in inputs]
-    longest = len(summary_layout.prefix_ids) + max(map(len, context_ids)) + len(suffix)
-    ctx.check_streams(len(context_ids), longest + summary_tokens, "map_reduce's map step (one stream per input)")
+    longest = len(summary_layout.prefix_ids) + max(len(ids) for _, ids in inputs) + len(suffix)
+    ctx.check_streams(len(inputs), longest + summary_tokens, "map_reduce's map step (one stream per input)")
+    return summary_layout, inputs, suffix
+
+
+def _reduce_job(ctx: DecodeContext, inputs: list[tuple[int, list[int]]], summaries: list[DecodeResult]) -> FusedJob:
+    """The reduce step: the QA prompt over each document's summaries, one stream."""
+    ctx.timings["map_s"] = time.perf_counter() - ctx.started
+    ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]),
+                           f"map_reduce's reduce step (the summaries of {len(ctx.documents)} documents: lower "
+                           "summary_tokens)")
+
+    def finish(result: DecodeResult) -> DecodeResult:
+        result.extra.update(summaries=[s.text for s in summaries], summary_documents=[i for i, _ in inputs],
+                            map_input_tokens=[len(ids) for _, ids in inputs])
+        return result
+
+    return prompt_job(ctx, ids, finish)
+
+
+class MapJob(PooledJob):
+    """MapReduce's map step as rows of the scheduler's batch: one row per input (the summary prompt's prefix,
+    the input's cached piece, then the summary suffix), each decoding its own summary with the request's
+    sampler; a row leaves the batch when its summary ends. When all have ended, the reduce step follows as
+    a new job of the same request (:meth:`follow_up`)."""
+
+    def __init__(self, ctx: DecodeContext, prefix_kv: torch.Tensor, caches: list, suffix: list[int],
+                 summary_tokens: int, follow: Callable[[list[DecodeResult]], Job]):
+        super().__init__([ctx])
+        self.ctx, self.follow = ctx, follow
+        prefix_len = prefix_kv.shape[3]
+        self.pieces = [[Piece(prefix_kv, 0), Piece(cache.kv, prefix_len)] for cache in caches]
+        stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
+        self.emitters = [Emitter(ctx.engine.loaded.tokenizer, stop) for _ in caches]
+        self._next = [[Run(tuple(suffix), prefix_len + cache.length)] for cache in caches]
+        self._tokens = sum(prefix_len + cache.length + len(suffix) + summary_tokens for cache in caches)
+        self._live = list(range(len(caches)))  # the inputs whose rows are still in the batch, in row order
+
+    @property
+    def done(self) -> bool:
+        return all(emitter.done for emitter in self.emitters)
+
+    def rows(self) -> list[list[Piece]]:
+        return self.pieces
+
+    def runs(self) -> list[list[Run]]:
+        return [self._next[row] for row in self._live]
+
+    def kv_tokens(self) -> int:
+        return self._tokens
+
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([torch.stack([token.double(), checked.double()])
+                          for token, checked in (self.ctx.sampler.pick(row[-1]) for row in logits)])
+
+    def accept(self, values: list[float]) -> None:
+        for row, token, checked in zip(self._live, values[0::2], values[1::2]):
+            check_finite_scores(checked)
+            run = self._next[row][-1]
+            if not self.emitters[row].push(TraceStep(int(token), None, 0.0)):
+                self._next[row] = [Run((int(token),), run.first_position + len(run.ids))]
+
+    def take_finished_rows(self) -> list[int]:
+        finished = [index for index, row in enumerate(self._live) if self.emitters[row].done]
+        if finished and not self.done:
+            self._live = [row for row in self._live if not self.emitters[row].done]
+            return finished
+        return []
+
+    def follow_up(self) -> Job:
+        return self.follow([emitter.result() for emitter in self.emitters])
+
+    def results(self) -> list[DecodeResult]:
+        raise AssertionError("a map step has no answer of its own: its follow-up (the reduce step) has")
+
+
+def _map_job(ctx: DecodeContext, summary_tokens: int) -> MapJob:
+    engine = ctx.engine
+    summary_layout, inputs, suffix = _map_plan(ctx, summary_tokens)
     prefix = engine.store.prefix(summary_layout)
     # the summary prompt's caches serve MapReduce only: memory tier, not the disk
+    caches = engine.store.documents_tokens(summary_layout, [ids for _, ids in inputs], stats=ctx.cache, persist=False)
+    return MapJob(ctx, prefix.kv, caches, suffix, summary_tokens,
+                  lambda summaries: _reduce_job(ctx, inputs, summaries))
+
+
+def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
+                      compile_mode: str) -> Generator[None, None, DecodeResult]:
+    """MapReduce on its own compiled static caches (``compile_mode``): one forward of its own per step."""
+    engine, loaded = ctx.engine, ctx.engine.loaded
+    summary_layout, inputs, suffix = _map_plan(ctx, summary_tokens)
+    context_ids = [ids for _, ids in inputs]
+    prefix = engine.store.prefix(summary_layout)
     caches = engine.store.documents_tokens(summary_layout, context_ids, stats=ctx.cache, persist=False)
     streams = batch_streams(prefix, caches)
     suffix_batch = torch.tensor([suffix], device=loaded.device).expand(len(context_ids), -1)
@@ -155,10 +245,8 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
     yield
     map_stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
     summaries = yield from independent_steps(mapping.step, loaded.tokenizer, first_logits, ctx.sampler, map_stop)
-    ctx.timings["map_s"] = time.perf_counter() - ctx.started
-    ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]),
-                           f"map_reduce's reduce step (the summaries of {len(ctx.documents)} documents: lower "
-                           "summary_tokens)")
+    reduce_job = _reduce_job(ctx, inputs, summaries)
+    ids = list(reduce_job.streams[0].prompt)
     reduce = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
                          torch.zeros(1, dtype=torch.long, device=loaded.device))
     first_logits = forward_streams(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
@@ -167,23 +255,25 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
     yield
     result = yield from fused_steps(reducing.step, loaded.tokenizer, first_logits, single_stream, ctx.sampler, ctx.stop,
                                     ctx.on_token, ctx.started)
-    result.extra.update(summaries=[s.text for s in summaries], summary_documents=[i for i, _ in inputs],
-                        map_input_tokens=[len(ids) for ids in context_ids])
-    return result
+    return reduce_job.finish(result)
 
 
 @register_mode("map_reduce")
-def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96, compile_mode: str | None = None) -> ExclusiveJob:
-    """MapReduce: summarise each document (one batch, from cached KV), then answer from the summaries.
+def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96, compile_mode: str | None = None) -> Job:
+    """MapReduce: summarise each document (from cached KV), then answer from the summaries.
 
     Documents too long for the summary prompt are summarised piece by piece (:func:`map_inputs`); the
     reduce prompt joins each document's piece summaries in order. If the summaries together do not fit
-    the window the reduce step raises ``DocumentTooLongError`` (lower ``summary_tokens``). Runs as an
-    exclusive job (two phases with their own streams), one forward per scheduler step. Both phases decode
-    one token per stream per step from a fixed-size cache written in place (``static_decode.py``);
-    ``compile_mode``: ``None`` (eager, the default) or a ``torch.compile`` mode for that step, e.g.
-    ``"reduce-overhead"`` (CUDA graphs on a GPU: the first request of each shape pays the compile).
+    the window the reduce step raises ``DocumentTooLongError`` (lower ``summary_tokens``). Both steps run
+    as rows of the scheduler's shared batch, beside other requests: the map step one row per input
+    (:class:`MapJob`), then the reduce step one row (its follow-up job). ``compile_mode``: ``None`` (the
+    default: pooled) or a ``torch.compile`` mode, e.g. ``"reduce-overhead"`` (CUDA graphs on a GPU; the
+    first request of each shape pays the compile): compiled steps need fixed shapes of their own, so the
+    request then runs as an exclusive job on its own static caches (``static_decode.py``), one forward of
+    its own per scheduler step.
     """
     summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
     check_compile_mode(compile_mode)
+    if compile_mode is None:
+        return _map_job(ctx, summary_tokens)
     return ExclusiveJob([ctx], single_result(_map_reduce_steps(ctx, summary_tokens, compile_mode)))
