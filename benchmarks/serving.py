@@ -187,7 +187,8 @@ def summarise(samples: list[Sample], wall_s: float) -> dict[str, float]:
 
 def step_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     """Where the scheduler's time went during a cell, from two ``engine.stats()`` readings."""
-    delta = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    # an older library (a "before" run: this script copied into an older checkout) may lack some counters
+    delta = {key: after.get(key, float("nan")) - before.get(key, float("nan")) for key in STEP_COUNTERS}
     busy, steps = delta["busy_s"] or float("nan"), delta["steps"] or float("nan")
     return {"rows_per_step": delta["rows_stepped"] / steps, "forward_share": delta["forward_s"] / busy,
             "exclusive_share": delta["exclusive_s"] / busy,

@@ -33,9 +33,13 @@ class FakeRunner:
         self.labels: list[int] = []
         self.log: list[tuple[list[int], list[int]]] = []  # per step: labels decoded, labels joining
         self.fail_decode_at, self.fail_join_of = fail_decode_at, fail_join_of
+        self.running = threading.Event()  # cleared: the next step waits (requests pile up in the queue)
+        self.running.set()
+        self.forwards = 0
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
+        assert self.running.wait(WAIT_S)
         out = StepOutput()
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
@@ -56,6 +60,8 @@ class FakeRunner:
                 self.labels.extend(joining)
             out.forwards += 1
         out.rows = len(self.labels)
+        out.forward_s = 0.5 * out.forwards  # what the scheduler adds up into its stats
+        self.forwards += out.forwards
         return out
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -346,3 +352,71 @@ def test_a_follow_up_that_cannot_run_fails_its_request_alone(scheduler, then, er
         failing.future.result(timeout=WAIT_S)
     assert sched.submit(submission(FakeJob(3))).future.result(timeout=WAIT_S).steps == 3
     assert sched.active() == (0, 0) and sched.queue_depth() == 0
+
+
+def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Submission]):
+    """Queue ``submissions`` while a running request holds the step loop inside a paused step, so that the
+    next step plans them all together; returns their handles and the running request's gate."""
+    running, gate = start_gated(sched, 9, 1)
+    runner.running.clear()
+    time.sleep(0.01)  # the loop is now inside (or entering) a paused step
+    handles = sched.submit_all(submissions)
+    wait_until(lambda: not sched._loading, "the queued requests to be ready")
+    return handles, running, gate
+
+
+def test_requests_admitted_in_one_step_count_each_others_bytes(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=100)
+    handles, running, gate = paused_with_queue(sched, runner, [submission(FakeJob(i, kv_tokens=40)) for i in (1, 2, 3)])
+    runner.running.set()
+    for handle in handles:
+        handle.future.result(timeout=WAIT_S)
+    gate.set()
+    running.future.result(timeout=WAIT_S)
+    assert sched.stats.peak_kv_bytes == 81 and sched.stats.held == 1  # 1 + 40 + 40; the third waited once
+    assert not any({100, 200, 300} <= set(decoded + joined) for decoded, joined in runner.log)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "plan raises", "timed out while planned"])
+def test_a_request_that_drops_out_while_planned_leaves_the_ones_behind_it_planned(scheduler, how):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=100)
+    first = submission(FakeJob(1))
+    if how == "plan raises":
+        first.plan = lambda: (_ for _ in ()).throw(RuntimeError("cannot plan"))
+    elif how == "timed out while planned":
+        job = first.plan()
+        first.plan = lambda: first.future.set_exception(RequestTimeoutError("late")) or job
+    second = submission(FakeJob(2))
+    (first_handle, second_handle), running, gate = paused_with_queue(sched, runner, [first, second])
+    if how == "cancelled":
+        first_handle.cancel()
+    runner.running.set()
+    assert second_handle.future.result(timeout=WAIT_S).steps == 3
+    with pytest.raises((RequestCancelledError, RuntimeError, RequestTimeoutError)):
+        first_handle.future.result(timeout=WAIT_S)
+    gate.set()
+    running.future.result(timeout=WAIT_S)
+
+
+def test_an_exclusive_job_that_raises_fails_its_own_request_alone(scheduler):
+    class Broken(FakeExclusive):
+        def step(self):
+            raise RuntimeError("exclusive step broke")
+
+    sched = scheduler(budget=100)
+    broken = sched.submit(submission(Broken(steps=1, kv_tokens=1)))
+    fine = sched.submit(submission(FakeJob(2)))
+    with pytest.raises(RuntimeError, match="exclusive step broke"):
+        broken.future.result(timeout=WAIT_S)
+    assert fine.future.result(timeout=WAIT_S).steps == 3
+
+
+def test_the_stats_add_up_the_runners_forwards(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=1000)
+    for label in (1, 2):
+        sched.submit(submission(FakeJob(label, rows=2))).future.result(timeout=WAIT_S)
+    assert sched.stats.forwards == runner.forwards >= 6 and sched.stats.forward_s == 0.5 * runner.forwards
+    assert sched.stats.steps >= 6 and sched.stats.busy_s > 0 and sched.stats.rows_stepped >= 2 * 3

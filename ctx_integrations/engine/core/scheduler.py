@@ -94,6 +94,7 @@ class Submission:
     deadline: float | None = None
     job: Job | None = None
     kv_bytes: int = 0
+    waited: bool = False  # held at least once for KV bytes
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -171,7 +172,7 @@ class SchedulerStats:
     rows_stepped: int = 0  # rows summed over steps (divided by steps: how many rows a step carried)
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
     peak_kv_bytes: int = 0  # most KV bytes the running requests had reserved at once
-    held: int = 0  # times the request at the head of the queue waited for KV bytes to free up
+    held: int = 0  # requests that waited at the head of the queue for KV bytes to free up
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
@@ -417,9 +418,8 @@ class Scheduler:
         self._expire()
         joining = self._plan(admit)
         output = self.runner.execute(ScheduledStep(
-            decode=self._batch.runs() if self._batch.entries else (),
-            joining=[row for job, _, _ in joining.entries for row in job.rows()],
-            joining_runs=joining.runs() if joining.entries else ()))
+            decode=self._batch.runs(), joining=[row for job, _, _ in joining.entries for row in job.rows()],
+            joining_runs=joining.runs()))
         self._consume(output, joining)
         exclusive_started = time.perf_counter()
         for job, submission in list(self._exclusive):
@@ -464,7 +464,8 @@ class Scheduler:
                 with self._cond:
                     self._held = submission
                     self._ready.extendleft(reversed(admit[index + 1:]))
-                self.stats.held += 1
+                self.stats.held += not submission.waited  # requests that waited, not the steps they waited
+                submission.waited = True
                 break
             reserved += submission.kv_bytes
             if isinstance(job, ExclusiveJob):
