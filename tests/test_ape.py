@@ -452,3 +452,14 @@ def test_the_layout_needs_a_non_empty_document_span_from_column_zero_on():
     for start, end in ((3, 3), (-1, 4), (5, 2)):
         with pytest.raises(InvalidOptionError, match=rf"^APE needs a non-empty document span, got \[{start}, {end}\)$"):
             ApeLayout(start, end, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("family, pooled", [("llama", True), ("qwen2", True), ("mistral", False)])
+def test_ape_is_a_batch_row_unless_the_model_has_sliding_windows(family, pooled):
+    """A sliding-window model (Mistral) keeps the exclusive path, whose attention checks the window call by
+    call; the row rule would otherwise read keys the model never lets a query see."""
+    engine = Engine(tiny_loaded(family, seed=7, position_sensitive=True))
+    answer = engine.generate(QUESTION, DOCS, mode="ape", attention_temperature=0.6, scale=0.8, max_new_tokens=6)
+    expected = ape_reference_greedy(engine.loaded, engine, DOCS, QUESTION, 0.6, 0.8, 6)
+    assert answer.token_ids == expected
+    assert (engine.stats()["exclusive_s"] == 0) == pooled

@@ -325,7 +325,8 @@ def test_the_flex_pool_gives_the_eager_pools_answers(monkeypatch):
 
 def test_a_job_that_breaks_while_being_admitted_fails_alone(engine, monkeypatch):
     # A pooled job whose rows() raises (a bug in a mode) must fail its own request, not end the scheduler thread
-    # (which would leave every caller waiting forever); an exclusive request admitted beside it is answered.
+    # (which would leave every caller waiting forever); a request of another job type (IPPD's) admitted beside
+    # it is answered.
     from ctx_integrations.engine.core.jobs import FusedJob
 
     def broken_rows(self):
@@ -336,12 +337,12 @@ def test_a_job_that_breaks_while_being_admitted_fails_alone(engine, monkeypatch)
     async def run():
         return await asyncio.wait_for(asyncio.gather(
             engine.agenerate("Who is the mayor?", DOCS[:2], max_new_tokens=4),
-            engine.agenerate("Tell me about the city.", DOCS[:2], mode="ape", max_new_tokens=4),
+            engine.agenerate("Tell me about the city.", DOCS[:2], mode="ippd", max_new_tokens=4),
             return_exceptions=True), timeout=60)
 
-    broken, ape = asyncio.run(run())
+    broken, stacked = asyncio.run(run())
     assert isinstance(broken, RuntimeError) and "rows broke" in str(broken)
-    assert len(ape.token_ids) == 4
+    assert len(stacked.token_ids) == 4
     monkeypatch.undo()
     assert len(engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=4).token_ids) == 4
 
@@ -416,3 +417,18 @@ def test_map_reduce_runs_both_steps_in_the_shared_batch():
     assert len(answer.token_ids) == 6 and len(answer.extra["summaries"]) == 3
     assert stats["exclusive_s"] == 0 and stats["kv_bytes"]["peak"] > 0  # no exclusive step ran
     assert engine.scheduler.stats.peak_rows == 3  # the three map rows, then the reduce row
+
+
+def test_ape_runs_as_a_row_of_the_shared_batch_with_its_own_attention():
+    # On the eager kernel APE is one row with its own attention rule: no exclusive step runs, and an APE
+    # request beside a PCED request shares its forwards (the batch held both rows at once).
+    engine = Engine(tiny_loaded("llama", seed=3, position_sensitive=True))
+    alone = [engine.generate("Who is the mayor?", DOCS[:3], mode="ape", max_new_tokens=8).token_ids,
+             engine.generate("Where is it?", DOCS[:2], max_new_tokens=8).token_ids]
+
+    async def together():
+        return await asyncio.gather(engine.agenerate("Who is the mayor?", DOCS[:3], mode="ape", max_new_tokens=8),
+                                    engine.agenerate("Where is it?", DOCS[:2], max_new_tokens=8))
+
+    assert [a.token_ids for a in asyncio.run(together())] == alone
+    assert engine.stats()["exclusive_s"] == 0 and engine.scheduler.stats.peak_rows >= 4  # 1 APE row + 3 PCED

@@ -4,12 +4,14 @@ A *pooled* job declares its streams as rows of cached pieces (:class:`~ctx_integ
 and, at every step, the tokens each row takes (:class:`~ctx_integrations.engine.core.rows.Run`); the
 scheduler runs ONE forward over the rows of all pooled jobs and hands each job the logits of its own
 rows, which it turns into tokens with its own per-step rule. :class:`FusedJob` is the shape most modes
-take (PCED, Soft-NBCE and its limits, ``single``, ``concat``, chat): K streams, one rule over their K
-logit rows, one chosen token appended to all K. IPPD's stacked questions are their own pooled job.
+take (PCED, Soft-NBCE and its limits, ``single``, ``concat``, chat, APE with its own row attention):
+K streams, one rule over their K logit rows, one chosen token appended to all K. IPPD's stacked
+questions and MapReduce's map step are pooled jobs of their own; a job may hand its request on to a
+follow-up job (MapReduce's reduce step).
 
-An *exclusive* job (APE's attention, RAPID's draft/verify with cache rewinds, MapReduce's two
-phases) runs its own forward passes on the model between the pooled steps: it is a generator that
-yields after each forward, so a long APE answer never holds the other requests for more than a step.
+An *exclusive* job (RAPID's draft/verify with cache rewinds; APE on the flex kernel; MapReduce with a
+compiled step) runs its own forward passes on the model between the pooled steps: it is a generator
+that yields after each forward, so a long answer never holds the other requests for more than a step.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class PooledJob(Job):
         """The cached pieces of each of the job's rows, laid out once when the job joins."""
         raise NotImplementedError
 
+    def row_attention(self) -> list[Callable[..., torch.Tensor] | None]:
+        """Per row, its own attention rule (``row_attention.py``: APE's merge), or ``None``: the model's own."""
+        return [None] * len(self.rows())
+
     def runs(self) -> list[list[Run]]:
         """The tokens each row takes this step (the first step: the prompt's uncached suffix)."""
         raise NotImplementedError
@@ -108,15 +114,18 @@ class Stream:
 class FusedJob(PooledJob):
     """K streams decoded in lockstep: ``rule`` fuses their logits, one token is chosen and appended to all.
 
-    ``finish`` may decorate the result (e.g. map a chunk's trace back to its document).
+    ``finish`` may decorate the result (e.g. map a chunk's trace back to its document); ``attention``
+    is every stream's own attention rule (``row_attention.py``; APE's merge), ``None`` for the model's.
     """
 
     def __init__(self, ctx: DecodeContext, streams: list[Stream], rule: FusionRule,
-                 finish: Callable[[DecodeResult], DecodeResult] | None = None):
+                 finish: Callable[[DecodeResult], DecodeResult] | None = None,
+                 attention: Callable[..., torch.Tensor] | None = None):
         super().__init__([ctx])
         if not streams:
             raise ValueError("a fused job needs at least one stream")
         self.ctx, self.streams, self.rule, self.finish = ctx, streams, rule, finish
+        self.attention = attention
         self.emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
         self._next: list[list[Run]] = [[Run(s.prompt, s.first_position)] for s in streams]
         self._positions = [s.first_position + len(s.prompt) for s in streams]
@@ -129,6 +138,9 @@ class FusedJob(PooledJob):
 
     def rows(self) -> list[list[Piece]]:
         return [list(s.pieces) for s in self.streams]
+
+    def row_attention(self) -> list[Callable[..., torch.Tensor] | None]:
+        return [self.attention] * len(self.streams)
 
     def kv_tokens(self) -> int:
         answer = self.ctx.stop.max_new_tokens

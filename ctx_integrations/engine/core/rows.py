@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
+from ctx_integrations.engine.core.row_attention import ROW_ATTENTION, RowRule
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
 PAD_ID = -1  # context / question id of padding (matches no real token's ids)
@@ -40,12 +41,15 @@ PAD_ID = -1  # context / question id of padding (matches no real token's ids)
 class Piece:
     """Cached keys/values placed in a row: ``kv`` is ``[layers, 2, kv_heads, tokens, head_dim]``.
 
-    Its tokens get virtual positions ``first_position ..`` and context id ``context`` (0 = shared).
+    Its tokens get virtual positions ``first_position ..`` and context id ``context`` (0 = shared);
+    ``document`` marks them as document ``document`` (>= 1) for a row with its own attention rule (APE's
+    merge, ``row_attention.py``), 0 otherwise.
     """
 
     kv: torch.Tensor
     first_position: int
     context: int = 0
+    document: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,10 @@ class RowPool:
     """Rows side by side in one batched cache, with each key column's virtual position and ids.
 
     ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, capacity, head_dim]``;
-    ``positions`` / ``contexts`` / ``questions`` are ``[rows, capacity]``. Columns ``width ..`` are
-    room for the next steps (padding until written); the capacity grows by :data:`GROW_COLUMNS` at a
-    time, so most steps write in place and keep every tensor's shape.
+    ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[rows, capacity]``. Columns
+    ``width ..`` are room for the next steps (padding until written); the capacity grows by
+    :data:`GROW_COLUMNS` at a time, so most steps write in place and keep every tensor's shape.
+    ``attention`` holds per row its own attention rule (``row_attention.py``; APE's merge) or ``None``.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -143,10 +148,16 @@ class RowPool:
     questions: torch.Tensor
     width: int = -1  # columns in use; -1: all of them
     forwards: int = field(default=0)
+    documents: torch.Tensor | None = None  # None: no column marks a document
+    attention: list[RowRule | None] | None = None  # None: no row has its own rule
 
     def __post_init__(self) -> None:
         if self.width < 0:
             self.width = self.capacity
+        if self.documents is None:
+            self.documents = torch.zeros_like(self.positions)
+        if self.attention is None:
+            self.attention = [None] * self.rows
 
     @property
     def rows(self) -> int:
@@ -158,10 +169,11 @@ class RowPool:
 
     @classmethod
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
-              dtype: torch.dtype) -> RowPool:
+              dtype: torch.dtype, attention: list[RowRule | None] | None = None) -> RowPool:
         """Lay out ``rows`` (each a list of pieces) in one right-padded buffer: one copy per piece.
 
-        ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece.
+        ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
+        ``attention``: per row, its own attention rule or ``None``.
         """
         layers, heads, dim = shape
         widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
@@ -170,6 +182,7 @@ class RowPool:
         positions = torch.full((len(rows), width), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
+        documents = torch.zeros_like(positions)
         for b, pieces in enumerate(rows):
             column = 0
             for piece in pieces:
@@ -179,16 +192,20 @@ class RowPool:
                 positions[b, span] = torch.arange(piece.first_position, piece.first_position + length)
                 contexts[b, span] = piece.context
                 questions[b, span] = 0
+                documents[b, span] = piece.document
                 column += length
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
-                   questions.to(device))
+                   questions.to(device), documents=documents.to(device),
+                   attention=list(attention) if attention is not None else None)
 
     def merge(self, other: RowPool) -> None:
         """Append ``other``'s rows after this pool's rows (the smaller side is padded on the right)."""
         capacity = max(self.capacity, other.capacity)
         (layers, *ids), (other_layers, *other_ids) = self._padded(capacity), other._padded(capacity)
         self.layers = [(torch.cat([k, ok]), torch.cat([v, ov])) for (k, v), (ok, ov) in zip(layers, other_layers)]
-        self.positions, self.contexts, self.questions = (torch.cat(pair) for pair in zip(ids, other_ids))
+        self.positions, self.contexts, self.questions, self.documents = (
+            torch.cat(pair) for pair in zip(ids, other_ids))
+        self.attention = self.attention + other.attention
         self.width = max(self.width, other.width)
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -198,6 +215,8 @@ class RowPool:
         self.positions = self.positions.index_select(0, index)
         self.contexts = self.contexts.index_select(0, index)
         self.questions = self.questions.index_select(0, index)
+        self.documents = self.documents.index_select(0, index)
+        self.attention = [self.attention[row] for row in keep]
         self.pack()
 
     def padding_share(self) -> float:
@@ -225,24 +244,26 @@ class RowPool:
         self.positions = self.positions.gather(1, order)
         self.contexts = self.contexts.gather(1, order)
         self.questions = self.questions.gather(1, order)
+        self.documents = self.documents.gather(1, order)
         gather = order[:, None, :, None]
         self.layers = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
                         v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
-        self.layers, self.positions, self.contexts, self.questions = self._padded(_room(width))
+        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(_room(width))
         self.width = width
 
     def _reserve(self, columns: int) -> None:
         """Make room for ``columns`` more columns, growing the capacity to a multiple of :data:`GROW_COLUMNS`."""
         if self.width + columns <= self.capacity:
             return
-        self.layers, self.positions, self.contexts, self.questions = self._padded(_room(self.width + columns))
+        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(
+            _room(self.width + columns))
 
     def _padded(self, capacity: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:
-        """Layers, positions, contexts and questions right-padded (as padding) to ``capacity`` columns."""
+                                              torch.Tensor, torch.Tensor]:
+        """Layers, positions, contexts, questions and documents right-padded (as padding) to ``capacity`` columns."""
         return ([(_pad(k, capacity), _pad(v, capacity)) for k, v in self.layers],
                 _pad_ids(self.positions, capacity, PAD_POSITION), _pad_ids(self.contexts, capacity, PAD_ID),
-                _pad_ids(self.questions, capacity, PAD_ID))
+                _pad_ids(self.questions, capacity, PAD_ID), _pad_ids(self.documents, capacity, 0))
 
     @torch.inference_mode()
     def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
@@ -252,7 +273,8 @@ class RowPool:
         Rows are padded to the longest step; padding tokens have an infinite virtual position, so no
         real token sees them, and only the columns that end a run are sent through the LM head.
         ``kernel``: ``"eager"`` (boolean mask, the model's own attention) or ``"flex"`` (block mask,
-        FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``.
+        FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``. Rows with
+        their own attention rule (``attention``) need the eager kernel: their rule reads the boolean mask.
         """
         device = self.positions.device
         step = max((sum(len(r.ids) for r in row) for row in runs), default=0)
@@ -277,8 +299,16 @@ class RowPool:
         self._reserve(step)
         new = slice(self.width, self.width + step)
         self.positions[:, new], self.contexts[:, new], self.questions[:, new] = positions, contexts, questions
+        self.documents[:, new] = 0
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
+        rules = [(b, rule, ends[b][-1]) for b, rule in enumerate(self.attention) if rule is not None and ends[b]]
+        if rules and flex:
+            raise AssertionError("rows with their own attention rule run on the eager kernel only")
+        extra = {}
+        if rules:
+            extra = {"row_base": model.config._attn_implementation, "row_rules": rules,
+                     "row_documents": self.documents}
         keep = sorted({c for row in ends for c in row})
         start = torch.tensor(self.width, device=device)  # one copy to the device per step, shared by the layers
         cache = Cache(layers=[PoolLayer(k, v, start) for k, v in self.layers])
@@ -286,9 +316,11 @@ class RowPool:
         keep_all = keep == list(range(step))
         try:
             mask = visibility_block_mask(*layout) if flex else visibility(*layout)
-            with attention_swapped(model, FLEX_ATTENTION) if flex else nullcontext():
+            swap = FLEX_ATTENTION if flex else ROW_ATTENTION if rules else None
+            with attention_swapped(model, swap) if swap else nullcontext():
                 out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device))
+                            use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
+                            **extra)
         except BaseException:
             self.positions[:, new] = PAD_POSITION  # the columns stay unused: no row may see what was written
             self.contexts[:, new] = self.questions[:, new] = PAD_ID

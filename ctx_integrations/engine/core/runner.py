@@ -57,7 +57,8 @@ class ModelRunner:
             shape = kv_shape(loaded.model.config)
             try:
                 joining = RowPool.build([list(pieces) for pieces in step.joining],
-                                        (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype)
+                                        (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
+                                        attention=list(step.joining_attention) or None)
                 out.joined = self._forward(joining, step.joining_runs, out)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 out.join_error = error

@@ -27,13 +27,16 @@ class ScheduledStep:
 
     ``decode``: per row of the running batch (in its order), the runs it takes this step (a row with
     no run takes nothing; the runner pads it). ``joining``: per new row, its cached pieces;
-    ``joining_runs``: per new row, its first runs (the prompt's uncached suffix). Joining rows are
-    prefilled in a forward of their own and appended after the running rows (docs/scheduler.md says why).
+    ``joining_runs``: per new row, its first runs (the prompt's uncached suffix);
+    ``joining_attention``: per new row, its own attention rule (``row_attention.py``; APE's merge) or
+    ``None`` (empty: none has one). Joining rows are prefilled in a forward of their own and appended
+    after the running rows (docs/scheduler.md says why).
     """
 
     decode: Sequence[Sequence[Run]] = ()
     joining: Sequence[Sequence[Piece]] = ()
     joining_runs: Sequence[Sequence[Run]] = ()
+    joining_attention: Sequence[object | None] = ()
 
 
 @dataclass

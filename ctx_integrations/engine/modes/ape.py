@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from ctx_integrations.engine.core.cache import concatenated_stream
+from ctx_integrations.engine.core.cache import CachedKV, concatenated_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
-from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
+from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.streams import DecodeResult, TraceStep, forward_streams, fused_steps, single_stream
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
@@ -101,18 +102,67 @@ def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     visible = (columns.unsqueeze(0) <= own_column.unsqueeze(1)).repeat(groups, 1)  # [G*q, prefix + own]
     outside = outside.masked_fill(~visible, -math.inf)
 
-    lse_context = torch.logsumexp(context, dim=-1, keepdim=True)
-    lse_outside = torch.logsumexp(outside, dim=-1, keepdim=True)
-    p_context = torch.softmax(context, dim=-1)
+    p_context, p_outside, weights = merge_softmaxes(context, outside, temperature, scale)
     out_context = torch.matmul(p_context, v[:, :, start:end])
-    p_outside = torch.softmax(outside, dim=-1)
     out_outside = (torch.matmul(p_outside[..., :start], v[:, :, :start])
                    + torch.matmul(p_outside[..., start:], v[:, :, end:keys]))
-    weights = torch.softmax(torch.cat([scale * temperature * lse_context, lse_outside], dim=-1), dim=-1)
     out = weights[..., :1] * out_context + weights[..., 1:] * out_outside
     if ape_layout.masses is not None:
         ape_layout.masses.append(document_mass(p_context, weights[..., :1], ape_layout.document_ends, groups, q_len))
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def merge_softmaxes(context: torch.Tensor, outside: torch.Tensor, temperature: float,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """APE's merge of the tempered document scores ``context`` (already divided by T) and the rest: each set's
+    softmax, and the two sets' weights ``softmax([S T LSE_C, LSE_O])`` ([..., 2])."""
+    lse_context = torch.logsumexp(context, dim=-1, keepdim=True)
+    lse_outside = torch.logsumexp(outside, dim=-1, keepdim=True)
+    weights = torch.softmax(torch.cat([scale * temperature * lse_context, lse_outside], dim=-1), dim=-1)
+    return torch.softmax(context, dim=-1), torch.softmax(outside, dim=-1), weights
+
+
+@dataclass(frozen=True)
+class ApeRowAttention:
+    """APE's attention for its row of the scheduler's shared batch (a per-row rule, ``row_attention.py``).
+
+    The same merge as :func:`ape_attention`, which works on one APE sequence of its own by column ranges;
+    here the row sits in a padded batch beside other requests, so the two key sets come from the row's
+    mask and the document index its pieces gave each key column: C = the visible document keys, O = every
+    other visible key (the prefix, the question and the answer so far). ``masses``: where each forward
+    appends, per layer, the merged attention mass on each of the ``documents`` documents for the row's
+    last query (as :func:`document_mass` does for the exclusive path).
+    """
+
+    temperature: float
+    scale: float
+    documents: int
+    masses: list[torch.Tensor] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_knobs(self.temperature, self.scale)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+                 documents: torch.Tensor, scaling: float, last_query: int) -> torch.Tensor:
+        _, heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        groups = heads // kv_heads
+        q = query.float().reshape(1, kv_heads, groups * q_len, dim)  # row g * q_len + i, as ape_attention
+        v = value.float()
+        scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # [1, Hkv, G*q, K]
+        seen = visible.repeat(1, 1, groups, 1)  # [1, 1, G*q, K]
+        is_document = (documents > 0)[:, None, None, :]
+        context = (scores / self.temperature).masked_fill(~(seen & is_document), -math.inf)
+        outside = scores.masked_fill(~(seen & ~is_document), -math.inf)
+        p_context, p_outside, weights = merge_softmaxes(context, outside, self.temperature, self.scale)
+        out = weights[..., :1] * torch.matmul(p_context, v) + weights[..., 1:] * torch.matmul(p_outside, v)
+        out = torch.where(seen.any(-1, keepdim=True), out, 0.0)  # a padding query sees nothing: 0, not NaN
+        if self.masses is not None:
+            merged = (weights[..., :1] * p_context).reshape(1, kv_heads, groups, q_len, -1)[:, :, :, last_query]
+            per_key = merged.mean(dim=(1, 2))[0]  # [K]
+            mass = torch.zeros(self.documents + 1, dtype=per_key.dtype, device=per_key.device)
+            self.masses.append(mass.index_add_(0, documents[0], per_key)[1:].cpu())
+        return out.reshape(1, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
 
 def document_mass(p_context: torch.Tensor, context_weight: torch.Tensor, document_ends: tuple[int, ...], groups: int,
@@ -150,25 +200,80 @@ def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTE
         model.set_attn_implementation(previous)
 
 
-def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
-               attribution: bool, unavailable_note: str | None) -> Generator[None, None, DecodeResult]:
+@dataclass(frozen=True)
+class _ApeInputs:
+    """What both APE paths start from: the question suffix, the documents' caches and where the question goes."""
+
+    suffix: list[int]
+    prefix: CachedKV
+    caches: list[CachedKV]
+    prefix_len: int
+    query_position: int  # L_p + the longest document: documents share positions
+
+    @property
+    def total(self) -> int:
+        return sum(c.length for c in self.caches)
+
+    def finish(self, result: DecodeResult, masses: list[torch.Tensor] | None, layers: int,
+               unavailable_note: str | None) -> DecodeResult:
+        result.extra.update(context_tokens=self.total, query_position=self.query_position)
+        if masses is not None:
+            _attribute(result, masses, layers)
+        elif unavailable_note is not None:
+            result.extra.update(attribution="unavailable", attribution_note=unavailable_note)
+        return result
+
+
+def _ape_inputs(ctx: DecodeContext) -> _ApeInputs:
+    """Check the request (window, per-request budget, a model whose attention can be swapped) and get its caches."""
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = layout.suffix_ids(ctx.query)
     token_ids = [layout.context_ids(d.text) for d in ctx.documents]
     prefix_len, longest = len(layout.prefix_ids), max(len(ids) for ids in token_ids)
     # Documents share positions, so only the longest one (not their sum) counts against the window.
     ctx.check_window(prefix_len + longest + len(suffix), "the longest document with the question")
-    model = engine.loaded.model
-    with ape_attention_swapped(model):  # refuse a model that cannot take the swap before any work
+    with ape_attention_swapped(engine.loaded.model):  # refuse a model that cannot take the swap before any work
         pass
     ctx.check_streams(1, prefix_len + sum(map(len, token_ids)) + len(suffix) + ctx.stop.max_new_tokens, "APE's caches")
     caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
-    streams = concatenated_stream(engine.store.prefix(layout), caches, next_position=prefix_len + longest)
-    total = sum(c.length for c in caches)
-    ends = tuple(itertools.accumulate(c.length for c in caches))
+    return _ApeInputs(suffix, engine.store.prefix(layout), caches, prefix_len, prefix_len + longest)
+
+
+def _ape_row_job(ctx: DecodeContext, attention_temperature: float, scale: float, attribution: bool) -> FusedJob:
+    """APE as one row of the scheduler's shared batch: the prefix, every document at positions ``L_p ..``
+    (marked as documents for the row's merge), then the question; :class:`ApeRowAttention` is the row's rule."""
+    inputs = _ape_inputs(ctx)
+    pieces = (Piece(inputs.prefix.kv, 0),) + tuple(Piece(cache.kv, inputs.prefix_len, document=index)
+                                                   for index, cache in enumerate(inputs.caches, start=1))
     masses: list[torch.Tensor] | None = [] if attribution else None
-    streams.forward_kwargs["ape_layout"] = ApeLayout(prefix_len, prefix_len + total, attention_temperature, scale,
-                                                     ends, masses)
+    rule = ApeRowAttention(attention_temperature, scale, len(inputs.caches), masses)
+    layers = ctx.engine.loaded.model.config.num_hidden_layers
+    ctx.timings["cache_s"] = time.perf_counter() - ctx.started
+    return FusedJob(ctx, [Stream(pieces, tuple(inputs.suffix), inputs.query_position)], single_stream,
+                    lambda result: inputs.finish(result, masses, layers, None), attention=rule)
+
+
+def fits_a_row(config: object) -> bool:
+    """Whether APE's row rule computes this model's attention: not with logit soft-capping (Gemma 2) or
+    sliding windows, which only the exclusive path's attention checks (and refuses) call by call."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" not in layer_types
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
+               attribution: bool, unavailable_note: str | None) -> Generator[None, None, DecodeResult]:
+    """APE as an exclusive job on a cache of its own: one forward of its own per scheduler step."""
+    engine, inputs = ctx.engine, _ape_inputs(ctx)
+    model = engine.loaded.model
+    streams = concatenated_stream(inputs.prefix, inputs.caches, next_position=inputs.query_position)
+    ends = tuple(itertools.accumulate(c.length for c in inputs.caches))
+    masses: list[torch.Tensor] | None = [] if attribution else None
+    streams.forward_kwargs["ape_layout"] = ApeLayout(inputs.prefix_len, inputs.prefix_len + inputs.total,
+                                                     attention_temperature, scale, ends, masses)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     implementation = APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION
 
@@ -177,17 +282,12 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, k
         with ape_attention_swapped(model, implementation):
             return forward_streams(model, streams, ids)
 
-    first_logits = forward(torch.tensor([suffix], device=engine.loaded.device))
+    first_logits = forward(torch.tensor([inputs.suffix], device=engine.loaded.device))
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
     yield
     result = yield from fused_steps(forward, engine.loaded.tokenizer, first_logits, single_stream, ctx.sampler,
                                     ctx.stop, ctx.on_token, ctx.started)
-    result.extra.update(context_tokens=total, query_position=prefix_len + longest)
-    if masses is not None:
-        _attribute(result, masses, model.config.num_hidden_layers)
-    elif unavailable_note is not None:
-        result.extra.update(attribution="unavailable", attribution_note=unavailable_note)
-    return result
+    return inputs.finish(result, masses, model.config.num_hidden_layers, unavailable_note)
 
 
 # Said in the answer (``extra["attribution_note"]``) when the default attribution=None ran the flex kernel.
@@ -214,7 +314,7 @@ def attribution_plan(attribution: object, attention_kernel: str, device: object)
 
 @register_mode("ape")
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
-            attention_kernel: str = "auto", attribution: bool | None = None) -> ExclusiveJob:
+            attention_kernel: str = "auto", attribution: bool | None = None) -> Job:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
@@ -229,10 +329,17 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     kernel only (flex does not expose the per-document mass); on flex the answer carries
     ``extra["attribution"] = "unavailable"`` and ``extra["attribution_note"]`` saying why and what to
     pass. ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
-    Runs as an exclusive job (its attention differs from the pooled forward's), one forward per step.
+    On the eager kernel with the scheduler's batch on eager too (CPU, or ``Engine(attention_kernel="eager")``)
+    the request is one row of the shared batch with its own attention rule (:class:`ApeRowAttention`);
+    with FlexAttention, or a model with soft-capping or sliding windows (:func:`fits_a_row`), it runs as
+    an exclusive job, one forward of its own per step (the batch's flex kernel has no per-row rules yet).
     """
     check_knobs(attention_temperature, scale)
     kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
+    scheduler = getattr(ctx.engine, "scheduler", None)
+    if kernel == "eager" and getattr(scheduler, "attention_kernel", None) == "eager" and \
+            fits_a_row(ctx.engine.loaded.model.config):
+        return _ape_row_job(ctx, attention_temperature, scale, record)
     return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note)))
 
 

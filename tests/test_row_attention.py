@@ -1,0 +1,90 @@
+"""Per-row attention rules in the shared batch (``row_attention.py``) and APE's row rule.
+
+Bugs these catch: a rule applied to the wrong row, rows without a rule computed differently from the
+model's own attention, APE's row rule taking the prefix or the padding into its document set, its
+temperature and scale swapped, its heads grouped wrongly, its attention mass attributed to the wrong
+document or the wrong query.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ctx_integrations.engine.core.row_attention import row_attention
+from ctx_integrations.engine.modes.ape import ApeLayout, ApeRowAttention, ape_attention
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+PREFIX, ENDS, Q_LEN, PADDING = 3, (4, 9), 3, 5  # prefix | doc 1 (4) | doc 2 (5) | queries | padding columns
+
+
+def _inputs(seed: int, rows: int = 2):
+    generator = torch.Generator().manual_seed(seed)
+    keys = PREFIX + ENDS[-1] + Q_LEN + PADDING
+    query = torch.randn(rows, HEADS, Q_LEN, DIM, generator=generator)
+    key, value = torch.randn(2, rows, KV_HEADS, keys, DIM, generator=generator)
+    return query, key, value, keys
+
+
+def _ape_row_mask(keys: int, real_queries: int = Q_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's mask for an APE row (query i sees the prefix, every document, and queries <= i; never the
+    padding) and its document marks."""
+    visible = torch.zeros(1, 1, Q_LEN, keys, dtype=torch.bool)
+    own = PREFIX + ENDS[-1]
+    for i in range(real_queries):
+        visible[0, 0, i, : own + i + 1] = True
+    documents = torch.zeros(1, keys, dtype=torch.long)
+    documents[0, PREFIX:PREFIX + ENDS[0]] = 1
+    documents[0, PREFIX + ENDS[0]:PREFIX + ENDS[1]] = 2
+    return visible, documents
+
+
+def test_rows_without_a_rule_get_the_models_own_attention_and_a_rule_row_its_rule():
+    query, key, value, keys = _inputs(0)
+    mask = torch.rand(2, 1, Q_LEN, keys, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[..., 0] = True  # every query sees something
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = HEADS // KV_HEADS, False  # what transformers' attention reads
+    base, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    marker = torch.full((1, Q_LEN, HEADS, DIM), 7.0)
+    seen = []
+
+    def rule(q, k, v, visible, documents, scaling, last_query):
+        seen.append((q.shape[0], torch.equal(q, query[1:2]), torch.equal(visible, mask[1:2]), scaling, last_query))
+        return marker
+
+    out, _ = row_attention(module, query, key, value, mask, scaling=0.3, row_base="sdpa",
+                           row_rules=[(1, rule, 2)], row_documents=torch.zeros(2, keys, dtype=torch.long))
+    assert torch.equal(out[0], base[0]) and torch.equal(out[1], marker[0])
+    assert seen == [(1, True, True, 0.3, 2)]
+    plain, _ = row_attention(module, query, key, value, mask, scaling=0.3, row_base="sdpa")
+    assert torch.equal(plain, base)
+
+
+def test_apes_row_rule_equals_its_sequence_attention_on_the_same_keys_padding_ignored():
+    # ape_attention reads one APE sequence by column ranges (no padding); the row rule reads the batch's mask
+    # and document marks. On the same keys, with padding columns after the queries, they must agree.
+    query, key, value, keys = _inputs(2, rows=1)
+    visible, documents = _ape_row_mask(keys)
+    real = PREFIX + ENDS[-1] + Q_LEN
+    layout = ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.6, 0.8, document_ends=ENDS, masses=[])
+    expected, _ = ape_attention(nn.Module(), query, key[:, :, :real], value[:, :, :real], None, scaling=0.35,
+                                ape_layout=layout)
+    rule = ApeRowAttention(0.6, 0.8, len(ENDS), masses=[])
+    out = rule(query, key, value, visible, documents, 0.35, Q_LEN - 1)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(rule.masses[0], layout.masses[0], atol=1e-6, rtol=1e-5)
+
+
+def test_apes_row_rule_swapped_knobs_or_a_padding_query_change_the_result():
+    query, key, value, keys = _inputs(3, rows=1)
+    visible, documents = _ape_row_mask(keys, real_queries=2)  # the last query column is padding
+    out = ApeRowAttention(0.6, 0.8, 2)(query, key, value, visible, documents, 0.35, 1)
+    swapped = ApeRowAttention(0.8, 0.6, 2)(query, key, value, visible, documents, 0.35, 1)
+    assert not torch.allclose(out[:, :2], swapped[:, :2])
+    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))  # a query that sees nothing gives 0, never NaN
+    assert torch.isfinite(out).all()
+    masses = []
+    ApeRowAttention(0.6, 0.8, 2, masses)(query, key, value, visible, documents, 0.35, 1)
+    assert masses[0].shape == (2,) and 0 < float(masses[0].sum()) <= 1  # the documents' share of the last query
