@@ -27,12 +27,12 @@ def _inputs(seed: int, rows: int = 2):
     return query, key, value, keys
 
 
-def _ape_row_mask(keys: int, real_queries: int = Q_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+def _ape_row_mask(keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's mask for an APE row (query i sees the prefix, every document, and queries <= i; never the
-    padding) and its document marks."""
+    padding columns after them) and its document marks."""
     visible = torch.zeros(1, 1, Q_LEN, keys, dtype=torch.bool)
     own = PREFIX + ENDS[-1]
-    for i in range(real_queries):
+    for i in range(Q_LEN):
         visible[0, 0, i, : own + i + 1] = True
     documents = torch.zeros(1, keys, dtype=torch.long)
     documents[0, PREFIX:PREFIX + ENDS[0]] = 1
@@ -77,14 +77,14 @@ def test_apes_row_rule_equals_its_sequence_attention_on_the_same_keys_padding_ig
     torch.testing.assert_close(rule.masses[0], layout.masses[0], atol=1e-6, rtol=1e-5)
 
 
-def test_apes_row_rule_swapped_knobs_or_a_padding_query_change_the_result():
+def test_apes_row_rule_with_swapped_knobs_or_another_last_query_differs():
     query, key, value, keys = _inputs(3, rows=1)
-    visible, documents = _ape_row_mask(keys, real_queries=2)  # the last query column is padding
-    out = ApeRowAttention(0.6, 0.8, 2)(query, key, value, visible, documents, 0.35, 1)
-    swapped = ApeRowAttention(0.8, 0.6, 2)(query, key, value, visible, documents, 0.35, 1)
-    assert not torch.allclose(out[:, :2], swapped[:, :2])
-    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))  # a query that sees nothing gives 0, never NaN
-    assert torch.isfinite(out).all()
-    masses = []
-    ApeRowAttention(0.6, 0.8, 2, masses)(query, key, value, visible, documents, 0.35, 1)
-    assert masses[0].shape == (2,) and 0 < float(masses[0].sum()) <= 1  # the documents' share of the last query
+    visible, documents = _ape_row_mask(keys)
+    out = ApeRowAttention(0.6, 0.8, 2)(query, key, value, visible, documents, 0.35, 2)
+    swapped = ApeRowAttention(0.8, 0.6, 2)(query, key, value, visible, documents, 0.35, 2)
+    assert torch.isfinite(out).all() and not torch.allclose(out, swapped)
+    last, first = [], []
+    ApeRowAttention(0.6, 0.8, 2, last)(query, key, value, visible, documents, 0.35, 2)
+    ApeRowAttention(0.6, 0.8, 2, first)(query, key, value, visible, documents, 0.35, 0)
+    assert last[0].shape == (2,) and 0 < float(last[0].sum()) <= 1  # the documents' share of that query
+    assert not torch.allclose(last[0], first[0])

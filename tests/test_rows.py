@@ -321,3 +321,60 @@ def test_a_smaller_pool_takes_a_larger_pools_rows(model, kernel):
     for step in range(2):
         runs = [[row.run(tokens(130 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
         check(model, rows, small.forward(model, runs, 0, kernel), runs)
+
+
+def _marked(value: float, length: int, first_position: int, document: int = 0) -> Piece:
+    """A piece whose keys all hold ``value`` (so a column's key says which piece it came from)."""
+    return Piece(torch.full((1, 2, 1, length, 1), value), first_position, document=document)
+
+
+def _check_marks(pool: RowPool, document_of_value: dict[float, int]) -> None:
+    keys = pool.layers[0][0][:, 0, :, 0]  # [rows, capacity]
+    real = pool.positions != PAD_POSITION
+    for row in range(pool.rows):
+        for column in range(pool.capacity):
+            expected = document_of_value.get(float(keys[row, column]), 0) if real[row, column] else 0
+            assert int(pool.documents[row, column]) == expected, (row, column)
+
+
+def test_document_marks_and_row_rules_follow_their_rows_through_merge_drop_and_pack():
+    # An APE row's key columns carry their document's index and the row carries its attention rule; a merge,
+    # a drop that reorders rows and a pack must move both with the keys (else APE's merge takes the wrong keys
+    # as documents, or another request's row gets APE's attention).
+    first = RowPool.build([[_marked(1.0, 2, 0), _marked(2.0, 3, 2, document=1)], [_marked(3.0, 1, 0)]],
+                          (1, 1, 1), torch.device("cpu"), torch.float32, attention=["rule a", None])
+    second = RowPool.build([[_marked(5.0, 1, 0), _marked(4.0, 4, 1, document=2)]], (1, 1, 1), torch.device("cpu"),
+                           torch.float32, attention=["rule b"])
+    marks = {2.0: 1, 4.0: 2}
+    first.merge(second)
+    assert first.attention == ["rule a", None, "rule b"]
+    _check_marks(first, marks)
+    first.positions[0, 0] = PAD_POSITION  # interior padding, so the pack moves columns
+    first.keep_rows([2, 0])
+    assert first.attention == ["rule b", "rule a"] and first.width == 5
+    _check_marks(first, marks)
+    assert RowPool.build([[_marked(1.0, 1, 0)]], (1, 1, 1), torch.device("cpu"), torch.float32).attention == [None]
+
+
+def test_a_rows_own_attention_rule_gets_its_row_and_last_query_and_leaves_the_other_rows_alone(model):
+    rows = [Row(model, 61, 5), Row(model, 62, 8)]
+    calls = []
+
+    def rule(query, key, value, visible, documents, scaling, last_query):
+        calls.append((query.shape[0], int(visible[0, 0, last_query].sum()), last_query, int(documents.sum())))
+        return torch.zeros(1, query.shape[2], query.shape[1], query.shape[3])
+
+    pieces = [rows[0].pieces, [Piece(rows[1].pieces[0].kv, 0, document=1)]]
+    plain = RowPool.build(pieces, shape(model), torch.device("cpu"), torch.float32)
+    ruled = RowPool.build(pieces, shape(model), torch.device("cpu"), torch.float32, attention=[None, rule])
+    runs = [[rows[0].run(tokens(63, 3, model))], [rows[1].run(tokens(64, 2, model))]]
+    expected = plain.forward(model, runs, pad_token=0)
+    got = ruled.forward(model, runs, pad_token=0)
+    check(model, rows[:1], got[:1], runs[:1])
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)  # the other row: bit for bit
+    assert not torch.allclose(got[1], expected[1])  # the rule row got the rule's output
+    layers = model.config.num_hidden_layers
+    # row 1's last real query is column 1 of a 3-column step (row 0 takes 3 tokens); it sees its 8 keys and
+    # its own 2 tokens; its 8 cached keys are marked document 1 (in a capacity of 256)
+    assert calls == [(1, 10, 1, 8)] * layers
+    assert (ruled.documents[:, ruled.width - 3:ruled.width] == 0).all()  # written tokens are never documents

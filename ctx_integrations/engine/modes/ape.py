@@ -156,7 +156,6 @@ class ApeRowAttention:
         outside = scores.masked_fill(~(seen & ~is_document), -math.inf)
         p_context, p_outside, weights = merge_softmaxes(context, outside, self.temperature, self.scale)
         out = weights[..., :1] * torch.matmul(p_context, v) + weights[..., 1:] * torch.matmul(p_outside, v)
-        out = torch.where(seen.any(-1, keepdim=True), out, 0.0)  # a padding query sees nothing: 0, not NaN
         if self.masses is not None:
             merged = (weights[..., :1] * p_context).reshape(1, kv_heads, groups, q_len, -1)[:, :, :, last_query]
             per_key = merged.mean(dim=(1, 2))[0]  # [K]
