@@ -41,25 +41,45 @@ def _ape_row_mask(keys: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_rows_without_a_rule_get_the_models_own_attention_and_a_rule_row_its_rule():
-    query, key, value, keys = _inputs(0)
-    mask = torch.rand(2, 1, Q_LEN, keys, generator=torch.Generator().manual_seed(1)) > 0.3
+    query, key, value, keys = _inputs(0, rows=3)
+    mask = torch.rand(3, 1, Q_LEN, keys, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 0] = True  # every query sees something
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = HEADS // KV_HEADS, False  # what transformers' attention reads
     base, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     marker = torch.full((1, Q_LEN, HEADS, DIM), 7.0)
+    documents = torch.arange(3 * keys).reshape(3, keys)
     seen = []
 
-    def rule(q, k, v, visible, documents, scaling, last_query):
-        seen.append((q.shape[0], torch.equal(q, query[1:2]), torch.equal(visible, mask[1:2]), scaling, last_query))
+    def rule(q, k, v, visible, marks, scaling, last_query):
+        seen.append((torch.equal(q, query[1:2]), torch.equal(k, key[1:2]), torch.equal(v, value[1:2]),
+                     torch.equal(visible, mask[1:2]), torch.equal(marks, documents[1:2]), scaling, last_query))
         return marker
 
     out, _ = row_attention(module, query, key, value, mask, scaling=0.3, row_base="sdpa",
-                           row_rules=[(1, rule, 2)], row_documents=torch.zeros(2, keys, dtype=torch.long))
-    assert torch.equal(out[0], base[0]) and torch.equal(out[1], marker[0])
-    assert seen == [(1, True, True, 0.3, 2)]
-    plain, _ = row_attention(module, query, key, value, mask, scaling=0.3, row_base="sdpa")
+                           row_rules=[(1, rule, 2)], row_documents=documents)
+    assert torch.equal(out[0], base[0]) and torch.equal(out[2], base[2]) and torch.equal(out[1], marker[0])
+    assert seen == [(True, True, True, True, True, 0.3, 2)]
+    plain, _ = row_attention(module, query, key, value, mask, scaling=0.3, row_base="sdpa", row_rules=(),
+                             row_documents=documents)
     assert torch.equal(plain, base)
+    row_attention(module, query, key, value, mask, scaling=None, row_base="sdpa", row_rules=[(1, rule, 2)],
+                  row_documents=documents)
+    assert seen[-1][-2] == DIM ** -0.5  # a model that passes no scaling: 1 / sqrt(d), as its own attention
+
+
+def test_a_model_on_eager_attention_keeps_its_own_eager_function():
+    from transformers.models.llama import modeling_llama
+
+    from tests.helpers import tiny_loaded
+
+    module = tiny_loaded("llama").model.model.layers[0].self_attn
+    query, key, value, keys = _inputs(4)
+    additive = torch.zeros(2, 1, Q_LEN, keys)  # eager attention's mask is added to the scores
+    expected, _ = modeling_llama.eager_attention_forward(module, query, key, value, additive, scaling=0.3)
+    out, _ = row_attention(module, query, key, value, additive, scaling=0.3, row_base="eager", row_rules=(),
+                           row_documents=torch.zeros(2, keys, dtype=torch.long))
+    assert torch.equal(out, expected)
 
 
 def test_apes_row_rule_equals_its_sequence_attention_on_the_same_keys_padding_ignored():
