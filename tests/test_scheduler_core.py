@@ -36,6 +36,7 @@ class FakeRunner:
         self.running = threading.Event()  # cleared: the next step waits (requests pile up in the queue)
         self.running.set()
         self.forwards = 0
+        self.attention: list[tuple[int, object]] = []  # (row label, its own attention rule) as rows joined
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
@@ -43,6 +44,7 @@ class FakeRunner:
         out = StepOutput()
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
+        self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
             if self.fail_decode_at == len(self.log):
@@ -116,6 +118,9 @@ class FakeJob(PooledJob):
     def kv_tokens(self) -> int:
         return self.tokens
 
+    def row_attention(self) -> list:
+        return [f"rule of {label}" if label % 2 else None for label in self.labels]
+
     def results(self) -> list:
         return []
 
@@ -134,9 +139,10 @@ class FakeTwoStepJob(FakeJob):
 
 
 class FakeExclusive(ExclusiveJob):
-    def __init__(self, steps: int, kv_tokens: int, gate: threading.Event | None = None):
+    def __init__(self, steps: int, kv_tokens: int, gate: threading.Event | None = None, step_s: float = 0.0):
         def run():
             for _ in range(steps):
+                time.sleep(step_s)
                 yield
             while gate is not None and not gate.is_set():
                 yield
@@ -202,6 +208,9 @@ def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler
         assert len(job.seen) == job.steps
     four = jobs[3].seen  # rows 400 and 402 left after step 2, row 403 after step 5; the rest went on
     assert four[0] == four[1] == [400, 401, 402, 403] and four[2] == [401, 403] and four[5] == [401]
+    # each joining row reached the runner with its own attention rule (odd labels have one here)
+    assert sorted(runner.attention, key=lambda pair: pair[0]) == [
+        (label, f"rule of {label}" if label % 2 else None) for job in jobs for label in job.labels]
     assert runner.labels == [] and sched.active() == (0, 0)
     assert sched.stats.peak_rows >= 5  # the batch did hold several requests at once
 
@@ -413,10 +422,16 @@ def test_an_exclusive_job_that_raises_fails_its_own_request_alone(scheduler):
     assert fine.future.result(timeout=WAIT_S).steps == 3
 
 
-def test_the_stats_add_up_the_runners_forwards(scheduler):
+def test_the_stats_add_up_the_runners_forwards_and_the_exclusive_steps(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=1000)
+    started = time.perf_counter()
     for label in (1, 2):
         sched.submit(submission(FakeJob(label, rows=2))).future.result(timeout=WAIT_S)
     assert sched.stats.forwards == runner.forwards >= 6 and sched.stats.forward_s == 0.5 * runner.forwards
-    assert sched.stats.steps >= 6 and sched.stats.busy_s > 0 and sched.stats.rows_stepped >= 2 * 3
+    assert sched.stats.steps == len(runner.log) and sched.stats.rows_stepped >= 2 * 3
+    assert sched.stats.exclusive_s == 0  # no exclusive job ran: not even the loop's own time is counted
+    assert 0.001 * sched.stats.steps <= sched.stats.busy_s <= time.perf_counter() - started  # each step sleeps 1 ms
+    for _ in range(2):
+        sched.submit(submission(FakeExclusive(steps=3, kv_tokens=1, step_s=0.02))).future.result(timeout=WAIT_S)
+    assert 0.12 <= sched.stats.exclusive_s <= sched.stats.busy_s <= time.perf_counter() - started

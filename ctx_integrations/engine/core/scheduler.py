@@ -454,10 +454,10 @@ class Scheduler:
                 if isinstance(submission.job, ExclusiveJob):
                     submission.job.close()
                 continue
-            if submission.job is None and not self._build(submission):
-                continue
+            if submission.job is None:
+                self._build(submission)
             job = submission.job
-            if submission.over:  # timed out (the watcher) while its plan computed caches
+            if submission.over:  # could not be built, or timed out (the watcher) while its plan computed caches
                 if isinstance(job, ExclusiveJob):
                     job.close()
                 continue
@@ -477,7 +477,7 @@ class Scheduler:
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, reserved)
         return joining
 
-    def _build(self, submission: Submission) -> bool:
+    def _build(self, submission: Submission) -> None:
         """Plan the request's job and size its KV bytes; a job that cannot be built, or never fits, fails alone."""
         try:
             job = submission.plan()
@@ -486,9 +486,8 @@ class Scheduler:
                 job.rows()  # a mode whose rows cannot be laid out fails here, alone
         except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
             self._fail(submission, contained(error))
-            return False
+            return
         submission.job, submission.kv_bytes = job, needed
-        return True
 
     def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Submission]) -> None:
         """Each job chooses its tokens from its own rows' logits on the device; all choices are read back in
