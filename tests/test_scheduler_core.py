@@ -435,3 +435,43 @@ def test_the_stats_add_up_the_runners_forwards_and_the_exclusive_steps(scheduler
     for _ in range(2):
         sched.submit(submission(FakeExclusive(steps=3, kv_tokens=1, step_s=0.02))).future.result(timeout=WAIT_S)
     assert 0.12 <= sched.stats.exclusive_s <= sched.stats.busy_s <= time.perf_counter() - started
+
+
+class FailingJob(FakeJob):
+    """A job whose rule breaks (in ``propose``) or whose emitter breaks (in ``accept``) at its second step."""
+
+    def __init__(self, label: int, where: str, **kwargs):
+        super().__init__(label, **kwargs)
+        self.where = where
+
+    def propose(self, logits):
+        if self.where == "propose" and len(self.seen) == 1:
+            raise ValueError("the rule broke")
+        return super().propose(logits)
+
+    def accept(self, values):
+        if self.where == "accept" and len(self.seen) == 1:
+            raise ValueError("the emitter broke")
+        super().accept(values)
+
+
+@pytest.mark.parametrize("where", ["propose", "accept"])
+def test_a_job_that_breaks_while_choosing_its_token_fails_alone(scheduler, where):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=1000)
+    broken, fine = FailingJob(1, where, rows=2), FakeJob(2, rows=3, steps=4)
+    handles = sched.submit_all([submission(broken), submission(fine)])
+    with pytest.raises(ValueError, match="broke"):
+        handles[0].future.result(timeout=WAIT_S)
+    assert handles[1].future.result(timeout=WAIT_S) is fine and len(fine.seen) == 4
+    assert sched.stats.failed == 1 and runner.labels == []
+
+
+def test_a_request_too_large_for_the_batch_says_how_large_and_what_to_do(scheduler):
+    sched = scheduler(budget=3 * 2**20, bytes_per_token=2**20)
+    with pytest.raises(RequestTooLargeError) as refused:
+        sched.submit(submission(FakeJob(1, kv_tokens=4))).future.result(timeout=WAIT_S)
+    assert str(refused.value) == (
+        "this request needs 4.0 MiB of KV cache (its prompt and max_new_tokens, all its streams), more than the "
+        "3.0 MiB all running requests may hold together: retrieve fewer documents (top_k), lower max_new_tokens, "
+        "or raise Engine(max_batch_bytes=...)")
