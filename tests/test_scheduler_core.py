@@ -29,6 +29,8 @@ WAIT_S = 20
 class FakeRunner:
     """Keeps one label per batch row; answers each row's runs with ``[label, runs]`` rows of 'logits'."""
 
+    attention_kernel = "eager"
+
     def __init__(self, fail_decode_at: int | None = None, fail_join_of: int | None = None):
         self.labels: list[int] = []
         self.log: list[tuple[list[int], list[int]]] = []  # per step: labels decoded, labels joining

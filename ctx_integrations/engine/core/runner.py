@@ -38,10 +38,6 @@ class ModelRunner:
         assert loaded is not None, "a runner runs only while an engine holds its model"
         return loaded
 
-    @property
-    def rows(self) -> int:
-        return self.pool.rows if self.pool is not None else 0
-
     def execute(self, step: ScheduledStep) -> StepOutput:
         """Decode the running rows (one forward), then prefill the joining rows (one forward) and append them."""
         out = StepOutput()
@@ -63,7 +59,7 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 out.join_error = error
             else:
-                if self.pool is None or self.pool.rows == 0:
+                if self.pool is None:
                     self.pool = joining
                 else:
                     self.pool.merge(joining)

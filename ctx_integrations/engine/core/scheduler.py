@@ -219,9 +219,8 @@ class Scheduler:
     ``max_batch_bytes`` the KV bytes the running requests may reserve together.
     """
 
-    def __init__(self, runner: Runner, bytes_per_token: int, max_batch_bytes: int, attention_kernel: str = "eager"):
+    def __init__(self, runner: Runner, bytes_per_token: int, max_batch_bytes: int):
         self.runner, self.bytes_per_token, self.max_batch_bytes = runner, bytes_per_token, max_batch_bytes
-        self.attention_kernel = attention_kernel  # the runner's, resolved by scheduler_for: "eager" or "flex"
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._loading: list[Submission] = []  # on the loader thread
@@ -264,6 +263,11 @@ class Scheduler:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    @property
+    def attention_kernel(self) -> str:
+        """The batch's attention kernel, the runner's (resolved by ``scheduler_for``): ``"eager"`` or ``"flex"``."""
+        return self.runner.attention_kernel
 
     def _waiting(self, owner: object | None) -> list[Submission]:
         """Requests not running yet (holding ``_cond``): loading, ready, or planned and waiting for KV bytes."""
@@ -648,7 +652,7 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
             scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
-                                                              budget, attention_kernel=kernel)
+                                                              budget)
             _LIVE.add(scheduler)
         elif max_batch_bytes is not None and scheduler.max_batch_bytes != max_batch_bytes:
             raise InvalidOptionError(

@@ -60,6 +60,8 @@ class Runner(Protocol):
     """What the scheduler needs of a model runner (:class:`~ctx_integrations.engine.core.runner.ModelRunner`,
     or a fake in tests)."""
 
+    attention_kernel: str  # "eager" or "flex": which attention the batch runs (modes ask, e.g. APE)
+
     def execute(self, step: ScheduledStep) -> StepOutput: ...
 
     def keep_rows(self, keep: list[int]) -> None:

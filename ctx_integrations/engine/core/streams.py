@@ -266,16 +266,14 @@ class Emitter:
                             steps=len(self.trace))
 
 
-PROPOSAL_SIZE = 4  # a proposal's values: token, winner (-1: none), score, the score checked for finiteness
-
-
 def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
                   sampler: TokenSampler) -> tuple[torch.Tensor, object]:
     """The device half of a fused step: fuse the streams' logits ``[K, V]``, pick a token and the stream with
     the most evidence for it, and read nothing back (gpt-fast / nano-vllm keep tokens on the device).
 
-    Returns the proposal (``[PROPOSAL_SIZE]`` float64 on the logits' device, read back later together with
-    every other job's) and the rule's carry; :func:`settle_token` turns the values read into the step.
+    Returns the proposal (float64 ``[token, winner (-1: none), score, the score to check for finiteness]`` on
+    the logits' device, read back later together with every other job's) and the rule's carry;
+    :func:`settle_token` turns the values read into the step.
     """
     fused = rule(logits, state)
     token, checked = sampler.pick(fused.scores)
