@@ -108,3 +108,33 @@ def test_apes_row_rule_with_swapped_knobs_or_another_last_query_differs():
     ApeRowAttention(0.6, 0.8, 2, first)(query, key, value, visible, documents, 0.35, 0)
     assert last[0].shape == (2,) and 0 < float(last[0].sum()) <= 1  # the documents' share of that query
     assert not torch.allclose(last[0], first[0])
+
+
+def test_only_models_without_soft_capping_or_sliding_windows_fit_apes_row():
+    from types import SimpleNamespace as Config
+
+    from ctx_integrations.engine.modes.ape import fits_a_row
+
+    assert fits_a_row(Config())  # Llama: neither
+    assert not fits_a_row(Config(attn_logit_softcapping=50.0))  # Gemma 2
+    assert fits_a_row(Config(attn_logit_softcapping=None, layer_types=["full_attention"] * 2, sliding_window=4096))
+    assert not fits_a_row(Config(layer_types=["full_attention", "sliding_attention"], sliding_window=None))
+    assert not fits_a_row(Config(sliding_window=4096))  # Mistral: a window and no switch
+    assert not fits_a_row(Config(sliding_window=4096, use_sliding_window=True))
+    assert fits_a_row(Config(sliding_window=4096, use_sliding_window=False))  # Qwen2 without layer types
+    assert fits_a_row(Config(sliding_window=None, use_sliding_window=True))
+
+
+def test_apes_row_rule_groups_heads_for_any_kv_head_count():
+    # one and four KV heads (MQA, and no grouping): the row rule must still equal the sequence attention
+    for kv_heads in (1, 4):
+        generator = torch.Generator().manual_seed(kv_heads)
+        keys = PREFIX + ENDS[-1] + Q_LEN + PADDING
+        query = torch.randn(1, HEADS, Q_LEN, DIM, generator=generator)
+        key, value = torch.randn(2, 1, kv_heads, keys, DIM, generator=generator)
+        visible, documents = _ape_row_mask(keys)
+        real = PREFIX + ENDS[-1] + Q_LEN
+        expected, _ = ape_attention(nn.Module(), query, key[:, :, :real], value[:, :, :real], None, scaling=0.35,
+                                    ape_layout=ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.6, 0.8))
+        out = ApeRowAttention(0.6, 0.8, len(ENDS))(query, key, value, visible, documents, 0.35, Q_LEN - 1)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
