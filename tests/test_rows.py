@@ -378,3 +378,27 @@ def test_a_rows_own_attention_rule_gets_its_row_and_last_query_and_leaves_the_ot
     # its own 2 tokens; its 8 cached keys are marked document 1 (in a capacity of 256)
     assert calls == [(1, 10, 1, 8)] * layers
     assert (ruled.documents[:, ruled.width - 3:ruled.width] == 0).all()  # written tokens are never documents
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_rewound_row_answers_as_if_it_never_held_the_dropped_tokens(model, kernel):
+    # RAPID's rejection: a row takes 4 drafts, drops the last 3 (positions >= p), takes 2 other tokens at those
+    # positions; its logits must equal a forward over the kept tokens only. Catches a rewind that leaves the
+    # dropped keys visible (their positions are <= the new queries'), drops one column too many or too few,
+    # or touches a row it was not asked to (the neighbour keeps stepping as if alone).
+    rows = [Row(model, 1, 9), Row(model, 2, 12)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    drafts = tokens(30, 4, model)
+    runs = [[rows[0].run(drafts)], [rows[1].run(tokens(31, 1, model))]]
+    check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+    kept = len(rows[0].ids) - 3
+    pool.rewind({0: kept})
+    assert int((pool.positions[0] != PAD_POSITION).sum()) == kept
+    assert int((pool.positions[1] != PAD_POSITION).sum()) == len(rows[1].ids)
+    rows[0].ids = rows[0].ids[:kept]
+    for step in range(2):
+        runs = [[row.run(tokens(40 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+    pool.pack()  # the dropped columns are padding like any other: packing keeps the answers
+    runs = [[row.run(tokens(50 + b, 1, model))] for b, row in enumerate(rows)]
+    check(model, rows, pool.forward(model, runs, 0, kernel), runs)

@@ -39,6 +39,7 @@ class FakeRunner:
         self.running.set()
         self.forwards = 0
         self.attention: list[tuple[int, object]] = []  # (row label, its own attention rule) as rows joined
+        self.rewinds: list[dict[int, int]] = []  # per step, the batch rows that drop columns first
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
@@ -46,6 +47,7 @@ class FakeRunner:
         out = StepOutput()
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
+        self.rewinds.append(dict(step.rewind))
         self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
@@ -477,3 +479,83 @@ def test_a_request_too_large_for_the_batch_says_how_large_and_what_to_do(schedul
         "this request needs 4.0 MiB of KV cache (its prompt and max_new_tokens, all its streams), more than the "
         "3.0 MiB all running requests may hold together: retrieve fewer documents (top_k), lower max_new_tokens, "
         "or raise Engine(max_batch_bytes=...)")
+
+
+class FakeDraftingJob(FakeJob):
+    """A job that sleeps (``waiting``) until ``arrived`` is set, as RAPID's target row waits for a drafter on another
+    scheduler; ``rewind``: {step: {row: position}} it asks for; ``broken_prepare``: its ``prepare`` raises."""
+
+    def __init__(self, label: int, arrived: threading.Event | None = None, rewind: dict | None = None,
+                 broken_prepare: bool = False, **kwargs):
+        super().__init__(label, **kwargs)
+        self.arrived, self.rewind, self.broken_prepare = arrived, rewind or {}, broken_prepare
+        self.closed = 0
+
+    @property
+    def waiting(self) -> bool:
+        return self.arrived is not None and not self.arrived.is_set()
+
+    def prepare(self) -> None:
+        if self.broken_prepare:
+            raise RuntimeError("the drafter's answer could not be taken up")
+
+    def runs(self):
+        return [[] for _ in self.live] if self.waiting else super().runs()
+
+    def rewinds(self) -> dict[int, int]:
+        return self.rewind.get(len(self.seen), {})
+
+    def propose(self, logits):
+        return torch.empty(0) if self.waiting else super().propose(logits)
+
+    def accept(self, values) -> None:
+        if values:
+            super().accept(values)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_batch_of_waiting_jobs_sleeps_until_woken_and_never_lets_its_rows_go(scheduler, monkeypatch):
+    # Catches a loop that spins empty steps while every job waits on another scheduler, and a thread that exits
+    # after its idle time while rows are still in the batch (the waiting request would never be answered).
+    monkeypatch.setattr("ctx_integrations.engine.core.scheduler.IDLE_EXIT_S", 0.05)
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    arrived = threading.Event()
+    job = FakeDraftingJob(1, arrived=arrived, steps=2)
+    handle = sched.submit(submission(job))
+    wait_until(lambda: sched.active() == (1, 1), "the waiting job to join")
+    steps = len(runner.log)
+    time.sleep(0.3)  # six idle times
+    assert len(runner.log) == steps and sched._thread is not None and sched._thread.is_alive()
+    arrived.set()
+    sched.wake()
+    assert handle.future.result(timeout=WAIT_S) is job and len(job.seen) == 2
+    assert job.closed == 1  # told once that its request left
+
+
+def test_rewinds_reach_the_runner_as_batch_rows(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=10_000)
+    gate = threading.Event()
+    first = sched.submit(submission(FakeJob(1, rows=3, steps=1, gate=gate)))
+    wait_until(lambda: sched.active() == (1, 3), "the first job to run")
+    second = sched.submit(submission(FakeDraftingJob(2, rows=2, steps=4, rewind={2: {1: 7}})))
+    wait_until(lambda: any(r for r in runner.rewinds), "a rewind")
+    assert [r for r in runner.rewinds if r] == [{3 + 1: 7}]  # after the first job's three rows
+    gate.set()
+    first.future.result(timeout=WAIT_S)
+    second.future.result(timeout=WAIT_S)
+
+
+def test_a_job_whose_prepare_raises_fails_alone_and_is_closed(scheduler):
+    sched = scheduler(budget=10_000)
+    broken = FakeDraftingJob(1, broken_prepare=True)
+    fine = FakeDraftingJob(2)
+    handles = [sched.submit(submission(job)) for job in (broken, fine)]
+    with pytest.raises(RuntimeError, match="could not be taken up"):
+        handles[0].future.result(timeout=WAIT_S)
+    assert handles[1].future.result(timeout=WAIT_S) is fine
+    wait_until(lambda: broken.closed == 1 and fine.closed == 1, "both jobs to be closed")
+    assert sched.active() == (0, 0)

@@ -9,8 +9,8 @@ K streams, one rule over their K logit rows, one chosen token appended to all K.
 questions and MapReduce's map step are pooled jobs of their own; a job may hand its request on to a
 follow-up job (MapReduce's reduce step).
 
-An *exclusive* job (RAPID's draft/verify with cache rewinds; APE on the flex kernel; MapReduce with a
-compiled step) runs its own forward passes on the model between the pooled steps: it is a generator
+An *exclusive* job (APE on the flex kernel or on a sliding-window / soft-capped model; MapReduce with a
+compiled step; ``warm()``) runs its own forward passes on the model between the pooled steps: it is a generator
 that yields after each forward, so a long answer never holds the other requests for more than a step.
 """
 
@@ -58,6 +58,10 @@ class Job:
         """
         return None
 
+    def close(self) -> None:
+        """The request left (answered, failed, cancelled or timed out): release what the job holds outside the
+        batch (an exclusive job's generator, RAPID's drafter rows on another model's scheduler)."""
+
     def kv_tokens(self) -> int:
         """The KV tokens this request may hold at once, all its rows, prompt + answer budget: what the
         scheduler reserves before admitting it. By default what the mode declared when it checked its
@@ -76,9 +80,25 @@ class PooledJob(Job):
         """Per row, its own attention rule (``row_attention.py``: APE's merge), or ``None``: the model's own."""
         return [None] * len(self.rows())
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the job takes no tokens until something outside this batch wakes the scheduler (RAPID's
+        target row while a drafter on another model's scheduler drafts); a batch of waiting jobs lets the
+        scheduler's thread sleep instead of stepping empty forwards."""
+        return False
+
+    def prepare(self) -> None:
+        """Take up, before the step is planned, what arrived from outside the batch (RAPID's drafts from another
+        model's scheduler). Called once per step, joining jobs included; raising fails this request alone."""
+
     def runs(self) -> list[list[Run]]:
         """The tokens each row takes this step (the first step: the prompt's uncached suffix)."""
         raise NotImplementedError
+
+    def rewinds(self) -> dict[int, int]:
+        """Rows (indices among the job's rows) whose cached columns at virtual positions ``>=`` the given one
+        leave before this step's runs (RAPID's rejected drafts); most jobs never rewind."""
+        return {}
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """Per row, the logits after each of its runs (``[runs, V]``): choose this step's tokens on the device.

@@ -219,6 +219,26 @@ class RowPool:
         self.attention = [self.attention[row] for row in keep]
         self.pack()
 
+    @torch.inference_mode()
+    def rewind(self, rows: dict[int, int]) -> None:
+        """Per row ``{row: position}``, drop the row's columns at virtual positions ``>= position`` (they become
+        padding; :meth:`pack` reclaims them). A speculative row's rejected drafts leave its cache this way.
+
+        Keys are stored after RoPE, so a later token at one of those positions is written in a new column;
+        nothing else of the row moves. Only rows whose positions grow along their columns (one sequence, as
+        RAPID's target and drafter rows) may be rewound by position.
+        """
+        if not rows:
+            return
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.positions.device)
+        limit = torch.tensor(list(rows.values()), dtype=torch.long, device=self.positions.device)
+        used = self.positions[index, : self.width]
+        dropped = (used >= limit.unsqueeze(1)) & (used != PAD_POSITION)
+        self.positions[index, : self.width] = used.masked_fill(dropped, PAD_POSITION)
+        for ids in (self.contexts, self.questions):
+            ids[index, : self.width] = ids[index, : self.width].masked_fill(dropped, PAD_ID)
+        self.documents[index, : self.width] = self.documents[index, : self.width].masked_fill(dropped, 0)
+
     def padding_share(self) -> float:
         """The share of the columns in use that are padding (attention reads them for nothing)."""
         used = self.positions[:, : self.width]

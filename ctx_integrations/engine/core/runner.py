@@ -42,6 +42,7 @@ class ModelRunner:
         """Decode the running rows (one forward), then prefill the joining rows (one forward) and append them."""
         out = StepOutput()
         if self.pool is not None and step.decode:
+            self.pool.rewind(dict(step.rewind))
             try:
                 out.decoded = self._forward(self.pool, step.decode, out)
             except Exception as error:  # noqa: BLE001 - the scheduler fails the requests this forward held

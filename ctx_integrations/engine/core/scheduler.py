@@ -15,7 +15,7 @@ model's work); at every step the scheduler thread
    ``single`` / ``concat`` / chat sequences, IPPD stacks) and the joining rows with their prompts; the
    runner runs one batched forward over the running rows and one prefill forward over the joining
    rows, and returns per-row logits; each job turns its own rows' logits into tokens with its rule,
-4. advances each exclusive job (RAPID; APE on the flex kernel; compiled MapReduce) by one forward of its own,
+4. advances each exclusive job (APE on the flex kernel; compiled MapReduce; ``warm``) by one forward of its own,
 5. hands finished answers back to their callers.
 
 Why a new request's prefill runs in its own forward rather than inside the decode step: the batch is
@@ -167,7 +167,7 @@ class SchedulerStats:
     steps: int = 0
     forwards: int = 0
     forward_s: float = 0.0  # the runner's batched forwards (pooled jobs)
-    exclusive_s: float = 0.0  # exclusive jobs' own steps (RAPID, flex APE, compiled MapReduce, warm), forwards included
+    exclusive_s: float = 0.0  # exclusive jobs' own steps (flex APE, compiled MapReduce, warm), forwards included
     busy_s: float = 0.0  # whole steps: the above plus the scheduler's and the pooled jobs' own work
     rows_stepped: int = 0  # rows summed over steps (divided by steps: how many rows a step carried)
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
@@ -344,6 +344,7 @@ class Scheduler:
         # a held request stays where it is: the step loop drops it (and closes its job) at its next step
         if _settle(submission.future, error=_timeout_error(submission)):
             self.stats.timed_out += 1
+        self._cond.notify_all()  # a step loop asleep over waiting jobs retires a running one now
 
     # -- the model's side ----------------------------------------------------------------------------
     def stop(self, notice_after: float = EXIT_NOTICE_S) -> None:
@@ -380,14 +381,25 @@ class Scheduler:
             release_freed_memory()
 
     def _wait_for_work(self) -> list[Submission] | None:
-        """The requests to admit at the next step, or None when the loop ends (stopping, or idle for a while)."""
+        """The requests to admit at the next step, or None when the loop ends (stopping, or idle for a while).
+
+        A batch whose every job is :attr:`~PooledJob.waiting` (on a drafter running on another model's
+        scheduler) is no work: the thread sleeps until something wakes it (the drafter's answer, a
+        cancellation, a deadline) instead of stepping empty forwards; it never exits while it holds rows.
+        """
         with self._cond:
-            while not (self._ready or self._held or self._batch.entries or self._exclusive) or self._stopping:
-                if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S)
-                                      and not (self._ready or self._loading)):
+            while not self._has_work() or self._stopping:
+                if self._stopping or (not self._cond.wait(timeout=IDLE_EXIT_S) and not (
+                        self._ready or self._loading or self._batch.entries)):
                     self._thread = None
                     return None
             return self._take_ready()
+
+    def _has_work(self) -> bool:
+        """Whether a step has something to do (holding ``_cond``)."""
+        return bool(self._ready or self._held or self._exclusive or any(
+            not job.waiting or submission.over or submission.cancelled.is_set()
+            for job, submission, _ in self._batch.entries))
 
     def _fail_all(self, admit: list[Submission], error: BaseException) -> None:
         """Fail every running request and the ones being admitted, and start over with an empty pool.
@@ -398,12 +410,10 @@ class Scheduler:
         with self._cond:
             running = [s for _, s, _ in self._batch.entries] + [s for _, s in self._exclusive]
             held, self._held = self._held, None
-            for job, _ in self._exclusive:
-                job.close()
             self._batch, self._exclusive = RowTable(), []
         self.runner.keep_rows([])
         for submission in (*running, *admit, *([held] if held is not None else [])):
-            if isinstance(submission.job, ExclusiveJob) and submission not in running:
+            if submission.job is not None:
                 submission.job.close()
             self._fail(submission, error)
         dropped, self._dropped = self._dropped, []
@@ -421,10 +431,14 @@ class Scheduler:
     def _step(self, admit: list[Submission], started: float) -> None:
         self._expire()
         joining = self._plan(admit)
+        for job, submission, _ in (*self._batch.entries, *joining.entries):
+            if not submission.over:
+                self._guard(submission, job.prepare)
         output = self.runner.execute(ScheduledStep(
             decode=self._batch.runs(), joining=[row for job, _, _ in joining.entries for row in job.rows()],
             joining_runs=joining.runs(),
-            joining_attention=[rule for job, _, _ in joining.entries for rule in job.row_attention()]))
+            joining_attention=[rule for job, _, _ in joining.entries for rule in job.row_attention()],
+            rewind=self._batch.rewinds()))
         self._consume(output, joining)
         exclusive_started = time.perf_counter()
         for job, submission in list(self._exclusive):
@@ -455,14 +469,14 @@ class Scheduler:
         reserved = self._reserved()
         for index, submission in enumerate(admit):
             if self._expired(submission):
-                if isinstance(submission.job, ExclusiveJob):
+                if submission.job is not None:
                     submission.job.close()
                 continue
             if submission.job is None:
                 self._build(submission)
             job = submission.job
             if submission.over:  # could not be built, or timed out (the watcher) while its plan computed caches
-                if isinstance(job, ExclusiveJob):
+                if job is not None:
                     job.close()
                 continue
             if reserved + submission.kv_bytes > self.max_batch_bytes and (reserved or joining.entries):
@@ -506,7 +520,7 @@ class Scheduler:
             for _, submission, _ in joining.entries:
                 self._fail(submission, output.join_error)
         elif output.joined is not None:
-            taking.extend(joining.split(output.joined))
+            taking.extend(entry for entry in joining.split(output.joined) if not entry[1].over)
             with self._cond:
                 self._batch.extend(joining)
         proposals = []
@@ -570,12 +584,13 @@ class Scheduler:
             for job, submission in self._exclusive:
                 if submission.over or job.done:
                     finished.append((job, submission))
-                    job.close()
                 else:
                     still.append((job, submission))
             self._exclusive = still
         if keep is not None:
             self.runner.keep_rows(keep)
+        for job, _ in finished:
+            job.close()
         for job, submission in finished:
             if not submission.over and not self._follow_up(job, submission):
                 self._finish(job, submission)
@@ -602,8 +617,7 @@ class Scheduler:
         """The KV bytes ``job`` reserves; :class:`RequestTooLargeError` when even alone it could never fit."""
         needed = job.kv_tokens() * self.bytes_per_token
         if needed > self.max_batch_bytes:
-            if isinstance(job, ExclusiveJob):
-                job.close()
+            job.close()
             raise RequestTooLargeError(
                 f"this request needs {needed / 2**20:.1f} MiB of KV cache (its prompt and max_new_tokens, all its "
                 f"streams), more than the {self.max_batch_bytes / 2**20:.1f} MiB all running requests may hold "

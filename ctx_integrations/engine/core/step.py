@@ -12,7 +12,7 @@ scheduler never walks row offsets by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -30,13 +30,16 @@ class ScheduledStep:
     ``joining_runs``: per new row, its first runs (the prompt's uncached suffix);
     ``joining_attention``: per new row, its own attention rule (``row_attention.py``; APE's merge) or
     ``None`` (empty: none has one). Joining rows are prefilled in a forward of their own and appended
-    after the running rows (docs/scheduler.md says why).
+    after the running rows (docs/scheduler.md says why). ``rewind``: running rows (batch index) whose
+    columns at virtual positions ``>=`` the given one are dropped before the decode forward (a
+    speculative row's rejected drafts).
     """
 
     decode: Sequence[Sequence[Run]] = ()
     joining: Sequence[Sequence[Piece]] = ()
     joining_runs: Sequence[Sequence[Run]] = ()
     joining_attention: Sequence[object | None] = ()
+    rewind: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,7 +80,7 @@ T = TypeVar("T")
 class RowTable(Generic[J, S]):
     """The running batch's rows in order, grouped by request: ``(job, submission, rows)`` per request.
 
-    Jobs expose ``runs()`` (per row) and ``take_finished_rows()``; the table turns them into the
+    Jobs expose ``runs()`` (per row), ``rewinds()`` and ``take_finished_rows()``; the table turns them into the
     batch's per-row lists and back, so row offsets are computed here only.
     """
 
@@ -90,6 +93,14 @@ class RowTable(Generic[J, S]):
     def runs(self) -> list[list[Run]]:
         """Every row's runs this step, in batch order."""
         return [list(row) for job, _, _ in self.entries for row in job.runs()]
+
+    def rewinds(self) -> dict[int, int]:
+        """The rows that drop columns before this step's runs (batch index: first dropped virtual position)."""
+        rewind, offset = {}, 0
+        for job, _, rows in self.entries:
+            rewind.update({offset + row: position for row, position in job.rewinds().items()})
+            offset += rows
+        return rewind
 
     def split(self, per_row: Sequence[T]) -> Iterator[tuple[J, S, list[T]]]:
         """Each request with its own slice of a per-row list (e.g. the step's logits)."""
