@@ -126,8 +126,8 @@ def test_serving(tmp_path):
         # the scheduler's time split over the concurrent cell: shares of its busy time, rows per step
         assert 0 < r["forward_share"] and r["forward_share"] + r["exclusive_share"] <= 1 + 1e-9
         assert r["overhead_ms_per_step"] >= 0 and r["rows_per_step"] > 0
-        # the methods mix (pced, ape, rapid) runs APE and RAPID as exclusive jobs; pced alone has none
-        assert (r["exclusive_share"] > 0) == (r["mode"] == "methods")
+        # every method of the mix (pced, ape, rapid, concat, ippd) runs in the shared batch: no exclusive step
+        assert r["exclusive_share"] == 0
 
 
 def test_ape_search(tmp_path):

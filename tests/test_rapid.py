@@ -483,25 +483,30 @@ def test_the_tail_rule_error_names_both_rules_and_what_they_do():
 
 
 @pytest.mark.parametrize("tail_rule", ["paper", "draft_head"])
-def test_the_chosen_tail_rule_reaches_every_verification_step(monkeypatch, tail_rule):
-    """``generate(..., tail_rule=...)`` must arrive at ``verify`` in every round, not only in the rule's own tests.
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_chosen_tail_rule_reaches_every_verification_step(monkeypatch, tail_rule, temperature):
+    """``generate(..., tail_rule=...)`` must arrive at the verdict in every round, not only in the rule's own tests:
+    sampled rounds call ``verify``, greedy rounds its on-device twin ``greedy_verdict``.
 
     Catches a call chain that drops the option (the loop's default, "paper", would then run silently).
     """
-    from ctx_integrations.engine.modes import rapid
+    from ctx_integrations.engine.modes import speculative_rows
 
     seen: list[str] = []
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["tail_rule"])
-        return verify(*args, **kwargs)
+    def spy(real):
+        def spying(*args, **kwargs):
+            seen.append(kwargs["tail_rule"])
+            return real(*args, **kwargs)
+        return spying
 
-    monkeypatch.setattr(rapid, "verify", spy)
+    monkeypatch.setattr(speculative, "verify", spy(verify))
+    monkeypatch.setattr(speculative_rows, "greedy_verdict", spy(speculative.greedy_verdict))
     engine = Engine(sharp_tiny(0))
     drafter = Engine(sharp_tiny(0, noise=0.05))
-    engine.generate(QUESTION, DOCS, mode="rapid", drafter=drafter, gamma=3, eta=1.0, tail_rule=tail_rule,
-                    max_new_tokens=8, temperature=1.0, seed=0, **WHOLE_CONTEXT)
-    assert seen and set(seen) == {tail_rule}
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", drafter=drafter, gamma=3, eta=1.0, tail_rule=tail_rule,
+                             max_new_tokens=8, temperature=temperature, seed=0, **WHOLE_CONTEXT)
+    assert seen and set(seen) == {tail_rule} and answer.extra["drafted"] > 0
 
 
 def test_the_two_tail_rules_sample_differently_end_to_end():

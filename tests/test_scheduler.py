@@ -29,8 +29,8 @@ DOCS = [
     "The secret code of the vault is 4721.",
 ]
 
-# mixed modes, document counts and lengths, answer budgets (APE and RAPID run as exclusive jobs beside them;
-# MapReduce's map rows, then its reduce row, share the batch)
+# mixed modes, document counts and lengths, answer budgets (APE's rows with their own attention rule, RAPID's
+# target and drafter rows, MapReduce's map rows then its reduce row: all share the batch)
 REQUESTS = [
     dict(query="Who is the mayor?", documents=DOCS[:2], mode="pced", max_new_tokens=12),
     dict(query="What is the secret code?", documents=DOCS, mode="pced", max_new_tokens=20, gamma=0.0),
@@ -403,10 +403,13 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
         return await asyncio.gather(
             *(engine.agenerate(q, DOCS[:3], max_new_tokens=6) for q in ("Who is the mayor?", "Where is it?")),
             engine.agenerate("What river?", DOCS[:2], mode="soft_nbce", max_new_tokens=6, rule="nbce_code"),
-            engine.agenerate_many(["When is the fair?", "Who is the harbour master?"], DOCS[2:4], max_new_tokens=6))
+            engine.agenerate_many(["When is the fair?", "Who is the harbour master?"], DOCS[2:4], max_new_tokens=6),
+            engine.agenerate("Who is it?", DOCS[:3], mode="rapid", gamma=3, max_new_tokens=6, draft_context_tokens=16,
+                             chunk_tokens=8, ranking="scores"))
 
     answers = asyncio.run(run())
     assert all(len(a.token_ids) == 6 for a in answers[:3]) and steps[0] >= 6
+    assert answers[-1].extra["drafted"] > 0  # RAPID's drafts and verdicts were read with the batch's tokens
     assert reads[0] == steps[0]
 
 

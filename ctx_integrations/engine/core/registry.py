@@ -79,6 +79,7 @@ class EngineParts(Protocol):
     loaded: LoadedModel
     layout: PromptLayout
     store: KVCacheStore
+    scheduler: Any  # the model's scheduler (RAPID hands its drafter row to the drafter model's own)
 
 
 ModeFunction = Callable[..., Any]  # returns a ``jobs.Job`` (jobs.py imports this module, not the reverse)

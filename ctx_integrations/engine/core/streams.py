@@ -3,7 +3,7 @@
 ``TokenSampler`` picks a token from scores, ``StopCriteria`` says when to stop, ``IncrementalText`` turns
 token ids into streamed text, and ``Emitter`` records one answer as it is decoded (trace, streaming,
 stopping, time to first token). The scheduler's pooled jobs use these with the shared row pool
-(``rows.py``); exclusive jobs (APE, RAPID, MapReduce) run their own streams with ``forward_streams``
+(``rows.py``); exclusive jobs (flex APE, compiled MapReduce) run their own streams with ``forward_streams``
 and the step generators ``fused_steps`` / ``independent_steps``, which yield after every forward pass.
 """
 
@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -51,7 +50,6 @@ class FusionState:
 
 FIRST_STEP = FusionState()
 FusionRule = Callable[[torch.Tensor, FusionState], FusedStep]
-Result = TypeVar("Result")
 
 
 def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
@@ -79,7 +77,7 @@ def forward_streams_keep(model: torch.nn.Module, streams: StreamBatch, input_ids
                          keep: int) -> torch.Tensor:
     """Like :func:`forward_streams`, returning the logits of the last ``keep`` positions ([B, keep, V], fp32).
 
-    Speculative verification (RAPID) scores every drafted token in one pass and needs them all.
+    A prefill whose every position's next-token distribution is read (APE's exactness tests) needs them all.
     """
     batch, length = input_ids.shape
     positions = streams.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
@@ -334,20 +332,3 @@ def independent_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer
             return [e.result() for e in emitters]
         logits = forward(torch.tensor(chosen, device=device).unsqueeze(1))
         yield
-
-
-def run_to_end(steps: Generator[None, None, Result]) -> Result:
-    """Drive a step generator to its end at once (outside the scheduler, e.g. a benchmark's reference run)."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            return finished.value
-
-
-def decode_fused(model: torch.nn.Module, tokenizer: object, streams: StreamBatch, first_logits: torch.Tensor,
-                 rule: FusionRule, sampler: TokenSampler, stop: StopCriteria,
-                 on_token: Callable[[str], None] | None = None, started: float | None = None) -> DecodeResult:
-    """:func:`fused_steps` over ``streams`` with ``model``, run to the end at once."""
-    return run_to_end(fused_steps(lambda ids: forward_streams(model, streams, ids), tokenizer, first_logits, rule,
-                                  sampler, stop, on_token, started))

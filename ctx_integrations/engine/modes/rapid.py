@@ -10,35 +10,30 @@ are options), chunks below similarity 0.3 are dropped, and the best ones are kep
 order within a budget bounded between 4096 tokens and 1/24 of the input length
 (:func:`draft_budget`). Each round the drafter proposes ``gamma`` tokens from its own cache, the
 target scores them all in one forward pass, :func:`~ctx_integrations.engine.modes.speculative.verify`
-accepts a prefix, and both caches are rewound to the accepted sequence.
+accepts a prefix, and both drop the rejected tokens. Target and drafter are rows of the shared batch
+(``speculative_rows.py``), so RAPID requests decode beside every other request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Generator
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from ctx_integrations.engine.core.cache import CachedKV, StreamBatch, batch_streams
-from ctx_integrations.engine.core.jobs import ExclusiveJob, single_result
+from ctx_integrations.engine.core.disk import CacheStats
+from ctx_integrations.engine.core.jobs import FusedJob, Stream
 from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
-from ctx_integrations.engine.core.streams import (
-    DecodeResult,
-    Emitter,
-    StopCriteria,
-    TokenSampler,
-    TraceStep,
-    decode_fused,
-    forward_streams,
-    forward_streams_keep,
-    single_stream,
-)
+from ctx_integrations.engine.core.rows import Piece
+from ctx_integrations.engine.core.scheduler import Submission
+from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, single_stream
 from ctx_integrations.engine.core.validation import choice, real_number, whole_number
-from ctx_integrations.engine.modes.speculative import check_tail_rule, scaled_logits, verify
+from ctx_integrations.engine.modes.speculative import check_tail_rule
+from ctx_integrations.engine.modes.speculative_rows import DraftChannel, DraftJob, DraftRow, RapidJob, SequenceRow
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
 
@@ -203,127 +198,23 @@ def check_drafter(engine: EngineParts, drafter: object) -> EngineParts:
     return drafter
 
 
-class _Side:
-    """One model in the speculative loop: its cache, and which tokens of its sequence are already in it."""
+def _report_drafter_failure(channel: DraftChannel) -> Callable[[Future], None]:
+    """Hand a failure of the drafter's request (on its own scheduler) to the RAPID request waiting for it."""
 
-    def __init__(self, model: torch.nn.Module, streams: StreamBatch, width: int):
-        self.model, self.streams, self.width, self.fed = model, streams, width, []
+    def done(future: Future) -> None:
+        if future.cancelled():
+            channel.fail(InvalidOptionError("the drafter's request was cancelled before it drafted"))
+        elif future.exception() is not None:
+            channel.fail(future.exception())
 
-    def forward(self, sequence: list[int], keep: int) -> torch.Tensor:
-        """Make the cache hold ``sequence``; return the logits of its last ``keep`` positions ([keep, V])."""
-        self.rewind(sequence)
-        if len(self.fed) > len(sequence) - keep:  # the last ``keep`` tokens must go through this pass
-            self.rewind(sequence[: len(sequence) - keep])
-        new = sequence[len(self.fed):]
-        ids = torch.tensor([new], device=self.streams.positions.device)
-        logits = forward_streams_keep(self.model, self.streams, ids, keep)[0, :, : self.width]
-        self.fed = list(sequence)
-        return logits
-
-    def rewind(self, sequence: list[int]) -> None:
-        """Drop cached tokens after the longest common prefix of what was fed and ``sequence``."""
-        common = 0
-        for fed, wanted in zip(self.fed, sequence):
-            if fed != wanted:
-                break
-            common += 1
-        drop = len(self.fed) - common
-        if drop:
-            self.streams.cache.crop(-drop)
-            self.streams.attention_mask = self.streams.attention_mask[:, :-drop]
-            self.streams.positions = self.streams.positions - drop
-            self.fed = self.fed[:common]
-
-
-@dataclass
-class _Stats:
-    drafted: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-    draft_passes: int = 0
-
-
-def _draft(drafter: _Side, sequence: list[int], gamma: int, sampler: TokenSampler,
-           eos: frozenset[int], stats: _Stats) -> Generator[None, None, tuple[list[int], torch.Tensor | None]]:
-    """Propose up to ``gamma`` tokens (stopping after an EOS); return them and the distributions they came from.
-
-    Yields after each of the drafter's forward passes (the scheduler runs other requests in between).
-    """
-    drafts, dists = [], []
-    for _ in range(gamma):
-        q = torch.softmax(scaled_logits(drafter.forward(sequence + drafts, 1)[0], sampler.temperature, sampler.top_p),
-                          dim=-1)
-        stats.draft_passes += 1
-        yield
-        token = int(q.argmax()) if sampler.temperature == 0 else int(
-            torch.multinomial(q.cpu(), 1, generator=sampler.generator))
-        drafts.append(token)
-        dists.append(q)
-        if token in eos:
-            break
-    return drafts, torch.stack(dists) if dists else None
-
-
-def speculate(ctx: DecodeContext, target: _Side, drafter: _Side, target_prompt: list[int], draft_prompt: list[int],
-              gamma: int, eta: float, tail_rule: str = "paper") -> Generator[None, None, DecodeResult]:
-    """The draft / verify loop: one target forward pass per round, both caches rewound to the accepted text.
-
-    A generator that yields after every forward pass (drafter or target) and returns the result.
-    """
-    sampler, stats, generated, drafted_flags = ctx.sampler, _Stats(), [], []
-    emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
-    while not emitter.done:
-        g = min(gamma, ctx.stop.max_new_tokens - len(emitter.trace) - 1)
-        drafts, dists = yield from _draft(drafter, draft_prompt + generated, g, sampler, ctx.stop.eos_token_ids,
-                                          stats)
-        logits = target.forward(target_prompt + generated + drafts, len(drafts) + 1)
-        stats.target_passes += 1
-        yield
-        if dists is None:
-            verdict_accepted, token = 0, sampler(logits[0])
-        else:
-            verdict = verify(logits, dists, drafts, eta=eta, temperature=sampler.temperature, top_p=sampler.top_p,
-                             generator=sampler.generator, tail_rule=tail_rule)
-            verdict_accepted, token = verdict.accepted, verdict.token
-            stats.drafted += len(drafts)
-            stats.accepted += verdict.accepted
-        emitted = drafts[:verdict_accepted] + [token]
-        log_p = torch.log_softmax(scaled_logits(logits[: len(emitted)], sampler.temperature), dim=-1)
-        for i, t in enumerate(emitted):
-            if not emitter.done:
-                emitter.push(TraceStep(t, None, float(log_p[i, t])))
-                generated.append(t)
-                drafted_flags.append(i < verdict_accepted)
-    result = emitter.result()
-    result.extra.update(drafted_tokens=drafted_flags[: len(result.token_ids)], drafted=stats.drafted,
-                        accepted=stats.accepted, target_passes=stats.target_passes,
-                        draft_passes=stats.draft_passes,
-                        acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0)
-    return result
-
-
-def _target_alone_rate(ctx: DecodeContext, prefix: CachedKV, long_kv: CachedKV, suffix: list[int],
-                       max_new_tokens: int) -> float:
-    """Tokens per second of the target alone, timed over the same window as RAPID's ``rapid_decode_s``.
-
-    Both windows start from the cache of prefix + long context + all but the last suffix token.
-    """
-    loaded = ctx.engine.loaded
-    streams = batch_streams(prefix, [long_kv])
-    forward_streams(loaded.model, streams, torch.tensor([suffix[:-1]], device=loaded.device))
-    start = time.perf_counter()
-    first = forward_streams(loaded.model, streams, torch.tensor([suffix[-1:]], device=loaded.device))
-    sampler = TokenSampler(ctx.sampler.temperature, ctx.sampler.top_p)
-    stop = StopCriteria(frozenset(), max_new_tokens)  # same token count as RAPID, EOS or not
-    result = decode_fused(loaded.model, loaded.tokenizer, streams, first, single_stream, sampler, stop)
-    return len(result.token_ids) / (time.perf_counter() - start)
+    return done
 
 
 @register_mode("rapid")
 def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
               draft_context_tokens: int | None = None, chunk_tokens: int = 512, min_similarity: float = 0.3,
               ranking: str = "dense", draft_embedder: object = None, tail_rule: str = "paper",
-              compare_target: bool = False) -> ExclusiveJob:
+              compare_target: bool = False) -> RapidJob:
     """Retrieval-augmented speculative decoding.
 
     gamma: tokens drafted per round (10, the paper's). eta: how strongly the drafter's distribution
@@ -335,28 +226,20 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     the documents' "scores", or "auto" (scores when they differ, else BM25); chunks below
     ``min_similarity`` (0.3) dropped, original order; ``draft_context_tokens`` None: the paper's
     bounds (:func:`draft_budget`), an int: at most that many tokens (the best chunk always kept).
-    compare_target: also decode with the target alone and report the measured speedup (adds that run's
-    time to ``total_s``). temperature / top_p / seed are the engine's; temperature 0 is the greedy variant.
-    Runs as an exclusive job (two caches rewound every round), one forward per scheduler step.
+    compare_target: then decode as many tokens with the target alone (batched like any request) and
+    report the measured speedup (adds that run's time to ``total_s``). temperature / top_p / seed are
+    the engine's; temperature 0 is the greedy variant. The target and drafter are rows of the shared
+    batch (``speculative_rows.py``); a drafter model of its own drafts on that model's scheduler.
     """
     _check_options(gamma, eta, draft_context_tokens, chunk_tokens, min_similarity, ranking)
     check_tail_rule(tail_rule)
     draft_engine = check_drafter(ctx.engine, drafter)
-    settings = dict(gamma=gamma, eta=eta, draft_context_tokens=draft_context_tokens, chunk_tokens=chunk_tokens,
-                    min_similarity=min_similarity, ranking=ranking, draft_embedder=draft_embedder,
-                    tail_rule=tail_rule, compare_target=compare_target)
-    return ExclusiveJob([ctx], single_result(_rapid_steps(ctx, draft_engine, **settings)))
-
-
-def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, *, gamma: int, eta: float,
-                 draft_context_tokens: int | None, chunk_tokens: int, min_similarity: float, ranking: str,
-                 draft_embedder: object, tail_rule: str, compare_target: bool) -> Generator[None, None, DecodeResult]:
     engine, layout = ctx.engine, ctx.engine.layout
     context_ids = [layout.context_ids(d.text) for d in ctx.documents]
     long_ids = [t for ids in context_ids for t in ids]
-    suffix = layout.suffix_ids(ctx.query)
-    ctx.check_window(len(layout.prefix_ids) + len(long_ids) + len(suffix), "the long context (all documents)")
-    ctx.check_streams(2, len(layout.prefix_ids) + len(long_ids) + len(suffix) + ctx.stop.max_new_tokens + gamma,
+    suffix, prefix_len = layout.suffix_ids(ctx.query), len(layout.prefix_ids)
+    ctx.check_window(prefix_len + len(long_ids) + len(suffix), "the long context (all documents)")
+    ctx.check_streams(2, prefix_len + len(long_ids) + len(suffix) + ctx.stop.max_new_tokens + gamma,
                       "RAPID's target and drafter streams")
     kept, used_ranking, (min_tokens, budget) = draft_chunks(ctx, context_ids, chunk_tokens, ranking, draft_embedder,
                                                             draft_context_tokens, min_similarity)
@@ -368,31 +251,62 @@ def _rapid_steps(ctx: DecodeContext, draft_engine: EngineParts, *, gamma: int, e
     ctx.timings["long_context_s"] = time.perf_counter() - ctx.started
     width = min(engine.loaded.model.get_output_embeddings().weight.shape[0],
                 draft_engine.loaded.model.get_output_embeddings().weight.shape[0])
-    target = _Side(engine.loaded.model, batch_streams(prefix, [long_kv]), width)
-    drafter_side = _Side(draft_engine.loaded.model, batch_streams(draft_engine.store.prefix(layout), [None]), width)
-    target.forward(suffix[:-1], 1)
-    ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
-    yield
-    decode_start = time.perf_counter()
-    drafter_side.forward(short_ids + suffix[:-1], 1)
-    ctx.timings["draft_prefill_s"] = time.perf_counter() - decode_start
-    yield
-    result = yield from speculate(ctx, target, drafter_side, suffix, short_ids + suffix, gamma, eta, tail_rule)
-    rapid_s = time.perf_counter() - decode_start
-    n = len(result.token_ids)
-    ctx.timings.update(rapid_decode_s=rapid_s, rapid_tokens_per_s=n / rapid_s,
-                       acceptance_rate=result.extra["acceptance_rate"], drafted=float(result.extra["drafted"]),
-                       accepted=float(result.extra["accepted"]), target_passes=float(result.extra["target_passes"]),
-                       tokens_per_target_pass=n / max(result.extra["target_passes"], 1))
-    if compare_target and n:
-        target_rate = _target_alone_rate(ctx, prefix, long_kv, suffix, n)
-        ctx.timings.update(target_tokens_per_s=target_rate, speedup=(n / rapid_s) / target_rate)
-    result.extra.update(ranking=used_ranking, draft_context_tokens=len(short_ids), long_context_tokens=len(long_ids),
-                        draft_budget=(min_tokens, budget), tail_rule=tail_rule,
-                        drafter=draft_engine.loaded.name,
-                        chunks=[{"start": c.start, "document": c.document, "tokens": len(c.token_ids),
-                                 "score": round(c.score, 6)} for c in kept])
-    return result
+    target_pieces = [Piece(prefix.kv, 0), Piece(long_kv.kv, prefix_len)]
+    answer_room = ctx.stop.max_new_tokens + gamma
+    target_tokens = prefix_len + long_kv.length + len(suffix) + answer_room
+    draft_tokens = prefix_len + len(short_ids) + len(suffix) + answer_room
+    draft = DraftRow(SequenceRow(prefix_len), short_ids + suffix, ctx.sampler, ctx.stop.eos_token_ids, width)
+
+    def finish(result: DecodeResult) -> DecodeResult:
+        result.extra.update(ranking=used_ranking, draft_context_tokens=len(short_ids),
+                            long_context_tokens=len(long_ids), draft_budget=(min_tokens, budget), tail_rule=tail_rule,
+                            drafter=draft_engine.loaded.name,
+                            chunks=[{"start": c.start, "document": c.document, "tokens": len(c.token_ids),
+                                     "score": round(c.score, 6)} for c in kept])
+        return result
+
+    settings = dict(gamma=gamma, eta=eta, tail_rule=tail_rule, width=width, finish=finish,
+                    then=(lambda job: _target_alone(ctx, job, target_pieces, suffix)) if compare_target else None)
+    if draft_engine.loaded.model is engine.loaded.model:  # self-speculation: both rows in this job
+        drafter_prefix = draft_engine.store.prefix(layout)
+        return RapidJob(ctx, target_pieces, SequenceRow(prefix_len + long_kv.length), suffix,
+                        kv_tokens=target_tokens + draft_tokens, draft=([Piece(drafter_prefix.kv, 0)], draft),
+                        **settings)
+    channel = DraftChannel(engine.scheduler.wake, draft_engine.scheduler.wake)
+    job = RapidJob(ctx, target_pieces, SequenceRow(prefix_len + long_kv.length), suffix, kv_tokens=target_tokens,
+                   channel=channel, **settings)
+
+    def plan_drafter() -> DraftJob:  # on the drafter model's scheduler thread: its prefix cache may be computed
+        return DraftJob([Piece(draft_engine.store.prefix(layout).kv, 0)], draft, channel, draft_tokens)
+
+    handle = draft_engine.scheduler.submit(Submission(plan_drafter, lambda _: None, draft_engine))
+    handle.future.add_done_callback(_report_drafter_failure(channel))
+    return job
+
+
+def _target_alone(ctx: DecodeContext, job: RapidJob, pieces: list[Piece], suffix: list[int]) -> FusedJob | None:
+    """``compare_target``: the target alone decodes as many tokens over the same cached long context, as a
+    follow-up job of the request (batched like any other); its finish reports the speedup, returns RAPID's answer.
+
+    Its rate counts the tokens after the first over the time after the prefill (the question's tokens and
+    the first token's forward), as RAPID's ``rapid_tokens_per_s`` counts from the target's prefill on.
+    """
+    rapid = job.results()[0]
+    n = len(rapid.token_ids)
+    if n == 0:
+        return None
+    alone = dataclasses.replace(ctx, on_token=None, stop=StopCriteria(frozenset(), n), timings={},
+                                started=time.perf_counter(), cache=CacheStats())
+
+    def finish(_: DecodeResult) -> DecodeResult:
+        elapsed = time.perf_counter() - alone.started
+        decoding = elapsed - alone.timings.get("prefill_s", 0.0)
+        rate = (n - 1) / decoding if n > 1 and decoding > 0 else n / elapsed
+        ctx.timings.update(target_tokens_per_s=rate, speedup=ctx.timings["rapid_tokens_per_s"] / rate)
+        return rapid
+
+    first = pieces[-1].first_position + pieces[-1].kv.shape[3]
+    return FusedJob(alone, [Stream(tuple(pieces), tuple(suffix), first)], single_stream, finish)
 
 
 def _check_options(gamma: int, eta: float, draft_context_tokens: int | None, chunk_tokens: int,

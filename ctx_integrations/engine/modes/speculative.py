@@ -132,6 +132,23 @@ def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int]
     return Verdict(first, _choose(residual(p[first], draft_q[first], p_hat[first]), temperature, generator), False)
 
 
+def greedy_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
+                   tail_rule: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify`'s greedy branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
+
+    Same rule (accept while the draft is ``argmax p^``; the first rejected position takes ``argmax p^``;
+    all accepted: the bonus ``argmax p``), so a batch can read every request's verdict in one transfer.
+    ``drafts`` is a 1-D long tensor on the logits' device; the caller checks the logits are finite.
+    """
+    g = drafts.shape[0]
+    scaled = target_logits.float()
+    p = torch.softmax(scaled, dim=-1)
+    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta, rule=tail_rule)
+    best = p_hat.argmax(dim=-1)
+    accepted = (best == drafts).long().cumprod(0).sum()
+    return accepted, torch.cat([best, p[g].argmax().unsqueeze(0)])[accepted]
+
+
 def _choose(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     if temperature == 0:
         return int(probs.argmax())

@@ -1,0 +1,414 @@
+"""RAPID's draft / verify rounds as rows of the shared batch (the RAPID paper, Algorithm 1).
+
+The target row holds the long context (prefix + every document: cached pieces) and the question; the
+drafter row holds the retrieved short context. Each round the drafter row takes one token per step
+until it has ``g`` drafts (or drafted an EOS); the target row then takes the last accepted token and
+the drafts in one step, each as a run of its own, so the runner returns the logits after every one of
+them (the ``g + 1`` rows of Algorithm 1's single verification pass); the verdict accepts a prefix,
+and each row drops its rejected columns before its next tokens (``ScheduledStep.rewind``).
+
+When the drafter is the target's model (the default: self-speculation) both rows belong to one
+:class:`RapidJob` on one scheduler. A drafter model of its own runs its row on that model's
+scheduler, batched with that model's other requests (:class:`DraftJob`); the two jobs hand sequences
+and drafts over through a :class:`DraftChannel` and wake each other's scheduler.
+
+Written by hand: transformers' assisted generation runs one request on one model, not rows of a batch
+that other requests share.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ctx_integrations.engine.core.jobs import PooledJob
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.rows import Piece, Run
+from ctx_integrations.engine.core.streams import (
+    DecodeResult,
+    Emitter,
+    TokenSampler,
+    TraceStep,
+    check_finite_scores,
+)
+from ctx_integrations.engine.modes import speculative
+from ctx_integrations.engine.modes.speculative import greedy_verdict, nucleus
+
+NOTHING = torch.empty(0, dtype=torch.float64)  # a step's proposal when the job chose no token
+
+
+class SequenceRow:
+    """One row's tokens after its cached pieces, and the runs (and rewind) that make it hold a new sequence.
+
+    ``held`` is what the row's cache holds; the runs set by :meth:`feed` or :meth:`append` are pending until
+    the job says they :meth:`ran` (a sequence fed again before its runs ran is compared with ``held`` only).
+    """
+
+    def __init__(self, first_position: int):
+        self.first_position = first_position  # virtual position of the first token after the cached pieces
+        self.held: list[int] = []
+        self.runs: list[Run] = []
+        self.rewind: int | None = None
+        self._pending: list[int] | None = None
+
+    def feed(self, sequence: Sequence[int], keep: int) -> None:
+        """At the next step, make the row hold ``sequence`` and return the logits after each of its last ``keep``.
+
+        What the row holds is kept up to the longest common prefix with ``sequence`` (never into the last
+        ``keep`` tokens, which must go through the forward); the rest is rewound.
+        """
+        limit = len(sequence) - keep
+        common = 0
+        for held, wanted in zip(self.held, sequence[:limit]):
+            if held != wanted:
+                break
+            common += 1
+        self.rewind = self.first_position + common if common < len(self.held) else None
+        new, at = list(sequence[common:]), self.first_position + common
+        head = len(new) - keep
+        self.runs = ([Run(tuple(new[:head]), at)] if head > 0 else []) + [
+            Run((token,), at + head + i) for i, token in enumerate(new[head:])]
+        self._pending = list(sequence)
+
+    def append(self, token: int) -> None:
+        """At the next step, take one more token (the logits after it are returned)."""
+        self.runs, self.rewind = [Run((token,), self.first_position + len(self.held))], None
+        self._pending = self.held + [token]
+
+    def ran(self) -> None:
+        """The step ran this row's runs: it holds what they fed, and takes nothing more until fed again."""
+        if self._pending is not None:
+            self.held = self._pending
+        self.runs, self.rewind, self._pending = [], None, None
+
+
+class DraftRow:
+    """The drafter's row: up to ``goal`` tokens after a sequence, one per step, and the distributions they came
+    from (greedy: the drafter's softmax; sampling: the tempered nucleus the draft was drawn from)."""
+
+    def __init__(self, row: SequenceRow, prompt: Sequence[int], sampler: TokenSampler, eos: frozenset[int],
+                 width: int):
+        self.row, self.prompt, self.sampler, self.eos, self.width = row, list(prompt), sampler, eos, width
+        self.drafts: list[int] = []
+        self.dists: list[torch.Tensor] = []
+        self.goal = 0
+        self.passes = 0
+        self.first_draft_at: float | None = None
+        self._q: torch.Tensor | None = None
+
+    @property
+    def drafting(self) -> bool:
+        return len(self.drafts) < self.goal and not (self.drafts and self.drafts[-1] in self.eos)
+
+    def start(self, generated: Sequence[int], goal: int) -> None:
+        """Draft up to ``goal`` tokens after ``prompt + generated`` (the row rewinds what it holds beyond that)."""
+        self.drafts, self.dists, self.goal = [], [], goal
+        self.row.feed(self.prompt + list(generated), 1)
+
+    def propose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next draft from the logits after the row's last token: ``[token, the score to check]``."""
+        scores = logits[-1, : self.width].float()
+        best = scores.max()
+        if self.sampler.temperature == 0:
+            self._q = torch.softmax(scores, dim=-1)
+            token = self._q.argmax()
+        else:  # the seeded generator is a CPU one; NaN must be refused before multinomial sees it
+            check_finite_scores(float(best))
+            self._q = torch.softmax(nucleus(scores / self.sampler.temperature, self.sampler.top_p), dim=-1)
+            token = torch.multinomial(self._q.cpu(), 1, generator=self.sampler.generator)[0].to(scores.device)
+        return torch.stack([token.double(), best.double()])
+
+    def accept(self, values: Sequence[float]) -> None:
+        self.row.ran()
+        token, checked = values
+        check_finite_scores(checked)
+        self.drafts.append(int(token))
+        self.dists.append(self._q)
+        self.passes += 1
+        if self.first_draft_at is None:
+            self.first_draft_at = time.perf_counter()
+        if self.drafting:
+            self.row.append(int(token))
+
+
+class DraftChannel:
+    """Where a RAPID request and its drafter row on another model's scheduler meet (thread-safe).
+
+    The target asks for ``goal`` drafts after a sequence and sleeps; the drafter's job takes the ask at
+    its next step, drafts, and answers (or fails); each side wakes the other's scheduler.
+    """
+
+    def __init__(self, wake_target: Callable[[], None], wake_drafter: Callable[[], None]):
+        self._lock = threading.Lock()
+        self._wake_target, self._wake_drafter = wake_target, wake_drafter
+        self._ask: tuple[list[int], int] | None = None
+        self._answer: tuple[list[int], list[torch.Tensor], int, float | None] | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def ask(self, generated: Sequence[int], goal: int) -> None:
+        with self._lock:
+            self._ask, self._answer = (list(generated), goal), None
+        self._wake_drafter()
+
+    @property
+    def asked(self) -> bool:
+        with self._lock:
+            return self._ask is not None
+
+    def take_ask(self) -> tuple[list[int], int] | None:
+        with self._lock:
+            ask, self._ask = self._ask, None
+            return ask
+
+    def answer(self, draft: DraftRow) -> None:
+        with self._lock:
+            self._answer = (list(draft.drafts), list(draft.dists), draft.passes, draft.first_draft_at)
+        self._wake_target()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = error
+        self._wake_target()
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._answer is not None or self.error is not None
+
+    def take_answer(self) -> tuple[list[int], list[torch.Tensor], int, float | None] | None:
+        with self._lock:
+            answer, self._answer = self._answer, None
+            return answer
+
+    def close(self) -> None:
+        """The RAPID request left: its drafter job ends at its scheduler's next step."""
+        with self._lock:
+            self.closed = True
+        self._wake_drafter()
+
+
+class DraftJob(PooledJob):
+    """A drafter row on the drafter model's own scheduler, drafting whenever its RAPID request asks."""
+
+    def __init__(self, pieces: list[Piece], draft: DraftRow, channel: DraftChannel, kv_tokens: int):
+        super().__init__([])
+        self.pieces, self.draft, self.channel, self._kv_tokens = pieces, draft, channel, kv_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.channel.closed
+
+    @property
+    def waiting(self) -> bool:
+        return not self.draft.drafting and not self.channel.closed and not self.channel.asked
+
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    def rows(self) -> list[list[Piece]]:
+        return [self.pieces]
+
+    def prepare(self) -> None:
+        ask = self.channel.take_ask()
+        if ask is not None:
+            self.draft.start(*ask)
+
+    def runs(self) -> list[list[Run]]:
+        return [self.draft.row.runs]
+
+    def rewinds(self) -> dict[int, int]:
+        return {} if self.draft.row.rewind is None else {0: self.draft.row.rewind}
+
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        return self.draft.propose(logits[0]) if self.draft.drafting and len(logits[0]) else NOTHING
+
+    def accept(self, values: list[float]) -> None:
+        if not values:
+            return
+        self.draft.accept(values)
+        if not self.draft.drafting:
+            self.channel.answer(self.draft)
+
+    def results(self) -> list[DecodeResult]:
+        return []
+
+
+DRAFT, VERIFY = "draft", "verify"
+
+
+class RapidJob(PooledJob):
+    """One RAPID request: its target row (and its drafter row, when the drafter is the target's model).
+
+    ``draft``: the drafter row when it is in this job; ``channel``: the way to a :class:`DraftJob` on the
+    drafter model's scheduler otherwise. ``finish`` adds the mode's extras to the result; ``then`` builds the
+    request's follow-up job once the answer is done (``compare_target``'s run of the target alone).
+    """
+
+    def __init__(self, ctx: DecodeContext, target_pieces: list[Piece], target_row: SequenceRow, suffix: list[int],
+                 *, gamma: int, eta: float, tail_rule: str, width: int, kv_tokens: int,
+                 draft: tuple[list[Piece], DraftRow] | None = None, channel: DraftChannel | None = None,
+                 finish: Callable[[DecodeResult], DecodeResult] | None = None,
+                 then: Callable[[RapidJob], PooledJob | None] | None = None):
+        super().__init__([ctx])
+        if (draft is None) == (channel is None):
+            raise AssertionError("a RAPID job drafts either in its own row or through a channel")
+        self.ctx, self.pieces, self.target, self.suffix = ctx, target_pieces, target_row, list(suffix)
+        self.gamma, self.eta, self.tail_rule, self.width, self._kv_tokens = gamma, eta, tail_rule, width, kv_tokens
+        self.draft_pieces, self.draft = draft if draft is not None else (None, None)
+        self.channel, self.finish, self.then = channel, finish, then
+        self.emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
+        self.generated: list[int] = []
+        self.drafted_flags: list[bool] = []
+        self.drafts: list[int] = []
+        self.dists: torch.Tensor | None = None
+        self.stats = {"drafted": 0, "accepted": 0, "target_passes": 0, "draft_passes": 0}
+        self.prefilled_at: float | None = None
+        self.first_draft_at: float | None = None
+        self.phase = DRAFT
+        self._next_round()
+        if self.phase == DRAFT:  # the question's prefill goes with the first draft's step
+            self.target.feed(self.suffix[:-1], 0)
+
+    # -- the scheduler's side ------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.emitter.done
+
+    @property
+    def waiting(self) -> bool:
+        return self.channel is not None and self.phase == DRAFT and not self.target.runs and not self.channel.ready
+
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    def rows(self) -> list[list[Piece]]:
+        return [self.pieces] + ([self.draft_pieces] if self.draft is not None else [])
+
+    def _rows(self) -> list[SequenceRow]:
+        return [self.target] + ([self.draft.row] if self.draft is not None else [])
+
+    def prepare(self) -> None:
+        if self.channel is not None and self.phase == DRAFT:
+            if self.channel.error is not None:
+                raise self.channel.error
+            answer = self.channel.take_answer()
+            if answer is not None:
+                drafts, dists, self.stats["draft_passes"], first = answer
+                self.first_draft_at = self.first_draft_at or first
+                self._verify(drafts, dists)
+
+    def runs(self) -> list[list[Run]]:
+        return [row.runs for row in self._rows()]
+
+    def rewinds(self) -> dict[int, int]:
+        return {i: row.rewind for i, row in enumerate(self._rows()) if row.rewind is not None}
+
+    def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        if self.prefilled_at is None:
+            self.prefilled_at = time.perf_counter()
+            self.ctx.timings["prefill_s"] = self.prefilled_at - self.ctx.started
+        if self.phase == VERIFY and self.target.runs:
+            return self._propose_verdict(logits[0])
+        if self.draft is not None and self.draft.drafting:
+            return self.draft.propose(logits[1])
+        return NOTHING  # the target's prefill step with a drafter elsewhere, or a step spent waiting for it
+
+    def accept(self, values: list[float]) -> None:
+        verified = self.phase == VERIFY and bool(self.target.runs)
+        for row in self._rows():
+            row.ran()
+        if verified:
+            self._emit(values)
+        elif self.draft is not None and self.draft.drafting:
+            self.draft.accept(values)
+            self.first_draft_at = self.first_draft_at or self.draft.first_draft_at
+            if not self.draft.drafting:
+                self.stats["draft_passes"] = self.draft.passes
+                self._verify(self.draft.drafts, self.draft.dists)
+
+    def follow_up(self) -> PooledJob | None:
+        return self.then(self) if self.then is not None else None
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    # -- the round -----------------------------------------------------------------------------------
+    def _next_round(self) -> None:
+        """Draft ``g`` tokens (bounded by the answer budget; none for the last token), or verify at once."""
+        goal = min(self.gamma, self.ctx.stop.max_new_tokens - len(self.emitter.trace) - 1)
+        if goal <= 0:
+            self._verify([], [])
+            return
+        self.phase = DRAFT
+        if self.draft is not None:
+            self.draft.start(self.generated, goal)
+        else:
+            self.channel.ask(self.generated, goal)
+
+    def _verify(self, drafts: list[int], dists: list[torch.Tensor]) -> None:
+        """At the next step, the target takes the last emitted token and the drafts (one run each)."""
+        device = self.pieces[0].kv.device
+        self.drafts, self.dists = drafts, torch.stack(dists).to(device) if dists else None
+        self.target.feed(self.suffix + self.generated + drafts, len(drafts) + 1)
+        self.phase = VERIFY
+
+    def _propose_verdict(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[accepted, token, the score to check, log p of each emitted token]``, chosen on the device for greedy
+        decoding (nothing read back); sampling reads once (its generator is a CPU one)."""
+        g, sampler = len(self.drafts), self.ctx.sampler
+        logits = logits[-(g + 1):, : self.width]  # a verification that carries the question's prefill has one more
+        checked = logits.max()
+        log_p = torch.log_softmax(logits.float() / (sampler.temperature or 1.0), dim=-1)
+        drafts = torch.tensor(self.drafts, dtype=torch.long, device=logits.device)
+        if self.dists is None:
+            token, checked = sampler.pick(logits[0])
+            accepted = torch.zeros((), dtype=torch.long, device=logits.device)
+        elif sampler.temperature == 0:
+            accepted, token = greedy_verdict(logits, self.dists, drafts, eta=self.eta, tail_rule=self.tail_rule)
+        else:
+            verdict = speculative.verify(logits, self.dists, self.drafts, eta=self.eta,
+                                         temperature=sampler.temperature, top_p=sampler.top_p,
+                                         generator=sampler.generator, tail_rule=self.tail_rule)
+            accepted = torch.tensor(verdict.accepted, device=logits.device)
+            token = torch.tensor(verdict.token, device=logits.device)
+        emitted = torch.cat([drafts, token.view(1)])
+        emitted[accepted] = token
+        log_probs = log_p[torch.arange(g + 1, device=logits.device), emitted]
+        return torch.cat([torch.stack([accepted.double(), token.double(), checked.double()]), log_probs.double()])
+
+    def _emit(self, values: list[float]) -> None:
+        accepted, token = int(values[0]), int(values[1])
+        check_finite_scores(values[2])
+        if self.dists is not None:
+            self.stats["drafted"] += len(self.drafts)
+            self.stats["accepted"] += accepted
+        self.stats["target_passes"] += 1
+        for i, chosen in enumerate(self.drafts[:accepted] + [token]):
+            if not self.emitter.done:
+                self.emitter.push(TraceStep(chosen, None, values[3 + i]))
+                self.generated.append(chosen)
+                self.drafted_flags.append(i < accepted)
+        if not self.emitter.done:
+            self._next_round()
+
+    def results(self) -> list[DecodeResult]:
+        result = self.emitter.result()
+        drafted, accepted = self.stats["drafted"], self.stats["accepted"]
+        result.extra.update(drafted_tokens=self.drafted_flags[: len(result.token_ids)], drafted=drafted,
+                            accepted=accepted, target_passes=self.stats["target_passes"],
+                            draft_passes=self.stats["draft_passes"],
+                            acceptance_rate=accepted / drafted if drafted else 0.0)
+        decode_start = self.prefilled_at or self.ctx.started
+        rapid_s = time.perf_counter() - decode_start
+        n = len(result.token_ids)
+        self.ctx.timings.update(
+            draft_prefill_s=max(0.0, (self.first_draft_at or decode_start) - decode_start),
+            rapid_decode_s=rapid_s, rapid_tokens_per_s=n / rapid_s, acceptance_rate=result.extra["acceptance_rate"],
+            drafted=float(drafted), accepted=float(accepted), target_passes=float(self.stats["target_passes"]),
+            tokens_per_target_pass=n / max(self.stats["target_passes"], 1))
+        return [self.finish(result) if self.finish is not None else result]

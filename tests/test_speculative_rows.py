@@ -1,0 +1,162 @@
+"""RAPID as rows of the shared batch: the row bookkeeping, the on-device greedy verdict, and RAPID beside others.
+
+Invariants: a row fed a new sequence keeps exactly the common prefix it holds and rewinds the rest;
+``greedy_verdict`` is ``verify``'s greedy branch (same accepted count and token); RAPID requests, with
+the drafter in their own job or on another model's scheduler, answer token for token as alone while
+other requests share both batches; a cancelled RAPID request frees its drafter's row on the other
+scheduler; a failed drafter fails its RAPID request with the drafter's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core.rows import Run
+from ctx_integrations.engine.modes.speculative import TAIL_RULES, greedy_verdict, tail_adjusted, verify
+from ctx_integrations.engine.modes.speculative_rows import SequenceRow
+from ctx_integrations.errors import RequestTooLargeError
+from tests.helpers import tiny_loaded
+from tests.test_rapid import DOCS, QUESTION, SMALL_CONTEXT, one_thread, sharp_tiny  # noqa: F401 - one_thread: autouse
+
+WAIT_S = 60
+
+
+# -- the row's bookkeeping -----------------------------------------------------------------------------
+
+def test_a_row_keeps_the_common_prefix_and_rewinds_the_rest():
+    row = SequenceRow(first_position=100)
+    row.feed([1, 2, 3], keep=0)  # the question's prefill: one run, nothing to rewind
+    assert row.runs == [Run((1, 2, 3), 100)] and row.rewind is None
+    row.ran()
+    assert row.held == [1, 2, 3] and row.runs == []
+    row.feed([1, 2, 3, 4, 5, 6], keep=4)  # verification: the last token and 3 drafts, one run each
+    assert row.runs == [Run((3,), 102), Run((4,), 103), Run((5,), 104), Run((6,), 105)]
+    assert row.rewind == 102  # the last held token goes through again: its column is dropped first
+    row.ran()
+    row.feed([1, 2, 3, 4, 9, 7], keep=2)  # draft 5 rejected, corrected to 9; the next round's last token and draft
+    assert row.rewind == 104 and row.runs == [Run((9,), 104), Run((7,), 105)]
+    row.ran()
+    row.feed([1, 2, 3, 4, 9, 7, 8], keep=1)  # everything held is kept
+    assert row.rewind is None and row.runs == [Run((8,), 106)]
+    row.ran()
+    row.append(11)
+    assert row.runs == [Run((11,), 107)] and row.held[-1] == 8
+    row.ran()
+    assert row.held == [1, 2, 3, 4, 9, 7, 8, 11] and row.runs == [] and row.rewind is None
+
+
+def test_a_row_that_held_a_longer_sequence_rewinds_to_the_new_ones_end():
+    row = SequenceRow(first_position=0)
+    row.feed([5, 6, 7, 8, 9], keep=1)
+    row.ran()
+    row.feed([5, 6, 7], keep=1)  # shorter: 7 goes through again, 8 and 9 leave with it
+    assert row.rewind == 2 and row.runs == [Run((7,), 2)]
+
+
+def test_a_sequence_fed_again_before_its_runs_ran_still_brings_them():
+    # The RAPID request whose drafts arrive before its question's prefill ran: the verification must carry the
+    # prefill too (a row that counted its pending runs as held would skip the question: a wrong cache).
+    row = SequenceRow(first_position=10)
+    row.feed([1, 2, 3], keep=0)
+    row.feed([1, 2, 3, 4, 5, 6], keep=3)
+    assert row.rewind is None and row.runs == [Run((1, 2, 3), 10), Run((4,), 13), Run((5,), 14), Run((6,), 15)]
+
+
+# -- the verdict ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("eta", [0.0, 2.0, 20.0])
+@pytest.mark.parametrize("tail_rule", TAIL_RULES)
+def test_the_greedy_verdict_on_the_device_is_verifys_greedy_branch(eta, tail_rule):
+    # Random logits whose p^ argmax agrees with the drafts on a random prefix: every accepted count 0..g
+    # appears, including all accepted (the bonus token). A verdict that counted agreements after the first
+    # rejection, took the bonus from p^ or the correction from p would differ from verify's.
+    generator = torch.Generator().manual_seed(0)
+    seen = set()
+    for case in range(60):
+        g, vocab = 4, 12
+        logits = 3 * torch.randn(g + 1, vocab, generator=generator)
+        q = torch.softmax(2 * torch.randn(g, vocab, generator=generator), dim=-1)
+        agree = case % (g + 1)
+        p_hat = tail_adjusted(logits[:g], torch.softmax(logits[:g], -1), q, eta, rule=tail_rule)
+        drafts = [int(p_hat[i].argmax()) if i < agree else int(torch.randint(vocab, (), generator=generator))
+                  for i in range(g)]
+        expected = verify(logits, q, drafts, eta=eta, temperature=0.0, top_p=1.0, generator=None,
+                          tail_rule=tail_rule)
+        accepted, token = greedy_verdict(logits, q, torch.tensor(drafts), eta=eta, tail_rule=tail_rule)
+        assert (int(accepted), int(token)) == (expected.accepted, expected.token), case
+        seen.add(expected.accepted)
+    assert seen == set(range(g + 1))
+
+
+# -- RAPID in the shared batch -------------------------------------------------------------------------
+
+def test_rapid_runs_in_the_shared_batch_beside_other_requests():
+    engine = Engine(tiny_loaded("llama", seed=3, position_sensitive=True))
+    alone = engine.generate(QUESTION, DOCS, mode="rapid", gamma=3, max_new_tokens=10, **SMALL_CONTEXT)
+    pced_alone = engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=10)
+
+    async def together():
+        return await asyncio.gather(
+            engine.agenerate(QUESTION, DOCS, mode="rapid", gamma=3, max_new_tokens=10, **SMALL_CONTEXT),
+            engine.agenerate(QUESTION, DOCS, mode="pced", max_new_tokens=10))
+
+    rapid, pced = asyncio.run(together())
+    assert rapid.token_ids == alone.token_ids and pced.token_ids == pced_alone.token_ids
+    stats = engine.stats()
+    assert stats["exclusive_s"] == 0  # no mode ran a forward of its own
+    assert engine.scheduler.stats.peak_rows >= 2 + len(DOCS) + 1  # RAPID's two rows beside PCED's four
+
+
+def test_a_drafter_of_its_own_drafts_on_its_models_scheduler_beside_that_models_requests():
+    # Two RAPID requests share a drafter model, which also answers a request of its own meanwhile: every answer
+    # equals its answer alone, and the drafter's rows ran on the drafter's scheduler (never the target's).
+    target = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05))
+    options = dict(mode="rapid", gamma=3, eta=0.0, drafter=drafter, max_new_tokens=12, **SMALL_CONTEXT)
+    questions = [QUESTION, "What is the capital of Veloria?"]
+    alone = [target.generate(q, DOCS, **options).token_ids for q in questions]
+    own_alone = drafter.generate(QUESTION, DOCS[:2], mode="concat", max_new_tokens=12).token_ids
+    drafter_steps = drafter.scheduler.stats.steps
+
+    async def together():
+        return await asyncio.gather(*(target.agenerate(q, DOCS, **options) for q in questions),
+                                    drafter.agenerate(QUESTION, DOCS[:2], mode="concat", max_new_tokens=12))
+
+    *rapid, own = asyncio.run(together())
+    assert [a.token_ids for a in rapid] == alone and own.token_ids == own_alone
+    assert all(a.extra["drafted"] > 0 for a in rapid)
+    assert drafter.scheduler.stats.steps > drafter_steps
+    assert target.scheduler.stats.exclusive_s == 0 and drafter.scheduler.stats.exclusive_s == 0
+    wait_until(lambda: drafter.scheduler.active() == (0, 0), "the drafter rows to leave")
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_cancelled_rapid_request_frees_its_drafter_row_on_the_other_scheduler():
+    target = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05))
+    stream = target.stream(QUESTION, DOCS, mode="rapid", gamma=2, drafter=drafter, max_new_tokens=200,
+                           **SMALL_CONTEXT)
+    next(stream)  # the first piece of text: the request and its drafter row are running
+    stream.close()
+    wait_until(lambda: target.scheduler.active() == (0, 0), "the RAPID request to leave")
+    wait_until(lambda: drafter.scheduler.active() == (0, 0), "the drafter's row to leave its scheduler")
+
+
+def test_a_drafter_that_cannot_run_fails_its_rapid_request_with_the_drafters_error():
+    target = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05), max_batch_bytes=1)  # no drafter row can ever be admitted
+    with pytest.raises(RequestTooLargeError, match="max_batch_bytes"):
+        target.generate(QUESTION, DOCS, mode="rapid", gamma=2, drafter=drafter, max_new_tokens=8, timeout=WAIT_S,
+                        **SMALL_CONTEXT)
+    wait_until(lambda: target.scheduler.active() == (0, 0), "the failed request to leave")
