@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
 from ctx_integrations import Answer, Engine  # noqa: E402
-from ctx_integrations.engine.core.cache import batch_streams  # noqa: E402
+from ctx_integrations.engine.core.cache import batch_sequences  # noqa: E402
+from ctx_integrations.engine.core.decoding import forward_sequences  # noqa: E402
 from ctx_integrations.engine.core.layout import PromptLayout  # noqa: E402
 from ctx_integrations.engine.core.model import (  # noqa: E402
     LoadedModel,
@@ -70,8 +71,7 @@ from ctx_integrations.engine.core.model import (  # noqa: E402
     load_tokenizer,
     model_identity,
 )
-from ctx_integrations.engine.core.static_decode import StaticStreams  # noqa: E402
-from ctx_integrations.engine.core.streams import forward_streams  # noqa: E402
+from ctx_integrations.engine.core.static_decode import StaticSequences  # noqa: E402
 from ctx_integrations.engine.core.transfer import prefetch, to_host  # noqa: E402
 
 SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache", "decode")
@@ -314,9 +314,9 @@ def prefix_cached_batch(engine: Engine, docs: list[str], questions: list[str], n
     """
     layout, loaded = engine.layout, engine.loaded
     entry = engine.store.document_tokens(layout, [t for d in docs for t in layout.context_ids(d)])
-    streams = batch_streams(engine.store.prefix(layout), [entry] * len(questions))
+    streams = batch_sequences(engine.store.prefix(layout), [entry] * len(questions))
     suffixes = torch.tensor([layout.suffix_ids(q) for q in questions], device=loaded.device)
-    logits = forward_streams(loaded.model, streams, suffixes)
+    logits = forward_sequences(loaded.model, streams, suffixes)
     answers: list[list[int]] = [[] for _ in questions]
     finished = [False] * len(questions)
     while True:  # greedy, each row its own token; a finished row keeps stepping with the batch until all are done
@@ -331,7 +331,7 @@ def prefix_cached_batch(engine: Engine, docs: list[str], questions: list[str], n
                 finished[row] = len(answers[row]) == new_tokens
         if all(finished):
             return answers
-        logits = forward_streams(loaded.model, streams, chosen.unsqueeze(1))
+        logits = forward_sequences(loaded.model, streams, chosen.unsqueeze(1))
 
 
 def bench_ippd(bench: Bench) -> list[dict]:
@@ -489,8 +489,8 @@ def bench_decode(bench: Bench) -> list[dict]:
             suffix = torch.tensor([layout.suffix_ids(QUESTION)] * (n + 1), device=bench.device)
 
             def streams():
-                batch = batch_streams(store.prefix(layout), [None] + store.documents(layout, docs))
-                return batch, forward_streams(model, batch, suffix).argmax(-1, keepdim=True)
+                batch = batch_sequences(store.prefix(layout), [None] + store.documents(layout, docs))
+                return batch, forward_sequences(model, batch, suffix).argmax(-1, keepdim=True)
 
             def decode(step, tokens) -> None:
                 for _ in range(steps):
@@ -502,9 +502,9 @@ def bench_decode(bench: Bench) -> list[dict]:
                 for _ in range(1 + s.repeats):  # the first call pays the compile / graph capture
                     batch, tokens = streams()
                     if method.startswith("dynamic"):
-                        step = lambda t, batch=batch: forward_streams(model, batch, t)  # noqa: E731
+                        step = lambda t, batch=batch: forward_sequences(model, batch, t)  # noqa: E731
                     else:
-                        step = StaticStreams(model, batch, max_new_tokens=steps).step
+                        step = StaticSequences(model, batch, max_new_tokens=steps).step
                     times.append(bench.clock(lambda step=step, tokens=tokens: decode(step, tokens))[1])
                 seconds = statistics.median(times[1:])
                 out.append({"method": method, "steps": steps, "first_call_s": times[0], "steps_per_s": steps / seconds})

@@ -104,7 +104,7 @@ def ape_question_logits(engine: Engine, documents: list[str], question: str, tem
                         scale: float) -> torch.Tensor:
     """The question tokens' logits as mode 'ape' computes them (cached documents + the APE attention)."""
     from ctx_integrations.engine.core.cache import concatenated_stream
-    from ctx_integrations.engine.core.streams import forward_streams_keep
+    from ctx_integrations.engine.core.decoding import forward_sequences_keep
 
     layout, store = engine.layout, engine.store
     suffix = layout.suffix_ids(question)
@@ -113,7 +113,7 @@ def ape_question_logits(engine: Engine, documents: list[str], question: str, tem
     streams = concatenated_stream(store.prefix(layout), caches, p + max(c.length for c in caches))
     streams.forward_kwargs["ape_layout"] = ApeLayout(p, p + sum(c.length for c in caches), temperature, scale)
     with ape_attention_swapped(engine.loaded.model):
-        return forward_streams_keep(engine.loaded.model, streams, torch.tensor([suffix]), len(suffix))[0]
+        return forward_sequences_keep(engine.loaded.model, streams, torch.tensor([suffix]), len(suffix))[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

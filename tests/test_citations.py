@@ -14,7 +14,7 @@ from ctx_integrations.engine.core.citations import (
     sentence_spans,
     token_sources,
 )
-from ctx_integrations.engine.core.streams import TraceStep
+from ctx_integrations.engine.core.decoding import TraceStep
 from ctx_integrations.engine.modes.ape import document_mass
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, tiny_loaded

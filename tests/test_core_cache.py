@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ctx_integrations.engine.core.cache import KVCacheStore, StreamBatch, batch_streams
+from ctx_integrations.engine.core.cache import KVCacheStore, SequenceBatch, batch_sequences
+from ctx_integrations.engine.core.decoding import forward_sequences
 from ctx_integrations.engine.core.layout import PromptLayout
-from ctx_integrations.engine.core.streams import forward_streams
 from ctx_integrations.errors import CorruptCacheWarning
 from tests.helpers import tiny_loaded
 
@@ -20,15 +20,15 @@ QUESTION = "How many bridges does Marrowgate have?"
 
 def cached_logits(loaded, layout, store, documents):
     prefix = store.prefix(layout)
-    streams = batch_streams(prefix, [store.document(layout, d) for d in documents])
+    streams = batch_sequences(prefix, [store.document(layout, d) for d in documents])
     suffix = torch.tensor([layout.suffix_ids(QUESTION)]).expand(len(documents), -1)
-    return forward_streams(loaded.model, streams, suffix)
+    return forward_sequences(loaded.model, streams, suffix)
 
 
 def fresh_logits(loaded, layout, document):
     ids = layout.prefix_ids + layout.context_ids(document) + layout.suffix_ids(QUESTION)
-    streams = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    return forward_streams(loaded.model, streams, torch.tensor([ids]))
+    streams = SequenceBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    return forward_sequences(loaded.model, streams, torch.tensor([ids]))
 
 
 def entry_files(directory):
@@ -177,7 +177,7 @@ def test_batch_streams_positions_and_mask(loaded, layout):
     store = KVCacheStore(loaded)
     prefix = store.prefix(layout)
     docs = [store.document(layout, "a b c"), store.document(layout, DOC)]
-    streams = batch_streams(prefix, [None] + docs)
+    streams = batch_sequences(prefix, [None] + docs)
     expected = [prefix.length, prefix.length + docs[0].length, prefix.length + docs[1].length]
     assert streams.positions.tolist() == expected
     assert streams.attention_mask.sum(1).tolist() == expected

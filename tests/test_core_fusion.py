@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ctx_integrations.engine.core.streams import FusionState
+from ctx_integrations.engine.core.decoding import FusionState
 from ctx_integrations.engine.modes.pced import PCEDFusion, jensen_shannon, relevance_weights
 from ctx_integrations.errors import InvalidOptionError
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.core.cache import batch_streams
-from ctx_integrations.engine.core.static_decode import StaticStreams, default_compile_mode
-from ctx_integrations.engine.core.streams import forward_streams
+from ctx_integrations.engine.core.cache import batch_sequences
+from ctx_integrations.engine.core.decoding import forward_sequences
+from ctx_integrations.engine.core.static_decode import StaticSequences, default_compile_mode
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded
 
@@ -22,8 +22,8 @@ def two_copies(engine: Engine, question: str):
     suffix = torch.tensor([layout.suffix_ids(question)] * 3)
     copies = []
     for _ in range(2):
-        streams = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS))
-        copies.append((streams, forward_streams(engine.loaded.model, streams, suffix)))
+        streams = batch_sequences(store.prefix(layout), [None] + store.documents(layout, DOCS))
+        copies.append((streams, forward_sequences(engine.loaded.model, streams, suffix)))
     return copies
 
 
@@ -34,11 +34,11 @@ def test_static_steps_equal_dynamic_steps(backend):
     engine = Engine(tiny_loaded(seed=1))
     (dynamic, first), (source, _) = two_copies(engine, "Who is the mayor?")
     assert len(set(dynamic.positions.tolist())) == 3  # three different stream lengths
-    static = StaticStreams(engine.loaded.model, source, max_new_tokens=5,
+    static = StaticSequences(engine.loaded.model, source, max_new_tokens=5,
                            compile_mode=None, backend="inductor" if backend == "none" else backend)
     tokens = first.argmax(-1, keepdim=True)
     for _ in range(5):
-        expected = forward_streams(engine.loaded.model, dynamic, tokens)
+        expected = forward_sequences(engine.loaded.model, dynamic, tokens)
         got = static.step(tokens)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens = expected.argmax(-1, keepdim=True)
@@ -52,6 +52,6 @@ def test_streams_with_per_step_kwargs_are_refused_and_cuda_gets_cuda_graphs():
     (streams, _), _ = two_copies(engine, "Who?")
     streams.forward_kwargs["ape_layout"] = object()
     with pytest.raises(InvalidOptionError, match="ape_layout"):
-        StaticStreams(engine.loaded.model, streams, max_new_tokens=2)
+        StaticSequences(engine.loaded.model, streams, max_new_tokens=2)
     assert default_compile_mode(torch.device("cuda")) == "reduce-overhead"
     assert default_compile_mode(torch.device("cpu")) is None

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.core.cache import batch_streams
+from ctx_integrations.engine.core.cache import batch_sequences
+from ctx_integrations.engine.core.decoding import forward_sequences
 from ctx_integrations.engine.core.flex import run_flex
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
 from ctx_integrations.engine.core.registry import available_modes
 from ctx_integrations.engine.core.rows import visibility_block_mask
-from ctx_integrations.engine.core.static_decode import StaticStreams
-from ctx_integrations.engine.core.streams import forward_streams
+from ctx_integrations.engine.core.static_decode import StaticSequences
 from ctx_integrations.engine.core.transfer import prefetch, to_device_async, to_host
 from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
 from ctx_integrations.engine.modes.ape_flex import ape_flex_attention
@@ -87,8 +87,9 @@ def prompt(engine: Engine, documents: list[str], question: str) -> list[int]:
 def cached_first_logits(engine: Engine, document: str, question: str) -> torch.Tensor:
     """The first answer step's logits from the document's cached KV (what 'single' / 'concat' decode from)."""
     layout, store = engine.layout, engine.store
-    streams = batch_streams(store.prefix(layout), [store.document(layout, document)])
-    return forward_streams(engine.loaded.model, streams, torch.tensor([layout.suffix_ids(question)], device=DEVICE))[0]
+    streams = batch_sequences(store.prefix(layout), [store.document(layout, document)])
+    suffix = torch.tensor([layout.suffix_ids(question)], device=DEVICE)
+    return forward_sequences(engine.loaded.model, streams, suffix)[0]
 
 
 def fresh_first_logits(engine: Engine, document: str, question: str) -> torch.Tensor:
@@ -209,14 +210,14 @@ def test_compiled_static_decode_step_equals_the_dynamic_step(dtype):
     engine = Engine(on_device(tiny(8), dtype))
     layout, store, model = engine.layout, engine.store, engine.loaded.model
     suffix = torch.tensor([layout.suffix_ids(QUESTIONS[0])] * 3, device=DEVICE)
-    dynamic = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
-    source = batch_streams(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
-    tokens = forward_streams(model, dynamic, suffix).argmax(-1, keepdim=True)
-    forward_streams(model, source, suffix)
-    static = StaticStreams(model, source, max_new_tokens=6)  # "auto": CUDA graphs on CUDA, eager on CPU
+    dynamic = batch_sequences(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
+    source = batch_sequences(store.prefix(layout), [None] + store.documents(layout, DOCS[:2]))
+    tokens = forward_sequences(model, dynamic, suffix).argmax(-1, keepdim=True)
+    forward_sequences(model, source, suffix)
+    static = StaticSequences(model, source, max_new_tokens=6)  # "auto": CUDA graphs on CUDA, eager on CPU
     kept = []
     for _ in range(6):
-        expected, got = forward_streams(model, dynamic, tokens), static.step(tokens)
+        expected, got = forward_sequences(model, dynamic, tokens), static.step(tokens)
         kept.append(got)
         scale = 1e-4 if dtype == torch.float32 else BF16["first_step_relative"] * float(expected.abs().max())
         assert float((got - expected).abs().max()) <= scale

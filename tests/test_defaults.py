@@ -10,9 +10,9 @@ import inspect
 
 import pytest
 
+from ctx_integrations.engine.core.decoding import StopCriteria
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.streams import StopCriteria
 
 
 def test_the_default_is_llama_index_s_num_output():

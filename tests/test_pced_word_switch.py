@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.core.streams import FusionState
+from ctx_integrations.engine.core.decoding import FusionState
 from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.errors import InvalidOptionError

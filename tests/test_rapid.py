@@ -399,8 +399,8 @@ def test_dense_scores_are_cosine_similarities():
 
 def test_dense_ranking_uses_the_given_embedder_and_the_default_minilm(tiny_engine):
     from ctx_integrations.documents import prepare_documents
+    from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
     from ctx_integrations.engine.core.registry import DecodeContext
-    from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
 
     ctx = DecodeContext(tiny_engine, QUESTION, prepare_documents(DOCS, None), TokenSampler(),
                         StopCriteria(frozenset({2}), 4))
@@ -427,8 +427,8 @@ def test_dense_ranking_uses_the_given_embedder_and_the_default_minilm(tiny_engin
 
 def test_ranking_by_bm25_and_by_document_scores(tiny_engine):
     from ctx_integrations.documents import prepare_documents
+    from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
     from ctx_integrations.engine.core.registry import DecodeContext
-    from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
 
     def context(scores):
         return DecodeContext(tiny_engine, QUESTION, prepare_documents(DOCS, scores), TokenSampler(),

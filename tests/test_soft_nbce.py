@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from ctx_integrations.engine.core.decoding import TokenSampler
 from ctx_integrations.engine.core.registry import mode_options
-from ctx_integrations.engine.core.streams import TokenSampler
 from ctx_integrations.engine.modes.soft_nbce import (
     FILTERED_LOGPROB,
     RULES,

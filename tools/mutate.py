@@ -76,6 +76,11 @@ TARGETS = {
                          "x_paper_contrast*", "x_paper_fusion*", "x_truncated_entropy*", "x_contrast_chunks*",
                          "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
                         ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
+    # RAPID's rows in the shared batch: the row bookkeeping, the drafter row, the two jobs and their channel
+    "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("*",),
+                               ("tests/test_speculative_rows.py", "tests/test_rapid.py", "-m", "not slow", "-k",
+                                "speculative_rows or greedy_with_eta_zero or parity or tail_rule or compare_target "
+                                "or stop_string")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
                            "-m", "not slow", "-k",

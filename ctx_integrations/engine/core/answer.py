@@ -8,7 +8,7 @@ from typing import Any
 
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, SentenceCitation, answer_citations
-from ctx_integrations.engine.core.streams import TraceStep
+from ctx_integrations.engine.core.decoding import TraceStep
 
 
 @dataclass

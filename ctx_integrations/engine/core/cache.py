@@ -402,11 +402,12 @@ def _token_budget_groups(items: list, budget: int) -> list[list]:
 
 
 @dataclass
-class StreamBatch:
-    """B cached streams laid side by side in one batched cache, right-padded.
+class SequenceBatch:
+    """B cached sequences (a request's streams on the exclusive path) side by side in one ``DynamicCache``,
+    right-padded; the shared batch of every request is the row pool (``rows.py``), not this.
 
     Keys are stored after RoPE, so a key's column in the buffer does not matter: padding sits at the
-    end of the shorter streams, is masked out, and every new token of stream b gets position
+    end of the shorter sequences, is masked out, and every new token of sequence b gets position
     ``positions[b]`` through ``position_ids``.
     """
 
@@ -416,7 +417,7 @@ class StreamBatch:
     forward_kwargs: dict = field(default_factory=dict)  # extra model kwargs every step needs (e.g. APE's layout)
 
 
-def batch_streams(prefix: CachedKV, contexts: list[CachedKV | None]) -> StreamBatch:
+def batch_sequences(prefix: CachedKV, contexts: list[CachedKV | None]) -> SequenceBatch:
     """Build one batched cache of ``prefix + context_b`` for each b (``None`` = prefix only, the amateur).
 
     One allocation and one copy per stream; this runs once per query, never inside a decode step.
@@ -433,10 +434,10 @@ def batch_streams(prefix: CachedKV, contexts: list[CachedKV | None]) -> StreamBa
             buffer[:, :, b, :, prefix.length:end] = context.kv
         mask[b, :end] = 1
     positions = torch.tensor([prefix.length + n for n in lengths], device=prefix.kv.device)
-    return StreamBatch(cache_from_kv(buffer), mask, positions)
+    return SequenceBatch(cache_from_kv(buffer), mask, positions)
 
 
-def concatenated_stream(prefix: CachedKV, contexts: list[CachedKV], next_position: int) -> StreamBatch:
+def concatenated_stream(prefix: CachedKV, contexts: list[CachedKV], next_position: int) -> SequenceBatch:
     """One stream holding ``prefix + context_1 + ... + context_N`` back to back, without padding.
 
     Keys keep the positions they were encoded at (every context after the prefix, so they share a
@@ -444,4 +445,4 @@ def concatenated_stream(prefix: CachedKV, contexts: list[CachedKV], next_positio
     """
     kv = torch.cat([prefix.kv] + [c.kv for c in contexts], dim=3).unsqueeze(2)
     mask = torch.ones(1, kv.shape[4], dtype=torch.long, device=kv.device)
-    return StreamBatch(cache_from_kv(kv), mask, torch.tensor([next_position], device=kv.device))
+    return SequenceBatch(cache_from_kv(kv), mask, torch.tensor([next_position], device=kv.device))

@@ -21,6 +21,7 @@ from ctx_integrations.documents import Document, prepare_documents
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
 from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
+from ctx_integrations.engine.core.decoding import DecodeResult, StopCriteria, TokenSampler, single_stream
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.layout import (
@@ -39,7 +40,6 @@ from ctx_integrations.engine.core.registry import (
 )
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
-from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, TokenSampler, single_stream
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
 from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError

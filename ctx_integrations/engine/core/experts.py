@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ctx_integrations.engine.core.decoding import DecodeResult, FusionRule
 from ctx_integrations.engine.core.jobs import FusedJob, Stream
 from ctx_integrations.engine.core.registry import DecodeContext
 from ctx_integrations.engine.core.rows import Piece
-from ctx_integrations.engine.core.streams import DecodeResult, FusionRule
 
 
 def expert_streams_job(ctx: DecodeContext, rule: FusionRule, contexts: list[str] | None = None,

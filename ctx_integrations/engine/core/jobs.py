@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.registry import DecodeContext
-from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.streams import (
+from ctx_integrations.engine.core.decoding import (
     FIRST_STEP,
     DecodeResult,
     Emitter,
@@ -32,6 +30,8 @@ from ctx_integrations.engine.core.streams import (
     propose_token,
     settle_token,
 )
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.rows import Piece, Run
 
 
 class Job:

@@ -25,11 +25,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
-from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler
 from ctx_integrations.errors import (
     DocumentTooLongError,
     InvalidOptionError,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler, as_stop_strings, sampling_knobs
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.streams import StopCriteria, TokenSampler, as_stop_strings, sampling_knobs
 from ctx_integrations.engine.core.validation import whole_number
 from ctx_integrations.errors import InvalidOptionError
 

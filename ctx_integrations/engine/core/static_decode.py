@@ -1,14 +1,14 @@
 """A decode step of fixed shapes, so ``torch.compile`` can capture it once as a CUDA graph.
 
 Decoding from a ``DynamicCache`` grows every layer's keys by one column per step (a new shape, a copy
-of the whole cache). :class:`StaticStreams` copies a :class:`StreamBatch` once into transformers'
+of the whole cache). :class:`StaticSequences` copies a :class:`SequenceBatch` once into transformers'
 ``StaticCache`` sized for the answer budget, and keeps a ``[B, max_len]`` padding mask whose next
 column is switched on before each step; every step then has the same shapes, and the model's forward
 compiled with ``mode="reduce-overhead"`` replays a CUDA graph (no per-step kernel launches from
 Python). transformers supplies the static cache and its compile support; this class only moves our
 right-padded, per-stream-positioned streams into it.
 
-``step(token_ids)`` is a drop-in for ``streams.forward_streams(model, streams, token_ids)`` for one
+``step(token_ids)`` is a drop-in for ``decoding.forward_sequences(model, sequences, token_ids)`` for one
 token per stream: same logits (tested against it), fixed shapes.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from ctx_integrations.engine.core.cache import StreamBatch
+from ctx_integrations.engine.core.cache import SequenceBatch
 from ctx_integrations.errors import InvalidOptionError
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -34,7 +34,7 @@ def default_compile_mode(device: torch.device) -> str | None:
     return "reduce-overhead" if device.type == "cuda" else None
 
 
-class StaticStreams:
+class StaticSequences:
     """B streams in a ``StaticCache`` of ``width + max_new_tokens`` columns, advanced one token per stream per step.
 
     ``compile_mode``: ``"auto"`` (:func:`default_compile_mode`), ``None`` (eager), or a ``torch.compile`` mode;
@@ -42,7 +42,7 @@ class StaticStreams:
     The compiled forward is cached on the model, so later requests with the same shapes reuse the graph.
     """
 
-    def __init__(self, model: torch.nn.Module, streams: StreamBatch, max_new_tokens: int,
+    def __init__(self, model: torch.nn.Module, streams: SequenceBatch, max_new_tokens: int,
                  compile_mode: str | None = "auto", backend: str = "inductor"):
         if max_new_tokens < 1:
             raise InvalidOptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -30,11 +30,11 @@ import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import CachedKV, concatenated_stream
+from ctx_integrations.engine.core.decoding import DecodeResult, TraceStep, forward_sequences, fused_steps, single_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece
-from ctx_integrations.engine.core.streams import DecodeResult, TraceStep, forward_streams, fused_steps, single_stream
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
 from ctx_integrations.errors import InvalidOptionError
@@ -279,7 +279,7 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, k
     def forward(ids: torch.Tensor) -> torch.Tensor:
         # the swap spans one forward only: the scheduler runs other requests' forwards between APE's steps
         with ape_attention_swapped(model, implementation):
-            return forward_streams(model, streams, ids)
+            return forward_sequences(model, streams, ids)
 
     first_logits = forward(torch.tensor([inputs.suffix], device=engine.loaded.device))
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started

@@ -19,23 +19,23 @@ import torch
 from transformers import DynamicCache
 
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.cache import StreamBatch, batch_streams
-from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, PooledJob, Stream, single_result
-from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
-from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.static_decode import StaticStreams, check_compile_mode
-from ctx_integrations.engine.core.streams import (
+from ctx_integrations.engine.core.cache import SequenceBatch, batch_sequences
+from ctx_integrations.engine.core.decoding import (
     DecodeResult,
     Emitter,
     StopCriteria,
     TraceStep,
     check_finite_scores,
-    forward_streams,
+    forward_sequences,
     fused_steps,
     independent_steps,
     single_stream,
 )
+from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, PooledJob, Stream, single_result
+from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
+from ctx_integrations.engine.core.registry import DecodeContext, register_mode
+from ctx_integrations.engine.core.rows import Piece, Run
+from ctx_integrations.engine.core.static_decode import StaticSequences, check_compile_mode
 from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
 from ctx_integrations.errors import DocumentTooLongError
 
@@ -238,19 +238,19 @@ def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
     context_ids = [ids for _, ids in inputs]
     prefix = engine.store.prefix(summary_layout)
     caches = engine.store.documents_tokens(summary_layout, context_ids, stats=ctx.cache, persist=False)
-    streams = batch_streams(prefix, caches)
+    streams = batch_sequences(prefix, caches)
     suffix_batch = torch.tensor([suffix], device=loaded.device).expand(len(context_ids), -1)
-    first_logits = forward_streams(loaded.model, streams, suffix_batch)
-    mapping = StaticStreams(loaded.model, streams, summary_tokens, compile_mode)  # one token per stream per step
+    first_logits = forward_sequences(loaded.model, streams, suffix_batch)
+    mapping = StaticSequences(loaded.model, streams, summary_tokens, compile_mode)  # one token per stream per step
     yield
     map_stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
     summaries = yield from independent_steps(mapping.step, loaded.tokenizer, first_logits, ctx.sampler, map_stop)
     reduce_job = _reduce_job(ctx, inputs, summaries)
     ids = list(reduce_job.streams[0].prompt)
-    reduce = StreamBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
+    reduce = SequenceBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
                          torch.zeros(1, dtype=torch.long, device=loaded.device))
-    first_logits = forward_streams(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
-    reducing = StaticStreams(loaded.model, reduce, ctx.stop.max_new_tokens, compile_mode)
+    first_logits = forward_sequences(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
+    reducing = StaticSequences(loaded.model, reduce, ctx.stop.max_new_tokens, compile_mode)
     ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
     yield
     result = yield from fused_steps(reducing.step, loaded.tokenizer, first_logits, single_stream, ctx.sampler, ctx.stop,

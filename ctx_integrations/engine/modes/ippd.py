@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ctx_integrations.engine.core.cache import CachedKV
+from ctx_integrations.engine.core.decoding import DecodeResult, Emitter, TraceStep, check_finite_scores
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
-from ctx_integrations.engine.core.streams import DecodeResult, Emitter, TraceStep, check_finite_scores
 from ctx_integrations.engine.core.transfer import same_device
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 

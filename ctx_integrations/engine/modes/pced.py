@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.engine.core.word_pieces import WordPieces
 from ctx_integrations.errors import InvalidOptionError

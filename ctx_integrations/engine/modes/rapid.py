@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ctx_integrations.engine.core.decoding import DecodeResult, StopCriteria, single_stream
 from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.jobs import FusedJob, Stream
 from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
 from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.scheduler import Submission
-from ctx_integrations.engine.core.streams import DecodeResult, StopCriteria, single_stream
 from ctx_integrations.engine.core.validation import choice, real_number, whole_number
 from ctx_integrations.engine.modes.speculative import check_tail_rule
 from ctx_integrations.engine.modes.speculative_rows import DraftChannel, DraftJob, DraftRow, RapidJob, SequenceRow

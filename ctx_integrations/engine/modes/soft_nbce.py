@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
-from ctx_integrations.engine.core.streams import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.streams import check_finite_scores
+from ctx_integrations.engine.core.decoding import check_finite_scores
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability

@@ -24,16 +24,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ctx_integrations.engine.core.jobs import PooledJob
-from ctx_integrations.engine.core.registry import DecodeContext
-from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.streams import (
+from ctx_integrations.engine.core.decoding import (
     DecodeResult,
     Emitter,
     TokenSampler,
     TraceStep,
     check_finite_scores,
 )
+from ctx_integrations.engine.core.jobs import PooledJob
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.rows import Piece, Run
 from ctx_integrations.engine.modes import speculative
 from ctx_integrations.engine.modes.speculative import greedy_verdict, nucleus
 

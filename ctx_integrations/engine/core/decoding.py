@@ -3,7 +3,7 @@
 ``TokenSampler`` picks a token from scores, ``StopCriteria`` says when to stop, ``IncrementalText`` turns
 token ids into streamed text, and ``Emitter`` records one answer as it is decoded (trace, streaming,
 stopping, time to first token). The scheduler's pooled jobs use these with the shared row pool
-(``rows.py``); exclusive jobs (flex APE, compiled MapReduce) run their own streams with ``forward_streams``
+(``rows.py``); exclusive jobs (flex APE, compiled MapReduce) run their own streams with ``forward_sequences``
 and the step generators ``fused_steps`` / ``independent_steps``, which yield after every forward pass.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ctx_integrations.engine.core.cache import StreamBatch
+from ctx_integrations.engine.core.cache import SequenceBatch
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.errors import InvalidOptionError, NonFiniteScoresError
 
@@ -67,25 +67,25 @@ class TraceStep:
 
 
 @torch.inference_mode()
-def forward_streams(model: torch.nn.Module, streams: StreamBatch, input_ids: torch.Tensor) -> torch.Tensor:
-    """Append ``input_ids`` ([B, S]) to every stream and return the last position's logits ([B, V], fp32)."""
-    return forward_streams_keep(model, streams, input_ids, 1)[:, -1]
+def forward_sequences(model: torch.nn.Module, sequences: SequenceBatch, input_ids: torch.Tensor) -> torch.Tensor:
+    """Append ``input_ids`` ([B, S]) to every sequence and return the last position's logits ([B, V], fp32)."""
+    return forward_sequences_keep(model, sequences, input_ids, 1)[:, -1]
 
 
 @torch.inference_mode()
-def forward_streams_keep(model: torch.nn.Module, streams: StreamBatch, input_ids: torch.Tensor,
-                         keep: int) -> torch.Tensor:
-    """Like :func:`forward_streams`, returning the logits of the last ``keep`` positions ([B, keep, V], fp32).
+def forward_sequences_keep(model: torch.nn.Module, sequences: SequenceBatch, input_ids: torch.Tensor,
+                           keep: int) -> torch.Tensor:
+    """Like :func:`forward_sequences`, returning the logits of the last ``keep`` positions ([B, keep, V], fp32).
 
     A prefill whose every position's next-token distribution is read (APE's exactness tests) needs them all.
     """
     batch, length = input_ids.shape
-    positions = streams.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
-    mask = torch.cat([streams.attention_mask, streams.attention_mask.new_ones(batch, length)], dim=1)
+    positions = sequences.positions.unsqueeze(1) + torch.arange(length, device=input_ids.device)
+    mask = torch.cat([sequences.attention_mask, sequences.attention_mask.new_ones(batch, length)], dim=1)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=streams.cache, use_cache=True, logits_to_keep=keep, **streams.forward_kwargs)
-    streams.attention_mask = mask
-    streams.positions = streams.positions + length
+                past_key_values=sequences.cache, use_cache=True, logits_to_keep=keep, **sequences.forward_kwargs)
+    sequences.attention_mask = mask
+    sequences.positions = sequences.positions + length
     return out.logits[:, -keep:].float()
 
 
@@ -245,21 +245,21 @@ class Emitter:
             return True
         self.trace.append(step)
         text, stopped = self.stop.cut(self.pieces.push(step.token_id))
-        self._stream(text)
+        self._send_text(text)
         if stopped:
             self.reason, self.done = "stop", True
         elif len(self.trace) >= self.stop.max_new_tokens:
             self.done = True
         return self.done
 
-    def _stream(self, text: str) -> None:
+    def _send_text(self, text: str) -> None:
         if self.on_token is not None and len(text) > self._emitted:
             self.on_token(text[self._emitted:])
             self._emitted = len(text)
 
     def result(self) -> DecodeResult:
         text, _ = self.stop.cut(self.pieces.text)
-        self._stream(text)
+        self._send_text(text)
         return DecodeResult([s.token_id for s in self.trace], text, self.trace, self.ttft or 0.0, self.reason,
                             steps=len(self.trace))
 
