@@ -402,3 +402,30 @@ def test_a_rewound_row_answers_as_if_it_never_held_the_dropped_tokens(model, ker
     pool.pack()  # the dropped columns are padding like any other: packing keeps the answers
     runs = [[row.run(tokens(50 + b, 1, model))] for b, row in enumerate(rows)]
     check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+
+
+def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forward():
+    # Three rows take one token, one row takes five (RAPID's verification): the runner runs the long row on a copy
+    # of its own (two forwards, no padding for the others) and brings its columns back. Catches columns brought
+    # back to the wrong row or position, the long row's logits handed to another row, and other rows given
+    # the long row's tokens; the next step (every row one token) must still be exact.
+    from ctx_integrations.engine.core.runner import ModelRunner
+    from ctx_integrations.engine.core.step import ScheduledStep
+
+    loaded = tiny_loaded("llama", seed=5, position_sensitive=True)
+    model = loaded.model
+    rows = [Row(model, 1, 30), Row(model, 2, 12), Row(model, 3, 21), Row(model, 4, 9)]
+    runner = ModelRunner(loaded, "eager")
+    first = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
+    joined = runner.execute(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first)).joined
+    check(model, rows, joined, first)
+    runs = [[rows[0].run(tokens(70, 1, model))], [rows[1].run(tokens(71, 1, model))],
+            [rows[2].run([t]) for t in tokens(72, 5, model)], [rows[3].run(tokens(73, 1, model))]]
+    out = runner.execute(ScheduledStep(decode=runs))
+    assert out.forwards == 2  # the long row ran apart
+    check(model, rows, out.decoded, runs)
+    assert runner.pool.width == len(rows[0].ids) + 5  # the shared step's column, then the long row's five
+    runs = [[row.run(tokens(80 + b, 1, model))] for b, row in enumerate(rows)]
+    out = runner.execute(ScheduledStep(decode=runs))
+    assert out.forwards == 1
+    check(model, rows, out.decoded, runs)

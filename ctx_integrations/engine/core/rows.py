@@ -239,6 +239,33 @@ class RowPool:
             ids[index, : self.width] = ids[index, : self.width].masked_fill(dropped, PAD_ID)
         self.documents[index, : self.width] = self.documents[index, : self.width].masked_fill(dropped, 0)
 
+    def select(self, rows: list[int]) -> RowPool:
+        """A copy of some rows, same columns: to run a forward of their own (:meth:`take_columns` brings back
+        what it appended). Copies those rows' whole buffers."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+        return RowPool([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers],
+                       self.positions.index_select(0, index), self.contexts.index_select(0, index),
+                       self.questions.index_select(0, index), width=self.width,
+                       documents=self.documents.index_select(0, index), attention=[self.attention[r] for r in rows])
+
+    @torch.inference_mode()
+    def take_columns(self, rows: list[int], selected: RowPool) -> None:
+        """Bring back the columns a :meth:`select` copy of ``rows`` appended past this pool's width; every other
+        row gets padding there (no compute, only columns that :meth:`pack` reclaims)."""
+        new = slice(self.width, selected.width)
+        self._reserve(selected.width - self.width)
+        index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+        for (keys, values), (their_keys, their_values) in zip(self.layers, selected.layers):
+            keys[index, :, new] = their_keys[:, :, new]
+            values[index, :, new] = their_values[:, :, new]
+        for mine, theirs, padding in ((self.positions, selected.positions, PAD_POSITION),
+                                      (self.contexts, selected.contexts, PAD_ID),
+                                      (self.questions, selected.questions, PAD_ID),
+                                      (self.documents, selected.documents, 0)):
+            mine[:, new] = padding
+            mine[index, new] = theirs[:, new]
+        self.width = selected.width
+
     def padding_share(self) -> float:
         """The share of the columns in use that are padding (attention reads them for nothing)."""
         used = self.positions[:, : self.width]

@@ -21,6 +21,10 @@ from ctx_integrations.engine.core.rows import RowPool, Run
 from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
 
 PACK_AT_PADDING = 0.5  # left-pack the batch when more than this share of its key columns is padding
+# A padding token costs a whole forward's work per token (~2 x parameters FLOPs), a copied column one token's
+# KV bytes: on a CPU thread one padding token of a 135M model costs about as much time as copying a few
+# hundred columns of a row, so rows taking several tokens run apart when that saves more.
+COPY_COLUMNS_PER_TOKEN = 256
 
 
 class ModelRunner:
@@ -44,7 +48,7 @@ class ModelRunner:
         if self.pool is not None and step.decode:
             self.pool.rewind(dict(step.rewind))
             try:
-                out.decoded = self._forward(self.pool, step.decode, out)
+                out.decoded = self._decode(self.pool, step.decode, out)
             except Exception as error:  # noqa: BLE001 - the scheduler fails the requests this forward held
                 out.decode_error = error
             if self.pool.padding_share() > PACK_AT_PADDING:
@@ -71,6 +75,23 @@ class ModelRunner:
             self.pool = None
         elif self.pool is not None:
             self.pool.keep_rows(keep)
+
+    def _decode(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
+        """The running rows' forward. Rows taking several tokens (RAPID's verification, IPPD's stacks) while
+        the others take one run apart, on a copy of their rows, when the padding that saves outweighs the copy:
+        in one padded forward every other row would compute as many (padding) tokens as the longest row.
+        """
+        tokens = [sum(len(run.ids) for run in row) for row in runs]
+        apart = [b for b, count in enumerate(tokens) if count > 1]
+        saved = (len(runs) - len(apart)) * (max(tokens, default=0) - 1)  # padding tokens the others skip
+        if not apart or saved * COPY_COLUMNS_PER_TOKEN <= len(apart) * pool.capacity:
+            return self._forward(pool, runs, out)
+        logits = self._forward(pool, [[] if count > 1 else list(row) for row, count in zip(runs, tokens)], out)
+        selected = pool.select(apart)
+        for b, row_logits in zip(apart, self._forward(selected, [runs[b] for b in apart], out)):
+            logits[b] = row_logits
+        pool.take_columns(apart, selected)
+        return logits
 
     def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
         started = time.perf_counter()
