@@ -133,7 +133,7 @@ def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int]
 
 
 def greedy_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
-                   tail_rule: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
+                   tail_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify`'s greedy branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
 
     Same rule (accept while the draft is ``argmax p^``; the first rejected position takes ``argmax p^``;
