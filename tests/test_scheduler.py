@@ -306,14 +306,20 @@ def test_the_flex_pool_gives_the_eager_pools_answers(monkeypatch):
     eager = Engine(tiny_loaded("llama", seed=3, position_sensitive=True), attention_kernel="eager")
     flex = Engine(tiny_loaded("llama", seed=3, position_sensitive=True), attention_kernel="flex")
     assert (eager.scheduler.attention_kernel, flex.scheduler.attention_kernel) == ("eager", "flex")
-    pooled = REQUESTS[:6]
-    alone = [eager.generate(**_call(r)).token_ids for r in pooled]
+    pooled = REQUESTS[:7]  # APE's row with its own rule included: on a flex batch it gets its own boolean mask row
+    alone = [eager.generate(**_call(r)) for r in pooled]
 
     async def together():
         return await asyncio.gather(*(flex.agenerate(**_call(r)) for r in pooled))
 
     assert not flex_calls  # the eager engine never took the flex path
-    assert [a.token_ids for a in asyncio.run(together())] == alone
+    answers = asyncio.run(together())
+    assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
+    assert flex.stats()["exclusive_s"] == 0  # APE too ran in the shared batch
+    ape, ape_alone = answers[-1], alone[-1]
+    assert ape.mode == "ape" and ape.extra["attention_mass"]  # its citations too
+    assert [(t.token_id, t.document) for t in ape.trace] == [(t.token_id, t.document) for t in ape_alone.trace]
+    assert [t.score for t in ape.trace] == pytest.approx([t.score for t in ape_alone.trace], abs=1e-4)
     assert len(flex_calls) >= 2 * flex.scheduler.stats.forwards  # every layer of every pooled forward
     assert flex.scheduler.stats.peak_rows > 2  # the requests shared forwards
     with pytest.raises(InvalidOptionError, match="attention_kernel='flex'.*share"):

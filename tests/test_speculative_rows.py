@@ -29,6 +29,10 @@ WAIT_S = 60
 # -- the row's bookkeeping -----------------------------------------------------------------------------
 
 def test_a_row_keeps_the_common_prefix_and_rewinds_the_rest():
+    fresh = SequenceRow(first_position=7)
+    assert fresh.runs == [] and fresh.rewind is None  # a row nobody fed takes nothing
+    fresh.ran()
+    assert fresh.held == []
     row = SequenceRow(first_position=100)
     row.feed([1, 2, 3], keep=0)  # the question's prefill: one run, nothing to rewind
     assert row.runs == [Run((1, 2, 3), 100)] and row.rewind is None
@@ -56,6 +60,18 @@ def test_a_row_that_held_a_longer_sequence_rewinds_to_the_new_ones_end():
     row.ran()
     row.feed([5, 6, 7], keep=1)  # shorter: 7 goes through again, 8 and 9 leave with it
     assert row.rewind == 2 and row.runs == [Run((7,), 2)]
+
+
+def test_a_row_that_diverges_early_keeps_only_what_agrees_and_sends_a_one_token_head_as_a_run():
+    # Catches a prefix walk that stops feeding at the first disagreement, and a head of exactly one token (the
+    # tokens before the ``keep`` last ones) dropped instead of sent as a run of its own.
+    row = SequenceRow(first_position=0)
+    row.feed([1, 2, 3, 4, 5, 6], keep=0)
+    row.ran()
+    row.feed([1, 2, 9, 4], keep=1)
+    assert row.rewind == 2 and row.runs == [Run((9,), 2), Run((4,), 3)]
+    row.ran()
+    assert row.held == [1, 2, 9, 4]
 
 
 def test_a_sequence_fed_again_before_its_runs_ran_still_brings_them():

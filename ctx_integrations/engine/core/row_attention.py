@@ -39,16 +39,18 @@ def base_attention(module: torch.nn.Module, implementation: str) -> Callable[...
 def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0, *,
                   row_base: str, row_rules: Sequence[tuple[int, RowRule, int]],
-                  row_documents: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+                  row_documents: torch.Tensor, row_visible: dict[int, torch.Tensor] | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """Every row through the model's own attention (``row_base``), then each ``(row, rule, last_query)`` of
-    ``row_rules`` replaced by its rule's output (cast to the batch's dtype by the assignment)."""
+    ``row_rules`` replaced by its rule's output (cast to the batch's dtype by the assignment). ``row_visible``:
+    each rule row's boolean mask when the batch's mask is a FlexAttention block mask (no rows to slice)."""
     out, weights = base_attention(module, row_base)(module, query, key, value, attention_mask, scaling=scaling,
                                                     dropout=dropout, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     for row, rule, last_query in row_rules:
         one = slice(row, row + 1)
-        out[one] = rule(query[one], key[one], value[one], attention_mask[one], row_documents[one], scaling,
-                        last_query)
+        visible = row_visible[row] if row_visible is not None else attention_mask[one]
+        out[one] = rule(query[one], key[one], value[one], visible, row_documents[one], scaling, last_query)
     return out, weights
 
 

@@ -321,7 +321,8 @@ class RowPool:
         real token sees them, and only the columns that end a run are sent through the LM head.
         ``kernel``: ``"eager"`` (boolean mask, the model's own attention) or ``"flex"`` (block mask,
         FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``. Rows with
-        their own attention rule (``attention``) need the eager kernel: their rule reads the boolean mask.
+        their own attention rule (``attention``) read their row of the boolean mask (built for those rows only
+        on the flex kernel).
         """
         device = self.positions.device
         step = max((sum(len(r.ids) for r in row) for row in runs), default=0)
@@ -350,12 +351,12 @@ class RowPool:
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
         rules = [(b, rule, ends[b][-1]) for b, rule in enumerate(self.attention) if rule is not None and ends[b]]
-        if rules and flex:
-            raise AssertionError("rows with their own attention rule run on the eager kernel only")
         extra = {}
         if rules:
-            extra = {"row_base": model.config._attn_implementation, "row_rules": rules,
+            extra = {"row_base": FLEX_ATTENTION if flex else model.config._attn_implementation, "row_rules": rules,
                      "row_documents": self.documents}
+            if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
+                extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
         keep = sorted({c for row in ends for c in row})
         start = torch.tensor(self.width, device=device)  # one copy to the device per step, shared by the layers
         cache = Cache(layers=[PoolLayer(k, v, start) for k, v in self.layers])
@@ -363,7 +364,7 @@ class RowPool:
         keep_all = keep == list(range(step))
         try:
             mask = visibility_block_mask(*layout) if flex else visibility(*layout)
-            swap = FLEX_ATTENTION if flex else ROW_ATTENTION if rules else None
+            swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
             with attention_swapped(model, swap) if swap else nullcontext():
                 out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),

@@ -320,25 +320,23 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     for T < 1; named so because ``temperature`` is the sampler's). scale: S, scales the documents'
     log-sum-exp in the merge (less total weight on the documents for S < 1). T in [0.01, 1], S in (0, 1];
     T = S = 1 is plain attention over the concatenated caches. Defaults 0.9 / 0.9, the authors' code.
-    attention_kernel: ``"eager"`` (:func:`ape_attention`, the reference), ``"flex"`` (FlexAttention,
-    ``ape_flex.py``), ``"auto"`` (flex on CUDA, eager elsewhere).
+    attention_kernel: ``"auto"`` (default) or ``"eager"``: one row of the shared batch (on either batch
+    kernel) with its own attention rule (:class:`ApeRowAttention`, the reference's math); ``"flex"``:
+    FlexAttention's merge over APE's own sequence (``ape_flex.py``), an exclusive job, one forward of its
+    own per step. A model with soft-capping or sliding windows (:func:`fits_a_row`) always takes the
+    exclusive path (its per-call checks refuse what APE cannot do; there ``"auto"`` is flex on CUDA,
+    eager elsewhere).
     attribution: record, per generated token, the merged attention mass on each document (mean over
     layers and heads, ``extra["attention_mass"]``) and put the document with the most mass in the trace,
-    so APE answers have citations. ``None`` (default): whenever the kernel can, which is the eager
-    kernel only (flex does not expose the per-document mass); on flex the answer carries
+    so APE answers have citations. ``None`` (default): whenever the kernel can (APE's row, the exclusive
+    eager kernel; FlexAttention does not expose the per-document mass: its answers carry
     ``extra["attribution"] = "unavailable"`` and ``extra["attribution_note"]`` saying why and what to
-    pass. ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
-    On the eager kernel with the scheduler's batch on eager too (CPU, or ``Engine(attention_kernel="eager")``)
-    the request is one row of the shared batch with its own attention rule (:class:`ApeRowAttention`);
-    with FlexAttention, or a model with soft-capping or sliding windows (:func:`fits_a_row`), it runs as
-    an exclusive job, one forward of its own per step (the batch's flex kernel has no per-row rules yet).
+    pass). ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
     """
     check_knobs(attention_temperature, scale)
     kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
-    scheduler = getattr(ctx.engine, "scheduler", None)
-    if kernel == "eager" and getattr(scheduler, "attention_kernel", None) == "eager" and \
-            fits_a_row(ctx.engine.loaded.model.config):
-        return _ape_row_job(ctx, attention_temperature, scale, record)
+    if attention_kernel in ("auto", "eager") and fits_a_row(ctx.engine.loaded.model.config):
+        return _ape_row_job(ctx, attention_temperature, scale, attribution is not False)
     return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note)))
 
 
