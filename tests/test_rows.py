@@ -419,13 +419,24 @@ def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forwar
     first = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
     joined = runner.execute(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first)).joined
     check(model, rows, joined, first)
+    def tagged(run: Run) -> Run:  # the long row's tokens carry ids (as IPPD's do): they must come back with them
+        return Run(run.ids, run.first_position, context=3, question=4)
+
     runs = [[rows[0].run(tokens(70, 1, model))], [rows[1].run(tokens(71, 1, model))],
-            [rows[2].run([t]) for t in tokens(72, 5, model)], [rows[3].run(tokens(73, 1, model))]]
+            [tagged(rows[2].run([t])) for t in tokens(72, 5, model)], [rows[3].run(tokens(73, 1, model))]]
     out = runner.execute(ScheduledStep(decode=runs))
     assert out.forwards == 2  # the long row ran apart
     check(model, rows, out.decoded, runs)
-    assert runner.pool.width == len(rows[0].ids) + 5  # the shared step's column, then the long row's five
+    pool = runner.pool
+    assert pool.width == len(rows[0].ids) + 5  # the shared step's column, then the long row's five
+    back = slice(pool.width - 5, pool.width)
+    assert pool.positions[2, back].tolist() == list(range(len(rows[2].ids) - 5, len(rows[2].ids)))
+    assert pool.contexts[2, back].tolist() == [3] * 5 and pool.questions[2, back].tolist() == [4] * 5
+    assert (pool.positions[[0, 1, 3], back] == PAD_POSITION).all()
+    pool.rewind({2: len(rows[2].ids) - 2})  # RAPID rejects the last two: found by the positions brought back
+    rows[2].ids = rows[2].ids[:-2]
     runs = [[row.run(tokens(80 + b, 1, model))] for b, row in enumerate(rows)]
+    runs[2] = [tagged(runs[2][0])]
     out = runner.execute(ScheduledStep(decode=runs))
     assert out.forwards == 1
     check(model, rows, out.decoded, runs)

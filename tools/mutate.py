@@ -77,15 +77,12 @@ TARGETS = {
                          "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
                         ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
     # RAPID's rows in the shared batch: the row bookkeeping (its jobs and channel are tested end to end: each
-    # mutant there costs a minute of RAPID decodes, ~500 mutants); the on-device verdict; the pool's column moves
+    # mutant there costs a minute of RAPID decodes, ~500 mutants); the on-device verdict
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),
                                ("tests/test_speculative_rows.py", "-k",
                                 "common_prefix or held_a_longer or fed_again or runs_in_the_shared_batch")),
     "greedy_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_greedy_verdict*",),
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
-    "row_columns": Target("ctx_integrations/engine/core/rows.py",
-                          ("xǁRowPoolǁrewind*", "xǁRowPoolǁselect*", "xǁRowPoolǁtake_columns*"),
-                          ("tests/test_rows.py", "-k", "rewound or apart")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
                            "-m", "not slow", "-k",

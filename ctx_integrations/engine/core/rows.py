@@ -258,12 +258,9 @@ class RowPool:
         for (keys, values), (their_keys, their_values) in zip(self.layers, selected.layers):
             keys[index, :, new] = their_keys[:, :, new]
             values[index, :, new] = their_values[:, :, new]
-        for mine, theirs, padding in ((self.positions, selected.positions, PAD_POSITION),
-                                      (self.contexts, selected.contexts, PAD_ID),
-                                      (self.questions, selected.questions, PAD_ID),
-                                      (self.documents, selected.documents, 0)):
-            mine[:, new] = padding
-            mine[index, new] = theirs[:, new]
+        for mine, theirs in ((self.positions, selected.positions), (self.contexts, selected.contexts),
+                             (self.questions, selected.questions), (self.documents, selected.documents)):
+            mine[index, new] = theirs[:, new]  # the other rows' columns past the width are padding already
         self.width = selected.width
 
     def padding_share(self) -> float:
