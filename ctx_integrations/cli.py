@@ -88,7 +88,8 @@ class _DeferredParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is much faster on a busy shared CPU)")
+                        help="torch CPU threads (default: the physical cores this process may use; 1 is faster on a "
+                             "CPU other jobs are busy with)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.help,
@@ -159,6 +160,27 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
+def engine_threads(args: argparse.Namespace) -> dict[str, int]:
+    """``--threads`` as an engine option (its scheduler sets them on its own thread), or none for the default."""
+    threads = getattr(args, "threads", None)
+    return {} if threads is None else {"threads": max(1, threads)}
+
+
+def runtime_line(engine: Any) -> str:
+    """What the model runs with, and why: the dtype (chosen per CPU feature) and the torch CPU threads."""
+    from ctx_integrations.engine.core.machine import available_cores, native_bf16
+
+    loaded = engine.loaded
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.device.type == "cpu":
+        why = "this CPU computes bf16 (AMX / AVX512-BF16)" if native_bf16() else \
+            "this CPU has no bf16 arithmetic (AMX / AVX512-BF16), where fp32 is faster"
+        dtype = f"{dtype} ({why})"
+    threads, cores = engine.scheduler.threads, available_cores()
+    return (f"model {loaded.name} on {loaded.device}: dtype {dtype}; {threads} CPU thread{'s' if threads != 1 else ''} "
+            f"({cores} physical core{'s' if cores != 1 else ''} available to this process)")
+
+
 def _default_store() -> Path:
     from ctx_integrations.paths import cache_root
 
@@ -283,12 +305,13 @@ def run_demo(args: argparse.Namespace) -> int:
     check_modes(modes)
     store = DocumentStore(Path(args.store) if args.store else cache_root() / "demo_store")
     started = time.perf_counter()
-    engine = store.open_engine(args.model, device=args.device)
+    engine = store.open_engine(args.model, device=args.device, **engine_threads(args))
     documents, questions = load_demo_corpus()
     report = store.add(documents)
     print(f"store {store.location}: {report.added} added, {report.updated} updated, {report.unchanged} unchanged; "
           f"KV caches: {report.cache_misses} computed at ingestion "
           f"({time.perf_counter() - started:.1f} s incl. model load)")
+    print(runtime_line(engine))
     retriever = ScoredRetriever(store)
     misses = 0
     for item in questions:
@@ -487,7 +510,7 @@ def run_ask(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     retrieved = [retriever.retrieve(q, top_k=args.top_k, rerank_top_n=args.rerank_top_n) for q in args.questions]
     retrieval_s = time.perf_counter() - started
-    engine = store.open_engine(args.model, device=args.device)
+    engine = store.open_engine(args.model, device=args.device, **engine_threads(args))
     settings = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
     if len(args.questions) == 1:
         answers = [engine.generate(args.questions[0], retrieved[0], **settings)]
@@ -568,7 +591,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.set == "musique":  # fail on a missing file before loading the model
         load_set("musique", path=args.data, n_questions=args.questions)
     started = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, device=args.device)
+    engine = Engine.from_pretrained(args.model, device=args.device, **engine_threads(args))
     examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
                         document_tokens=args.document_tokens, seed=args.seed, path=args.data)
     print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.layout import PromptLayout
@@ -11,8 +12,10 @@ from tests.helpers import tiny_loaded
 
 @pytest.fixture(scope="session")
 def embedded_engine() -> Engine:
-    """The embedded SmolLM2 engine with in-memory caches (converted once per machine, ~0.3 s after)."""
-    return Engine.from_pretrained()
+    """The embedded SmolLM2 engine with in-memory caches (converted once per machine, ~0.3 s after).
+
+    fp32 whatever the CPU: the parity tests' reference path (a bf16 CPU would default to bf16)."""
+    return Engine.from_pretrained(dtype=torch.float32)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 
 import ctx_integrations  # noqa: F401  (registers every mode)
 from ctx_integrations.cli import load_demo_corpus
+from ctx_integrations.engine.core.machine import available_cores, native_bf16
 from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import run_cli
 
@@ -35,6 +36,10 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
     documents, questions = load_demo_corpus()
     assert out.startswith("store ") and f"{len(documents)} added" in out
     assert f"KV caches: {len(documents)} computed" in out
+    dtype = "bfloat16" if native_bf16() else "float32"  # chosen by CPU feature; the runtime line says which and why
+    cores = available_cores()
+    assert re.search(rf"^model .+ on cpu: dtype {dtype} \(this CPU .+\); {cores} CPU threads? \({cores} physical "
+                     rf"cores? available to this process\)$", out, flags=re.M)
     for item in questions:
         block = out.split(f"Q: {item['question']}")[1].split("\nQ: ")[0]
         pced = block.split("[pced]")[1].split("[concat]")[0]
@@ -67,12 +72,13 @@ def test_demo_part_two_reports_each_modes_accuracy_rate_over_several_questions(d
 
 def test_a_second_demo_computes_nothing(demo_run, capsys):
     store, _ = demo_run
-    assert run_cli("demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2",
+    assert run_cli("--threads", "1", "demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2",
                    "--large-modes", "pced", "--large-questions", str(LARGE_QUESTIONS),
                    "--large-passages", str(LARGE_PASSAGES)) == 0
     unchanged = len(load_demo_corpus()[0])
     out = capsys.readouterr().out
     assert f"0 added, 0 updated, {unchanged} unchanged; KV caches: 0 computed" in out
+    assert "; 1 CPU thread (" in out  # --threads reaches the engine's scheduler
     assert f"KV caches: 0 computed, {LARGE_QUESTIONS * LARGE_PASSAGES} reused" in out
     assert out.rstrip().endswith("KV cache misses while answering: 0")
 

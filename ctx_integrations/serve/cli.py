@@ -68,6 +68,8 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
     store = open_store(args, True) if args.store else None
     cache_dir = Path(args.cache_dir) if args.cache_dir else (store.kv_dir if store is not None else None)
     options = {} if args.max_queued is None else {"max_queued_requests": args.max_queued}
+    if getattr(args, "threads", None) is not None:
+        options["threads"] = max(1, args.threads)
     engine = Engine.from_pretrained(args.model, device=args.device, cache_dir=cache_dir, **options)
     if store is not None:
         store.engine = engine

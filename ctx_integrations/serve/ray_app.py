@@ -114,7 +114,7 @@ class EngineReplica:
         else:
             from ctx_integrations.engine.core.engine import Engine
 
-            engine = Engine.from_pretrained(model, cache_dir=cache_dir)
+            engine = Engine.from_pretrained(model, cache_dir=cache_dir, threads=threads or None)
         self.backend = LocalBackend(engine)
         self.name = serve.get_replica_context().replica_id.unique_id
 

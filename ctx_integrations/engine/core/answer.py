@@ -17,7 +17,9 @@ class Answer:
 
     ``trace`` has one entry per generated token: the index (into ``documents``) of the document
     that won that token and its fused score (``None`` for modes without per-token attribution).
-    ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s``. ``cache_hits_by_tier``
+    ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s`` (floats), and what they were
+    measured under: ``threads`` (torch CPU threads) and ``dtype`` (the compute dtype's name, a string,
+    e.g. ``"float32"``). ``cache_hits_by_tier``
     splits ``cache_hits`` into the tier that served them (``memory``: the model's device, ``host``:
     pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
@@ -27,7 +29,7 @@ class Answer:
     text: str
     token_ids: list[int]
     trace: list[TraceStep]
-    timings: dict[str, float]
+    timings: dict[str, float | str]
     documents: list[Document]
     mode: str
     cache_hits: int = 0

@@ -83,7 +83,9 @@ def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[s
     decode_s = max(total - result.ttft_s, 1e-9)
     timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
                "tokens_per_s": decode_rate(len(result.token_ids), result.ttft_s, total),
-               "new_tokens": float(len(result.token_ids)), **ctx.timings}
+               "new_tokens": float(len(result.token_ids)), **ctx.timings,
+               "threads": float(ctx.engine.scheduler.threads or torch.get_num_threads()),
+               "dtype": str(ctx.engine.loaded.dtype).removeprefix("torch.")}
     return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
                   documents=ctx.documents, mode=mode, cache_hits=ctx.cache.hits, cache_misses=ctx.cache.misses,
                   cache_hits_by_tier=ctx.cache.by_tier(),
@@ -124,7 +126,10 @@ class Engine:
     :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
     per-request timeout (``None``: none); ``timeout=`` on a call overrides it. ``attention_kernel``: the
     row pool's attention (every pooled mode): ``"auto"`` (FlexAttention with a block mask on CUDA, the
-    model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``.
+    model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``. ``threads``: torch's CPU
+    threads for the model's forwards (``None``: the physical cores this process may use, affinity mask
+    and cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). Every answer's
+    ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
     never run forward passes at the same time.
@@ -136,7 +141,8 @@ class Engine:
                  max_request_bytes: int | None = None, max_batch_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
-                 context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto"):
+                 context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
+                 threads: int | None = None):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
@@ -149,7 +155,8 @@ class Engine:
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded, attention_kernel,
-                                       optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1))
+                                       optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
+                                       optional_whole_number("threads", threads, minimum=1))
         self._closed = False
 
     @classmethod

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ctx_integrations.engine.core.lora import merge_adapter
+from ctx_integrations.engine.core.machine import native_bf16
 from ctx_integrations.engine.core.validation import torch_device
 from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
@@ -80,8 +81,14 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA (half the memory traffic), fp32 on CPU (bf16 is slow there; parity tests need fp32)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """bf16 on CUDA and on CPUs with bf16 arithmetic (half the bytes a step reads), fp32 on other CPUs.
+
+    Without AMX-BF16 or AVX512-BF16 (AVX2 CPUs such as Zen 3) torch converts every bf16 operand and a
+    bf16 prefill measured 7x slower than fp32 (:mod:`~ctx_integrations.engine.core.machine`).
+    """
+    if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

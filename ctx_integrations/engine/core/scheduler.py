@@ -56,6 +56,7 @@ import torch
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
+from ctx_integrations.engine.core.machine import available_cores
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.registry import default_batch_bytes, kv_bytes_per_token
 from ctx_integrations.engine.core.runner import ModelRunner
@@ -216,11 +217,15 @@ class Scheduler:
 
     ``runner`` computes the steps (:class:`~ctx_integrations.engine.core.runner.ModelRunner`, or a fake
     in tests); ``bytes_per_token`` is the model's KV bytes per token (``registry.kv_bytes_per_token``);
-    ``max_batch_bytes`` the KV bytes the running requests may reserve together.
+    ``max_batch_bytes`` the KV bytes the running requests may reserve together. ``threads``: torch's
+    CPU threads for the forwards, set on the step loop's own thread each time it starts (torch's OpenMP
+    thread count belongs to the thread that sets it, so ``torch.set_num_threads`` in the caller's thread
+    does not reach a loop that is already running; ``None``: leave the count the thread inherits).
     """
 
-    def __init__(self, runner: Runner, bytes_per_token: int, max_batch_bytes: int):
+    def __init__(self, runner: Runner, bytes_per_token: int, max_batch_bytes: int, threads: int | None = None):
         self.runner, self.bytes_per_token, self.max_batch_bytes = runner, bytes_per_token, max_batch_bytes
+        self.threads = threads
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._loading: list[Submission] = []  # on the loader thread
@@ -370,6 +375,8 @@ class Scheduler:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while (admit := self._wait_for_work()) is not None:
             started = time.perf_counter()
             try:
@@ -652,13 +659,14 @@ def _stop_all() -> None:
 
 
 def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
-                  max_batch_bytes: int | None = None) -> Scheduler:
+                  max_batch_bytes: int | None = None, threads: int | None = None) -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
-    ``attention_kernel`` is the row pool's (``flex.resolve_kernel``) and ``max_batch_bytes`` the KV bytes
+    ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes
     its running requests may reserve together (``None``: ``registry.default_batch_bytes`` for a new
-    scheduler, whatever the existing one has otherwise). Engines sharing a model share both,
-    so a second engine asking for other values is refused rather than silently ignored.
+    scheduler, whatever the existing one has otherwise) and ``threads`` its torch CPU threads (``None``:
+    :func:`~ctx_integrations.engine.core.machine.available_cores` for a new scheduler). Engines sharing a
+    model share all three, so a second engine asking for other values is refused rather than silently ignored.
     """
     kernel = resolve_kernel(attention_kernel, loaded.device)
     with _SCHEDULERS_LOCK:
@@ -666,8 +674,13 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
             scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
-                                                              budget)
+                                                              budget, threads or available_cores())
             _LIVE.add(scheduler)
+        elif threads is not None and scheduler.threads != threads:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs with threads={scheduler.threads}, and every engine on one "
+                f"model shares it: build this engine with the same value (or none), or load the model again for "
+                f"threads={threads}")
         elif max_batch_bytes is not None and scheduler.max_batch_bytes != max_batch_bytes:
             raise InvalidOptionError(
                 f"this model's scheduler already runs with max_batch_bytes={scheduler.max_batch_bytes}, and every "
