@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier, model_directory
+from ctx_integrations.engine.core.kv_codec import check_format
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
@@ -72,8 +73,10 @@ class KVCacheStore:
     keeps everything in memory only; otherwise ``directory`` is a cache root and every document entry is
     also written to the disk tier (:class:`~ctx_integrations.engine.core.disk.DiskTier`) in the model's own
     folder under it (``disk.model_directory``): every engine of the same model that names the same root, in
-    any process, for any store or collection, shares one copy of each entry. ``half_on_disk`` stores fp32 caches as fp16
-    (half the disk, values rounded, so logits are no longer bit-identical to a fresh prefill).
+    any process, for any store or collection, shares one copy of each entry. ``disk_format``: how entries are
+    stored on disk (:mod:`~ctx_integrations.engine.core.kv_codec`: ``"native"``, ``"fp16"``, ``"bf16"`` or
+    ``"int8"``; lossy formats round values, so logits are no longer bit-identical to a fresh prefill, and keep
+    a folder of their own). ``half_on_disk=True`` is the older name of ``disk_format="fp16"``.
 
     Query-time entries (``persist=False``: a RAPID long context, an IPPD concatenation, MapReduce's
     summary layout) live in the memory tier only, so they never fill the disk.
@@ -89,6 +92,7 @@ class KVCacheStore:
     loaded: LoadedModel
     directory: Path | None = None
     half_on_disk: bool = False
+    disk_format: str = "native"
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     batch_tokens: int = 16384
     stats: CacheStats = field(default_factory=CacheStats)
@@ -103,11 +107,17 @@ class KVCacheStore:
         if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes < 0:
             raise InvalidOptionError(f"host_bytes must be an int >= 0 (0: no host tier) or None, got "
                                      f"{self.host_bytes!r}")
+        self.disk_format = check_format(self.disk_format)
+        if self.half_on_disk:
+            if self.disk_format not in ("native", "fp16"):
+                raise InvalidOptionError(f"half_on_disk=True is disk_format='fp16', which contradicts "
+                                         f"disk_format={self.disk_format!r}: give disk_format alone")
+            self.disk_format = "fp16"
         self.disk: DiskTier | None = None
         if self.directory is not None:
             root = Path(self.directory)
-            self.disk = DiskTier(model_directory(root, self.loaded), self.loaded, self.half_on_disk, self.stats,
-                                 self.disk_bytes, legacy_directory=root)
+            self.disk = DiskTier(model_directory(root, self.loaded, self.disk_format), self.loaded, self.disk_format,
+                                 self.stats, self.disk_bytes, legacy_directory=root)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
         self._host: OrderedDict[str, CachedKV] = OrderedDict()  # host tensors (page-locked when CUDA is usable)

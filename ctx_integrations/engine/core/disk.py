@@ -50,6 +50,15 @@ from pathlib import Path
 
 import torch
 
+from ctx_integrations.engine.core.kv_codec import (
+    KV_FORMATS,
+    check_format,
+    check_stored,
+    decode,
+    encode,
+    is_lossy,
+    stored_names,
+)
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.validation import optional_whole_number
@@ -91,16 +100,18 @@ def cache_signing_key() -> bytes | None:
     return key or None
 
 
-def model_directory(root: str | os.PathLike, loaded: LoadedModel) -> Path:
-    """The folder of ``loaded``'s entries under a cache root: one per model identity and dtype.
+def model_directory(root: str | os.PathLike, loaded: LoadedModel, kv_format: str = "native") -> Path:
+    """The folder of ``loaded``'s entries under a cache root: one per model identity, dtype and lossy format.
 
     Entry keys already hash the model, so one folder could hold every model; a folder per model keeps them
     apart for people (``du``, deleting one model's caches) and gives every process that names the same root
     the same folder, whichever store or collection it serves. Readable name first, hash for uniqueness.
+    A lossy ``kv_format`` (``kv_codec``: fp16, bf16, int8) has a folder of its own, suffixed with its name,
+    so an engine that stores exact entries never reads another engine's rounded ones for the same key.
     """
     digest = hashlib.sha256(f"{loaded.identity}\x1f{loaded.dtype}".encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", loaded.name).strip("-.")[:48] or "model"
-    return Path(root) / f"{name}-{digest}"
+    return Path(root) / (f"{name}-{digest}" + (f"-{kv_format}" if is_lossy(kv_format) else ""))
 
 
 def _write_errno(error: Exception) -> int | None:
@@ -138,8 +149,10 @@ class CacheStats:
 class DiskTier:
     """A folder of safetensors entries, addressed by their content key (``<dir>/<key[:2]>/<key>.safetensors``).
 
-    ``half_on_disk`` stores fp32 caches as fp16 (half the disk, values rounded, so logits are no longer
-    bit-identical to a fresh prefill). Entries discarded on load are counted in ``stats.corrupt``.
+    ``kv_format``: how entries are stored (:mod:`~ctx_integrations.engine.core.kv_codec`): ``"native"`` (the
+    model's dtype, bit for bit), ``"fp16"`` / ``"bf16"`` (half of fp32, values rounded, so logits are no longer
+    bit-identical to a fresh prefill) or ``"int8"`` (a quarter, KIVI-quantised); entries are read back in the
+    model's dtype. Entries discarded on load are counted in ``stats.corrupt``.
     ``disk_bytes``: the most bytes of entries the folder may hold (``None``: unbounded); the least recently
     used are evicted first. ``signing_key``: HMAC key (default :func:`cache_signing_key`; ``None``: unsigned).
     ``legacy_directory``: a folder in the layout before per-model folders, whose entries are moved here when
@@ -148,7 +161,7 @@ class DiskTier:
 
     directory: Path
     loaded: LoadedModel
-    half_on_disk: bool = False
+    kv_format: str = "native"
     stats: CacheStats = field(default_factory=CacheStats)
     disk_bytes: int | None = None
     signing_key: bytes | None = field(default_factory=cache_signing_key, repr=False)
@@ -156,6 +169,7 @@ class DiskTier:
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
+        self.kv_format = check_format(self.kv_format)
         self.disk_bytes = optional_whole_number("disk_bytes", self.disk_bytes, minimum=0,
                                                 hint=" (None = no limit)")
         if isinstance(self.signing_key, str):
@@ -242,11 +256,8 @@ class DiskTier:
 
         if not self.writable:
             return
-        kv = kv.to("cpu")
-        if self.half_on_disk and kv.dtype == torch.float32:
-            kv = kv.to(torch.float16)
-        tensors = {"kv": kv.contiguous(), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-        metadata = {"format": FORMAT_VERSION, "key": key, "checksum": checksum(tensors)}
+        tensors = {**encode(kv.to("cpu"), self.kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
+        metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": self.kv_format, "checksum": checksum(tensors)}
         if self.signing_key is not None:
             metadata["signature"] = signature(self.signing_key, key, tensors)
         path, tmp = self.path(key), None
@@ -321,8 +332,15 @@ class DiskTier:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in ("kv", "token_ids")}
+                kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
+                names = set(stored_names(kv_format)) if kv_format in KV_FORMATS else set()
+                if not names or set(handle.keys()) != names | {"token_ids"}:
+                    return self._discard(path, f"its tensors {sorted(handle.keys())} are not a {kv_format!r} entry")
+                tensors = {name: handle.get_tensor(name) for name in (*names, "token_ids")}
             problem = self._check(metadata, tensors, key, token_ids)
+            if not problem:
+                kv = decode(tensors, kv_format, self.loaded.dtype, self.loaded.device if device is None else device)
+                problem = self._check_kv(kv, token_ids)
         except OSError as error:  # EIO, EACCES, ...: the file may be fine, the read was not
             self._cannot_read(error, path)
             return None
@@ -334,7 +352,7 @@ class DiskTier:
             os.utime(path)  # least recently used eviction goes by mtime
         except OSError:
             pass  # read-only folder: eviction order is only approximate then
-        return tensors["kv"].to(device=self.loaded.device if device is None else device, dtype=self.loaded.dtype)
+        return kv
 
     def _discard(self, path: Path, problem: str) -> None:
         """Report a corrupt entry, delete it (a read-only folder keeps it, never served) and count it."""
@@ -356,7 +374,7 @@ class DiskTier:
                           "the folder's permissions.", CacheStoreWarning, stacklevel=5)
 
     def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
-        config = self.loaded.model.config
+        """Why the stored tensors are not this entry's (``None`` when they are); the decoded KV is checked apart."""
         if metadata.get("format") != FORMAT_VERSION or metadata.get("key") != key:
             return "wrong format or key"
         if metadata.get("checksum") != checksum(tensors):
@@ -369,10 +387,13 @@ class DiskTier:
         ids = tensors["token_ids"]
         if ids.dtype != torch.int64 or ids.dim() != 1 or tuple(ids.tolist()) != token_ids:
             return "token ids differ from the document's"
-        kv = tensors["kv"]
-        if kv.dtype not in _CACHE_DTYPES:
-            return f"dtype {kv.dtype} is not a floating KV cache dtype"
-        shape = kv_shape(config)
+        if "kv" in tensors and tensors["kv"].dtype not in _CACHE_DTYPES:
+            return f"dtype {tensors['kv'].dtype} is not a floating KV cache dtype"
+        return check_stored(tensors, metadata.get("kv_format", "native"))
+
+    def _check_kv(self, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
+        """Why the decoded entry does not fit this model and document (``None`` when it does)."""
+        shape = kv_shape(self.loaded.model.config)
         expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
         if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
             return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "

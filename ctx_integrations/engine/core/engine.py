@@ -112,7 +112,9 @@ class Engine:
     """A local decoder with per-document KV caches and every decoding mode, serving concurrent requests.
 
     ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only), at most
-    ``disk_bytes`` of them (``None``: unbounded; least recently used entries are evicted).
+    ``disk_bytes`` of them (``None``: unbounded; least recently used entries are evicted), stored as
+    ``disk_format``: ``"native"`` (the model's dtype, exact), ``"fp16"`` / ``"bf16"`` (half an fp32 entry) or
+    ``"int8"`` (KIVI-quantised: about a quarter); see :mod:`~ctx_integrations.engine.core.kv_codec`.
     ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
     used entries are evicted). ``host_bytes``: the pinned host tier behind a GPU's memory tier, which
     takes the entries the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on
@@ -136,7 +138,8 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
-                 half_on_disk: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES, disk_bytes: int | None = None,
+                 half_on_disk: bool = False, disk_format: str = "native", memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 disk_bytes: int | None = None,
                  host_bytes: int | None = None,
                  max_request_bytes: int | None = None, max_batch_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
@@ -150,7 +153,7 @@ class Engine:
                                    context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
-                                  memory_bytes, disk_bytes=disk_bytes, host_bytes=host_bytes)
+                                  disk_format, memory_bytes, disk_bytes=disk_bytes, host_bytes=host_bytes)
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)

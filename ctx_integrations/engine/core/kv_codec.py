@@ -1,0 +1,115 @@
+"""How a KV cache entry is stored at rest: in the compute dtype, in 16 bits, or quantised to 8 bits.
+
+An entry is ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values). Formats:
+
+- ``"native"``: the model's dtype, bit for bit (logits equal a fresh prefill's);
+- ``"fp16"`` / ``"bf16"``: rounded to 16 bits (half of an fp32 entry);
+- ``"int8"``: KIVI's asymmetric 8-bit quantisation (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric
+  2bit Quantization for KV Cache"; here at 8 bits): keys per channel (one scale and minimum per layer,
+  head and head-dim channel, over the entry's tokens: keys have outlier channels) and values per token
+  (one scale and minimum per layer, head and token, over head_dim), scales and minima in fp16. A quarter
+  of an fp32 entry plus 4 bytes per token, layer and KV head for the values' scales.
+
+Written by hand: transformers' quantised caches (``QuantizedCache`` over quanto / HQQ) quantise the
+*running* cache of one ``generate`` call and keep a full-precision residual; an entry at rest needs a
+plain tensor format that safetensors can store, checksum and sign, and that decodes on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctx_integrations.engine.core.validation import choice
+
+KV_FORMATS = ("native", "fp16", "bf16", "int8")
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_SCALE_DTYPE = torch.float16
+_LEVELS = 255
+
+
+def check_format(kv_format: object) -> str:
+    """One of :data:`KV_FORMATS`, refused by name otherwise."""
+    return choice("kv_format", kv_format, KV_FORMATS)
+
+
+def is_lossy(kv_format: str) -> bool:
+    return kv_format != "native"
+
+
+def _quantise(x: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+    """Asymmetric 8-bit codes of ``x`` with one fp16 scale and minimum per slice along ``dim``."""
+    x = x.to(torch.float32)
+    low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    low, high = low.to(_SCALE_DTYPE).float(), high.to(_SCALE_DTYPE).float()  # the stored values, rounded alike
+    exact = ((high - low) / _LEVELS).clamp(min=torch.finfo(_SCALE_DTYPE).tiny)
+    stored = exact.to(_SCALE_DTYPE)  # rounded up where fp16 rounds down, so 255 steps still reach the maximum
+    stored = torch.where(stored.float() < exact, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
+    scale = stored.float()  # codes are computed with the scale decoding will use: error <= half a step
+    codes = torch.round((x - low) / scale).clamp(0, _LEVELS).to(torch.uint8)
+    return {"codes": codes, "scale": stored, "min": low.to(_SCALE_DTYPE)}
+
+
+def encode(kv: torch.Tensor, kv_format: str) -> dict[str, torch.Tensor]:
+    """The tensors that store ``kv`` in ``kv_format`` (inputs are never modified)."""
+    if kv_format == "native":
+        return {"kv": kv.contiguous()}
+    if kv_format in _HALF:
+        return {"kv": kv.to(_HALF[kv_format]).contiguous()}
+    keys = _quantise(kv[:, 0], dim=2)  # [L, H, T, D] -> one scale per (L, H, D): per channel, over tokens
+    values = _quantise(kv[:, 1], dim=3)  # one scale per (L, H, T): per token, over head_dim
+    return {"kv_codes": torch.stack([keys["codes"], values["codes"]], dim=1).contiguous(),
+            "key_scale": keys["scale"].contiguous(), "key_min": keys["min"].contiguous(),
+            "value_scale": values["scale"].contiguous(), "value_min": values["min"].contiguous()}
+
+
+def stored_names(kv_format: str) -> tuple[str, ...]:
+    """The tensor names an entry of ``kv_format`` holds (besides its token ids)."""
+    if kv_format == "int8":
+        return "kv_codes", "key_scale", "key_min", "value_scale", "value_min"
+    return ("kv",)
+
+
+def check_stored(tensors: dict[str, torch.Tensor], kv_format: str) -> str | None:
+    """Why ``tensors`` are not a well-formed ``kv_format`` entry (``None`` when they are); shapes against each other."""
+    if kv_format != "int8":
+        return None
+    codes = tensors["kv_codes"]
+    if codes.dtype != torch.uint8 or codes.dim() != 5 or codes.shape[1] != 2:
+        return (f"int8 codes of dtype {codes.dtype} and shape {tuple(codes.shape)}, "
+                "not uint8 [layers, 2, heads, tokens, dim]")
+    layers, _, heads, tokens, dim = codes.shape
+    expected = {"key_scale": (layers, heads, 1, dim), "key_min": (layers, heads, 1, dim),
+                "value_scale": (layers, heads, tokens, 1), "value_min": (layers, heads, tokens, 1)}
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if tensor.dtype != _SCALE_DTYPE or tuple(tensor.shape) != shape:
+            return f"{name} of dtype {tensor.dtype} and shape {tuple(tensor.shape)}, not {_SCALE_DTYPE} {shape}"
+    scales = torch.cat([tensors["key_scale"].reshape(-1), tensors["value_scale"].reshape(-1)]).float()
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        return "negative or non-finite quantisation scales"
+    return None
+
+
+def decode(tensors: dict[str, torch.Tensor], kv_format: str, dtype: torch.dtype,
+           device: torch.device | str) -> torch.Tensor:
+    """The ``[layers, 2, kv_heads, tokens, head_dim]`` entry in ``dtype`` on ``device``.
+
+    Codes move to ``device`` before they are widened, so a GPU reads a quarter of the bytes.
+    """
+    if kv_format != "int8":
+        return tensors["kv"].to(device=device, dtype=dtype)
+    on = {name: tensors[name].to(device) for name in stored_names("int8")}
+    codes = on["kv_codes"].to(torch.float32)
+    keys = codes[:, 0] * on["key_scale"].float() + on["key_min"].float()
+    values = codes[:, 1] * on["value_scale"].float() + on["value_min"].float()
+    return torch.stack([keys, values], dim=1).to(dtype)
+
+
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_format: str, native: torch.dtype) -> float:
+    """Bytes one token adds to an entry of ``kv_format`` (the keys' per-channel scales are per entry, not counted)."""
+    values = layers * 2 * kv_heads * head_dim
+    if kv_format == "native":
+        return float(values * native.itemsize)
+    if kv_format in _HALF:
+        return float(values * 2)
+    return float(values + layers * kv_heads * 2 * _SCALE_DTYPE.itemsize)

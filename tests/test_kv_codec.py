@@ -1,0 +1,168 @@
+"""Entries at rest in 16 bits or KIVI int8: round trips, the quantisation axes, bytes per token, the disk tier."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ctx_integrations.engine.core import kv_codec
+from ctx_integrations.engine.core.cache import KVCacheStore
+from ctx_integrations.engine.core.disk import checksum
+from ctx_integrations.engine.core.kv_shape import kv_shape
+from ctx_integrations.errors import CorruptCacheWarning, InvalidOptionError
+from tests.helpers import tiny_loaded
+
+DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 1621."
+SHAPE = (3, 2, 2, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
+
+
+def _entry(seed: int = 0) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def _round_trip(kv: torch.Tensor, kv_format: str) -> torch.Tensor:
+    return kv_codec.decode(kv_codec.encode(kv, kv_format), kv_format, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(("kv_format", "tolerance"), [("native", 0.0), ("fp16", 2e-3), ("bf16", 2e-2), ("int8", 3e-2)])
+def test_round_trip_error_is_the_format_rounding(kv_format, tolerance):
+    kv = _entry()
+    before = kv.clone()
+    back = _round_trip(kv, kv_format)
+    assert torch.equal(kv, before)  # the input is never edited in place
+    assert back.dtype == torch.float32 and back.shape == kv.shape
+    error = (back - kv).abs().max().item()
+    assert error <= tolerance * kv.abs().max().item()
+    if kv_format != "native":
+        assert error > 0  # a lossy format that stored the exact tensor would be a format that saves nothing
+
+
+def test_int8_error_is_within_half_a_step_of_each_slice():
+    kv = _entry(1)
+    stored = kv_codec.encode(kv, "int8")
+    back = _round_trip(kv, "int8")
+    key_step, value_step = stored["key_scale"].float(), stored["value_scale"].float()
+    assert ((back[:, 0] - kv[:, 0]).abs() <= key_step * 0.5 + 1e-5).all()  # codes use the stored (fp16) scale
+    assert ((back[:, 1] - kv[:, 1]).abs() <= value_step * 0.5 + 1e-5).all()
+
+
+def test_keys_are_quantised_per_channel_and_values_per_token():
+    """KIVI's axes: an outlier key *channel* or an outlier value *token* costs the other slices nothing.
+
+    Swapping the axes (keys per token, values per channel) would give every slice the outlier's step.
+    """
+    kv = _entry(2)
+    kv[:, 0, :, :, 0] *= 200  # one outlier key channel
+    kv[:, 1, :, 7, :] *= 200  # one outlier value token
+    back = _round_trip(kv, "int8")
+    typical = kv[:, 0, :, :, 1:].abs().max().item()
+    assert (back[:, 0, :, :, 1:] - kv[:, 0, :, :, 1:]).abs().max().item() < typical / 100
+    others = torch.cat([kv[:, 1, :, :7], kv[:, 1, :, 8:]], dim=2)
+    back_others = torch.cat([back[:, 1, :, :7], back[:, 1, :, 8:]], dim=2)
+    assert (back_others - others).abs().max().item() < others.abs().max().item() / 100
+
+
+def test_int8_bytes_per_token_are_about_a_quarter_of_fp32():
+    layers, _, heads, tokens, dim = SHAPE
+    stored = kv_codec.encode(_entry(), "int8")
+    per_entry = sum(stored[name].nbytes for name in ("key_scale", "key_min"))
+    per_token = (sum(t.nbytes for t in stored.values()) - per_entry) / tokens
+    assert per_token == kv_codec.bytes_per_token(layers, heads, dim, "int8", torch.float32)
+    fp32 = kv_codec.bytes_per_token(layers, heads, dim, "native", torch.float32)
+    assert fp32 == layers * 2 * heads * dim * 4
+    assert kv_codec.bytes_per_token(layers, heads, dim, "bf16", torch.float32) == fp32 / 2
+    # a quarter, plus the values' fp16 scale and minimum (4 bytes) per token of each layer and head
+    assert per_token / fp32 == pytest.approx(0.25 + 4 / (2 * dim * 4))
+
+
+def test_constant_slices_decode_exactly():
+    kv = torch.full(SHAPE, 0.5)
+    assert torch.equal(_round_trip(kv, "int8"), kv)
+
+
+@pytest.mark.parametrize("bad", ["int4", None, "", "FP16"])
+def test_unknown_formats_are_refused_by_name(bad):
+    with pytest.raises(InvalidOptionError, match="kv_format must be one of native, fp16, bf16, int8"):
+        kv_codec.check_format(bad)
+
+
+# -- the disk tier --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_loaded()
+
+
+@pytest.fixture(scope="module")
+def layout(loaded):
+    from ctx_integrations.engine.core.layout import PromptLayout
+
+    return PromptLayout(loaded.tokenizer)
+
+
+def _files(folder):
+    return sorted(p for p in folder.rglob("*.safetensors") if not p.name.startswith(".tmp"))
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "bf16", "int8"])
+def test_disk_entries_read_back_as_the_format_rounds_them(loaded, layout, tmp_path, kv_format):
+    exact = KVCacheStore(loaded, tmp_path / "native").document(layout, DOC)
+    KVCacheStore(loaded, tmp_path / "lossy", disk_format=kv_format).document(layout, DOC)
+    reader = KVCacheStore(loaded, tmp_path / "lossy", disk_format=kv_format)
+    reloaded = reader.document(layout, DOC)
+    assert (reader.stats.disk_hits, reader.stats.misses) == (1, 0)
+    assert reloaded.kv.dtype == loaded.dtype
+    torch.testing.assert_close(reloaded.kv, _round_trip(exact.kv, kv_format), rtol=0, atol=1e-6)
+    shape = kv_shape(loaded.model.config)
+    ratio = (kv_codec.bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, kv_format, loaded.dtype)
+             / kv_codec.bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, "native", loaded.dtype))
+    native_bytes, lossy_bytes = (sum(p.stat().st_size for p in _files(tmp_path / name)) for name in ("native", "lossy"))
+    assert lossy_bytes < native_bytes * (ratio + 0.1)  # + headers and token ids
+
+
+def test_a_lossy_format_keeps_a_folder_of_its_own(loaded, layout, tmp_path):
+    """An engine that stores exact entries must never be served another engine's rounded ones for the same key."""
+    KVCacheStore(loaded, tmp_path, disk_format="int8").document(layout, DOC)
+    exact = KVCacheStore(loaded, tmp_path)
+    exact.document(layout, DOC)
+    assert (exact.stats.hits, exact.stats.misses) == (0, 1)
+    folders = sorted({p.parent.parent.name for p in _files(tmp_path)})
+    assert len(folders) == 2 and folders[1] == folders[0] + "-int8"
+
+
+def test_half_on_disk_is_fp16_and_contradictions_are_refused(loaded, tmp_path):
+    assert KVCacheStore(loaded, tmp_path, half_on_disk=True).disk_format == "fp16"
+    with pytest.raises(InvalidOptionError, match="half_on_disk"):
+        KVCacheStore(loaded, tmp_path, half_on_disk=True, disk_format="int8")
+    with pytest.raises(InvalidOptionError, match="kv_format"):
+        KVCacheStore(loaded, tmp_path, disk_format="int4")
+
+
+def _rewrite(path, change):
+    with safe_open(str(path), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    tensors = change(tensors)
+    metadata["checksum"] = checksum(tensors)  # a forger without the signing key can recompute the checksum
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: {**t, "value_scale": -t["value_scale"]},
+    lambda t: {**t, "key_scale": t["key_scale"][:, :, :, :-1].contiguous()},
+    lambda t: {**t, "kv_codes": t["kv_codes"].to(torch.int16)},
+    lambda t: {k: v for k, v in t.items() if k != "value_min"},
+    lambda t: {**t, "kv": torch.ones(3)},
+], ids=["negative-scale", "key-scale-shape", "codes-dtype", "missing-tensor", "extra-tensor"])
+def test_a_malformed_int8_entry_is_discarded_and_recomputed(loaded, layout, tmp_path, change):
+    writer = KVCacheStore(loaded, tmp_path, disk_format="int8")
+    writer.document(layout, DOC)
+    _rewrite(writer.disk.path(writer.entry_key(layout, layout.context_ids(DOC))), change)
+    store = KVCacheStore(loaded, tmp_path, disk_format="int8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store.document(layout, DOC)
+    assert any(issubclass(w.category, CorruptCacheWarning) for w in caught)
+    assert (store.stats.corrupt, store.stats.misses) == (1, 1)
