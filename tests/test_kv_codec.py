@@ -166,3 +166,44 @@ def test_a_malformed_int8_entry_is_discarded_and_recomputed(loaded, layout, tmp_
         store.document(layout, DOC)
     assert any(issubclass(w.category, CorruptCacheWarning) for w in caught)
     assert (store.stats.corrupt, store.stats.misses) == (1, 1)
+
+
+# -- the host tier --------------------------------------------------------------------------------------
+HOST_DOCS = ["Marrowgate is the capital of Veloria.", "The mayor of Marrowgate is Ilsa Brenn.",
+             "The Lantern Fair is held every October in the harbour district.", "The vault code is 4721."]
+
+
+def test_an_int8_host_tier_holds_about_four_times_the_entries_and_returns_them_rounded(loaded, layout):
+    exact = [e.kv for e in KVCacheStore(loaded).documents(layout, HOST_DOCS)]
+    native = KVCacheStore(loaded, memory_bytes=0, host_bytes=1 << 30)
+    native.documents(layout, HOST_DOCS)
+    quantised = KVCacheStore(loaded, memory_bytes=0, host_bytes=1 << 30, host_format="int8")
+    quantised.documents(layout, HOST_DOCS)
+    # held encoded, not widened: a quarter, plus the keys' per-entry scales (large beside 10-token entries)
+    assert quantised.host_used == sum(sum(t.nbytes for t in kv_codec.encode(kv, "int8").values())
+                                      for kv in [KVCacheStore(loaded).prefix(layout).kv, *exact])
+    assert quantised.host_used < native.host_used * 0.35
+    again = quantised.documents(layout, HOST_DOCS)
+    assert (quantised.stats.host_hits, quantised.stats.misses) == (len(HOST_DOCS), len(HOST_DOCS))
+    for entry, kv in zip(again, exact):
+        assert entry.kv.dtype == loaded.dtype
+        torch.testing.assert_close(entry.kv, _round_trip(kv, "int8"), rtol=0, atol=1e-6)
+        assert not torch.equal(entry.kv, kv)
+    # within one budget the quantised tier keeps every entry where the native one keeps only the last ones
+    budget = quantised.host_used
+    small = KVCacheStore(loaded, memory_bytes=0, host_bytes=budget)
+    small.documents(layout, HOST_DOCS)
+    assert not small.contains(layout, HOST_DOCS[0])
+    assert all(quantised.contains(layout, document) for document in HOST_DOCS)
+
+
+def test_prefetch_through_an_int8_host_tier_serves_rounded_entries(loaded, layout, tmp_path):
+    KVCacheStore(loaded, tmp_path).documents(layout, HOST_DOCS)
+    store = KVCacheStore(loaded, tmp_path, memory_bytes=0, host_bytes=1 << 30, host_format="int8")
+    store.prefetch(layout, [layout.context_ids(d) for d in HOST_DOCS])
+    assert 0 < store.host_used and store.memory_used == 0
+    exact = KVCacheStore(loaded, tmp_path).documents(layout, HOST_DOCS)
+    served = store.documents(layout, HOST_DOCS)
+    assert (store.stats.host_hits, store.stats.disk_hits, store.stats.misses) == (len(HOST_DOCS), 0, 0)
+    for entry, reference in zip(served, exact):
+        torch.testing.assert_close(entry.kv, _round_trip(reference.kv, "int8"), rtol=0, atol=1e-6)

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier, model_directory
-from ctx_integrations.engine.core.kv_codec import check_format
+from ctx_integrations.engine.core.kv_codec import check_format, decode, encode
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
@@ -44,6 +44,19 @@ class CachedKV:
     @property
     def length(self) -> int:
         return self.kv.shape[-2]
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """An entry in the host tier, stored as ``kv_codec`` encodes it (``{"kv": kv}`` in the native format)."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    stored: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.stored.values())
 
 
 def cache_from_kv(kv: torch.Tensor) -> DynamicCache:
@@ -76,7 +89,9 @@ class KVCacheStore:
     any process, for any store or collection, shares one copy of each entry. ``disk_format``: how entries are
     stored on disk (:mod:`~ctx_integrations.engine.core.kv_codec`: ``"native"``, ``"fp16"``, ``"bf16"`` or
     ``"int8"``; lossy formats round values, so logits are no longer bit-identical to a fresh prefill, and keep
-    a folder of their own). ``half_on_disk=True`` is the older name of ``disk_format="fp16"``.
+    a folder of their own). ``half_on_disk=True`` is the older name of ``disk_format="fp16"``. ``host_format``:
+    the same formats for the host tier: an encoded entry crosses PCIe in its stored size and is widened on
+    the device, so the host tier holds up to 4x the entries in its budget.
 
     Query-time entries (``persist=False``: a RAPID long context, an IPPD concatenation, MapReduce's
     summary layout) live in the memory tier only, so they never fill the disk.
@@ -98,6 +113,7 @@ class KVCacheStore:
     stats: CacheStats = field(default_factory=CacheStats)
     disk_bytes: int | None = None  # the disk tier's budget (least recently used entries evicted); None: unbounded
     host_bytes: int | None = None  # the host tier's budget; None: DEFAULT_HOST_BYTES on CUDA, 0 (none) elsewhere
+    host_format: str = "native"
 
     def __post_init__(self) -> None:
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
@@ -108,6 +124,7 @@ class KVCacheStore:
             raise InvalidOptionError(f"host_bytes must be an int >= 0 (0: no host tier) or None, got "
                                      f"{self.host_bytes!r}")
         self.disk_format = check_format(self.disk_format)
+        self.host_format = check_format(self.host_format)
         if self.half_on_disk:
             if self.disk_format not in ("native", "fp16"):
                 raise InvalidOptionError(f"half_on_disk=True is disk_format='fp16', which contradicts "
@@ -120,7 +137,7 @@ class KVCacheStore:
                                  self.stats, self.disk_bytes, legacy_directory=root)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
-        self._host: OrderedDict[str, CachedKV] = OrderedDict()  # host tensors (page-locked when CUDA is usable)
+        self._host: OrderedDict[str, HostEntry] = OrderedDict()  # host tensors (page-locked when CUDA is usable)
         self._host_used = 0
         self._in_flight: dict[str, Transfer] = {}  # memory-tier entries whose copy from the host may still run
         self._prefetched: dict[str, str] = {}  # key -> the tier it was read from ahead of use (counted at first use)
@@ -210,7 +227,7 @@ class KVCacheStore:
                     continue
                 host = self._host.get(key)
             if host is not None:
-                tier, kv = "host", host.kv
+                tier, kv = "host", self._from_host(host)
             else:
                 if self.disk is None:
                     continue
@@ -283,7 +300,7 @@ class KVCacheStore:
             if host is not None:
                 self._host.move_to_end(key)
                 _count(counters, "host")
-                entry = CachedKV(key, token_ids, to_device_async(host.kv, self.loaded.device).wait())
+                entry = CachedKV(key, token_ids, self._from_host(host))
                 self._remember(entry)
                 return entry
             if self.disk is None:
@@ -331,17 +348,21 @@ class KVCacheStore:
         Copies to and from the host tier run in order on one side stream per GPU (``transfer.py``), so a
         copy back to the GPU never reads a host tensor whose copy from the GPU is still running.
         """
-        size = _size(entry)
         with self._lock:
             if entry.key in self._host:
                 self._host.move_to_end(entry.key)
                 return
-            if size > self.host_bytes:
+            if not self.host_bytes:
                 return
-            # a host tensor (read from disk into pinned memory, or a CPU model's entry) is kept as it is
-            kv = entry.kv if entry.kv.device.type == "cpu" else to_host(entry.kv).tensor
-            self._host[entry.key] = CachedKV(entry.key, entry.token_ids, kv)
-            self._host_used += size
+            # encoded where the entry is (a GPU encodes its own); a host tensor (read from disk into pinned memory,
+            # or a CPU model's entry) is kept as it is in the native format
+            stored = {name: pinned(tensor) if tensor.device.type == "cpu" else to_host(tensor).tensor
+                      for name, tensor in encode(entry.kv, self.host_format).items()}
+            host = HostEntry(entry.key, entry.token_ids, stored)
+            if host.nbytes > self.host_bytes:
+                return
+            self._host[entry.key] = host
+            self._host_used += host.nbytes
             while self._host_used > self.host_bytes:
                 self._drop_host(next(iter(self._host)))
 
@@ -355,7 +376,14 @@ class KVCacheStore:
     def _drop_host(self, key: str) -> None:
         entry = self._host.pop(key, None)
         if entry is not None:
-            self._host_used -= _size(entry)
+            self._host_used -= entry.nbytes
+
+    def _from_host(self, host: HostEntry) -> torch.Tensor:
+        """A host entry on the model's device in its dtype: copied in its stored size (on the side stream, the
+        current stream waiting for the copies), then widened there."""
+        device = self.loaded.device
+        on_device = {name: to_device_async(tensor, device).wait() for name, tensor in host.stored.items()}
+        return decode(on_device, self.host_format, self.loaded.dtype, device)
 
     @torch.inference_mode()
     def _compute(self, token_ids: tuple[int, ...], prefix: CachedKV | None) -> torch.Tensor:

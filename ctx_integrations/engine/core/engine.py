@@ -118,8 +118,9 @@ class Engine:
     ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
     used entries are evicted). ``host_bytes``: the pinned host tier behind a GPU's memory tier, which
     takes the entries the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on
-    CPU). ``max_request_bytes``: the most KV one request may allocate, checked
-    before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
+    CPU), stored as ``host_format`` (the same formats as ``disk_format``: an int8 entry crosses PCIe at about
+    a quarter of its fp32 bytes and is widened on the GPU). ``max_request_bytes``: the most KV one request
+    may allocate, checked before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
     ``max_batch_bytes``: the KV bytes all running requests of the model may reserve together (prompt +
     ``max_new_tokens``, all their streams); a request that does not fit waits in the queue until running
     ones finish (``None``: half the host's RAM on CPU, half the GPU's memory on CUDA; engines on one model
@@ -140,7 +141,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
                  half_on_disk: bool = False, disk_format: str = "native", memory_bytes: int = DEFAULT_MEMORY_BYTES,
                  disk_bytes: int | None = None,
-                 host_bytes: int | None = None,
+                 host_bytes: int | None = None, host_format: str = "native",
                  max_request_bytes: int | None = None, max_batch_bytes: int | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
@@ -152,8 +153,9 @@ class Engine:
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template_text(question_template),
                                    context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
-        self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None, half_on_disk,
-                                  disk_format, memory_bytes, disk_bytes=disk_bytes, host_bytes=host_bytes)
+        self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None,
+                                  half_on_disk=half_on_disk, disk_format=disk_format, memory_bytes=memory_bytes,
+                                  disk_bytes=disk_bytes, host_bytes=host_bytes, host_format=host_format)
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
