@@ -288,8 +288,8 @@ def test_the_host_tier_pins_evicted_entries_and_returns_them_intact(tmp_path):
     engine = Engine(loaded, cache_dir=tmp_path, memory_bytes=largest, host_bytes=1 << 30)
     assert engine.store.host_bytes == (1 << 30)
     engine.store.documents(engine.layout, DOCS)
-    hosted = list(engine.store._host.values())
-    assert hosted and all(e.kv.device.type == "cpu" and e.kv.is_pinned() == ON_CUDA for e in hosted)
+    hosted = [t for e in engine.store._host.values() for t in e.stored.values()]
+    assert hosted and all(t.device.type == "cpu" and t.is_pinned() == ON_CUDA for t in hosted)
     again = engine.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8)
     assert again.cache_hits_by_tier["host"] >= len(DOCS) - 1 and again.cache_misses == 0
     assert again.token_ids == reference.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8).token_ids
@@ -299,6 +299,28 @@ def test_the_host_tier_pins_evicted_entries_and_returns_them_intact(tmp_path):
     assert cold.store.host_used > 0
     answer = cold.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8)
     assert answer.cache_hits_by_tier["disk"] == len(DOCS) and answer.token_ids == again.token_ids
+
+
+def test_an_int8_host_tier_crosses_in_its_stored_size_and_is_widened_on_the_device():
+    # Entries evicted from the device are encoded there and copied to pinned memory asynchronously; on the way
+    # back the codes cross first and are widened on the device. A copy read before it finished, or codes widened
+    # on the host, would break the equality with the CPU round trip or the pinning check.
+    from ctx_integrations.engine.core import kv_codec
+
+    loaded = on_device(tiny(7), torch.bfloat16)
+    reference = Engine(loaded)
+    originals = [e.kv.clone() for e in reference.store.documents(reference.layout, DOCS)]
+    engine = Engine(loaded, memory_bytes=1, host_bytes=1 << 30, host_format="int8")
+    engine.store.documents(engine.layout, DOCS)
+    hosted = [t for e in engine.store._host.values() for t in e.stored.values()]
+    assert hosted and all(t.device.type == "cpu" and t.is_pinned() == ON_CUDA for t in hosted)
+    assert {t.dtype for t in hosted} == {torch.uint8, torch.float16}
+    back = engine.store.documents(engine.layout, DOCS)
+    assert engine.store.stats.host_hits == len(DOCS)
+    for entry, kv in zip(back, originals):
+        assert entry.kv.device == kv.device and entry.kv.dtype == torch.bfloat16
+        expected = kv_codec.decode(kv_codec.encode(kv.cpu(), "int8"), "int8", torch.bfloat16, "cpu")
+        torch.testing.assert_close(entry.kv.cpu(), expected, rtol=0, atol=1e-2)
 
 
 # -- a random-weight model of real shape (Llama-3.2-1B) ----------------------------------------------------------------
