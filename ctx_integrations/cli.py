@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: the physical cores this process may use; 1 is faster on a "
                              "CPU other jobs are busy with)")
+    parser.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=None,
+                        help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
+                             "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.help,
@@ -160,10 +163,14 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
-def engine_threads(args: argparse.Namespace) -> dict[str, int]:
-    """``--threads`` as an engine option (its scheduler sets them on its own thread), or none for the default."""
-    threads = getattr(args, "threads", None)
-    return {} if threads is None else {"threads": max(1, threads)}
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--threads`` and ``--disk-format`` as engine options, each left out when not given (the engine's default)."""
+    options: dict[str, Any] = {}
+    if getattr(args, "threads", None) is not None:
+        options["threads"] = max(1, args.threads)  # the scheduler sets them on its own thread
+    if getattr(args, "disk_format", None) is not None:
+        options["disk_format"] = args.disk_format
+    return options
 
 
 def runtime_line(engine: Any) -> str:
@@ -305,7 +312,7 @@ def run_demo(args: argparse.Namespace) -> int:
     check_modes(modes)
     store = DocumentStore(Path(args.store) if args.store else cache_root() / "demo_store")
     started = time.perf_counter()
-    engine = store.open_engine(args.model, device=args.device, **engine_threads(args))
+    engine = store.open_engine(args.model, device=args.device, **engine_options(args))
     documents, questions = load_demo_corpus()
     report = store.add(documents)
     print(f"store {store.location}: {report.added} added, {report.updated} updated, {report.unchanged} unchanged; "
@@ -510,7 +517,7 @@ def run_ask(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     retrieved = [retriever.retrieve(q, top_k=args.top_k, rerank_top_n=args.rerank_top_n) for q in args.questions]
     retrieval_s = time.perf_counter() - started
-    engine = store.open_engine(args.model, device=args.device, **engine_threads(args))
+    engine = store.open_engine(args.model, device=args.device, **engine_options(args))
     settings = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
     if len(args.questions) == 1:
         answers = [engine.generate(args.questions[0], retrieved[0], **settings)]
@@ -591,7 +598,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.set == "musique":  # fail on a missing file before loading the model
         load_set("musique", path=args.data, n_questions=args.questions)
     started = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, device=args.device, **engine_threads(args))
+    engine = Engine.from_pretrained(args.model, device=args.device, **engine_options(args))
     examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
                         document_tokens=args.document_tokens, seed=args.seed, path=args.data)
     print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
@@ -649,7 +656,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from ctx_integrations.serve.cli import serve
 
-    return serve(args, _open_store)
+    return serve(args, _open_store, engine_options)
 
 
 def _configure_models(parser: argparse.ArgumentParser) -> None:

@@ -73,3 +73,12 @@ def test_the_cli_knows_every_registered_mode_without_torch():
     from ctx_integrations.engine.core.registry import available_modes
 
     assert sorted(BUILTIN_MODES) == sorted(available_modes())
+
+
+def test_engine_options_pass_threads_and_disk_format_only_when_given():
+    from ctx_integrations.cli import build_parser, engine_options
+
+    parse = build_parser().parse_args
+    assert engine_options(parse(["ask", "q", "--store", "s"])) == {}
+    assert engine_options(parse(["--threads", "0", "--disk-format", "int8", "ask", "q", "--store", "s"])) == {
+        "threads": 1, "disk_format": "int8"}

@@ -49,7 +49,10 @@ def _require(module: str, extra: str) -> None:
         raise missing_dependency(module, extra) from error
 
 
-def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bool], Any]) -> int:
+def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bool], Any],
+          engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
+    """``ctx-experts serve``: ``open_store`` and ``engine_options`` (``--threads``, ``--disk-format``) come from
+    the main CLI, which imports this module only when the command runs."""
     if not 0 < args.port < 65536:
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     if args.ray:
@@ -67,9 +70,9 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
 
     store = open_store(args, True) if args.store else None
     cache_dir = Path(args.cache_dir) if args.cache_dir else (store.kv_dir if store is not None else None)
-    options = {} if args.max_queued is None else {"max_queued_requests": args.max_queued}
-    if getattr(args, "threads", None) is not None:
-        options["threads"] = max(1, args.threads)
+    options = engine_options(args)
+    if args.max_queued is not None:
+        options["max_queued_requests"] = args.max_queued
     engine = Engine.from_pretrained(args.model, device=args.device, cache_dir=cache_dir, **options)
     if store is not None:
         store.engine = engine
