@@ -88,8 +88,8 @@ class _DeferredParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: the physical cores this process may use; 1 is faster on a "
-                             "CPU other jobs are busy with)")
+                        help="torch CPU threads (default: torch's, capped at the physical cores this process may "
+                             "use; 1 is faster on a CPU other jobs are busy with)")
     parser.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=None,
                         help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
                              "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -102,22 +100,21 @@ def test_engines_on_one_model_share_its_threads():
             Engine(tiny_loaded(), threads=bad)
 
 
-def test_default_threads_are_the_available_cores(monkeypatch):
-    from ctx_integrations.engine.core import scheduler
-
-    monkeypatch.setattr(scheduler, "available_cores", lambda: 3)
-    engine = Engine(tiny_loaded())
-    assert engine.scheduler.threads == 3
-    seen: list[int] = []
-    done = threading.Event()
-
-    def record(piece: str) -> None:
-        seen.append(torch.get_num_threads())
-        done.set()
+def test_default_threads_keep_a_lowered_torch_count_and_cap_torch_at_the_available_cores(monkeypatch):
+    from ctx_integrations.engine.core import machine as machine_module
 
     before = torch.get_num_threads()
     try:
-        engine.generate("q?", ["a document"], max_new_tokens=2, on_token=record)
+        monkeypatch.setattr(machine_module, "available_cores", lambda: 3)
+        torch.set_num_threads(1)  # the caller lowered it: kept
+        assert Engine(tiny_loaded()).scheduler.threads == 1
+        torch.set_num_threads(8)  # torch's default counts the machine's cores: cut to what the process may use
+        engine = Engine(tiny_loaded())
+        assert engine.scheduler.threads == 3
+        seen: list[int] = []
+        torch.set_num_threads(1)
+        engine.generate("q?", ["a document"], max_new_tokens=2,
+                        on_token=lambda piece: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {3}  # set on the step thread, whatever the caller's count is now
     finally:
         torch.set_num_threads(before)
-    assert done.is_set() and set(seen) == {3}

@@ -130,8 +130,9 @@ class Engine:
     per-request timeout (``None``: none); ``timeout=`` on a call overrides it. ``attention_kernel``: the
     row pool's attention (every pooled mode): ``"auto"`` (FlexAttention with a block mask on CUDA, the
     model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``. ``threads``: torch's CPU
-    threads for the model's forwards (``None``: the physical cores this process may use, affinity mask
-    and cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). Every answer's
+    threads for the model's forwards, set on the engine's own step thread (``None``: torch's count in the
+    thread that builds the engine, capped at the physical cores this process may use, affinity mask and
+    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and

@@ -62,6 +62,17 @@ def available_cores() -> int:
     return max(1, cores)
 
 
+def default_threads() -> int:
+    """torch's thread count in the calling thread, capped at :func:`available_cores`.
+
+    A caller who lowered it (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``) keeps that count; torch's own
+    default, which counts the machine's cores whatever the process may use, is cut to what the process may.
+    """
+    import torch
+
+    return max(1, min(torch.get_num_threads(), available_cores()))
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (empty where there is no ``/proc/cpuinfo``)."""
     try:

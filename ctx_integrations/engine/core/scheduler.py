@@ -56,7 +56,7 @@ import torch
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
-from ctx_integrations.engine.core.machine import available_cores
+from ctx_integrations.engine.core.machine import default_threads
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.registry import default_batch_bytes, kv_bytes_per_token
 from ctx_integrations.engine.core.runner import ModelRunner
@@ -665,7 +665,7 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
     ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes
     its running requests may reserve together (``None``: ``registry.default_batch_bytes`` for a new
     scheduler, whatever the existing one has otherwise) and ``threads`` its torch CPU threads (``None``:
-    :func:`~ctx_integrations.engine.core.machine.available_cores` for a new scheduler). Engines sharing a
+    :func:`~ctx_integrations.engine.core.machine.default_threads` for a new scheduler). Engines sharing a
     model share all three, so a second engine asking for other values is refused rather than silently ignored.
     """
     kernel = resolve_kernel(attention_kernel, loaded.device)
@@ -674,7 +674,7 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
             scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
-                                                              budget, threads or available_cores())
+                                                              budget, threads or default_threads())
             _LIVE.add(scheduler)
         elif threads is not None and scheduler.threads != threads:
             raise InvalidOptionError(
