@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -207,3 +208,48 @@ def test_prefetch_through_an_int8_host_tier_serves_rounded_entries(loaded, layou
     assert (store.stats.host_hits, store.stats.disk_hits, store.stats.misses) == (len(HOST_DOCS), 0, 0)
     for entry, reference in zip(served, exact):
         torch.testing.assert_close(entry.kv, _round_trip(reference.kv, "int8"), rtol=0, atol=1e-6)
+
+
+def test_int8_keeps_half_a_step_where_a_slice_is_far_from_zero():
+    """A key channel at +-300 with a spread of 0.5: fp16 cannot hold its minimum exactly (spacing 0.25 there).
+
+    A minimum rounded to the nearest fp16 value instead of down would put values below the grid (clamped to
+    code 0) with errors of up to an eighth, a hundred times the half step.
+    """
+    kv = _entry(3) * 0.1
+    kv[:, 0, :, :, 0] += 300.0
+    kv[:, 1, :, 5, :] -= 300.0
+    stored = kv_codec.encode(kv, "int8")
+    back = _round_trip(kv, "int8")
+    assert ((back[:, 0] - kv[:, 0]).abs() <= stored["key_scale"].float() * 0.5 + 1e-4).all()
+    assert ((back[:, 1] - kv[:, 1]).abs() <= stored["value_scale"].float() * 0.5 + 1e-4).all()
+
+
+def test_int8_computes_in_fp32_whatever_the_entry_dtype():
+    # a bf16 entry (a GPU's) quantised in bf16 would place values on bf16's coarse grid before rounding to codes
+    kv = (_entry(4) + 40.0).to(torch.bfloat16)
+    stored = kv_codec.encode(kv, "int8")
+    back = kv_codec.decode(stored, "int8", torch.float32, "cpu")
+    assert ((back[:, 1] - kv[:, 1].float()).abs() <= stored["value_scale"].float() * 0.5 + 1e-4).all()
+    assert kv_codec.decode(stored, "int8", torch.bfloat16, "cpu").dtype == torch.bfloat16
+
+
+def _stored(**changes):
+    stored = kv_codec.encode(_entry(), "int8")
+    return {**stored, **{name: change(stored[name]) for name, change in changes.items()}}
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"kv_codes": lambda t: t[:, :1].contiguous()}, "not uint8 \\[layers, 2, heads, tokens, dim\\]"),
+    ({"kv_codes": lambda t: t.to(torch.int16)}, "not uint8"),
+    ({"kv_codes": lambda t: t[0]}, "not uint8"),
+    ({"key_scale": lambda t: t.float()}, "key_scale of dtype torch.float32 .* not torch.float16"),
+    ({"value_min": lambda t: t[:, :, :-1].contiguous()},
+     "value_min of dtype torch.float16 and shape \\(3, 2, 39, 1\\)"),
+    ({"value_scale": lambda t: torch.zeros_like(t)}, "not positive and finite"),
+    ({"key_scale": lambda t: torch.full_like(t, torch.inf)}, "not positive and finite"),
+])
+def test_check_stored_names_each_malformation(changes, message):
+    assert kv_codec.check_stored(_stored(), "int8") is None
+    problem = kv_codec.check_stored(_stored(**changes), "int8")
+    assert problem is not None and re.search(message, problem), problem

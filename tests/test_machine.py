@@ -25,6 +25,7 @@ def test_smt_siblings_count_as_one_core_and_packages_apart(tmp_path):
     assert machine._physical_cores({0, 1, 2, 3}, tmp_path) == 3
     assert machine._physical_cores({0, 1}, tmp_path) == 1
     assert machine._physical_cores({2, 7}, tmp_path) == 2  # cpu7 has no topology: counted alone
+    assert machine._physical_cores({7, 8}, tmp_path) == 2  # ... and apart from every other such CPU
 
 
 @pytest.mark.parametrize(("files", "cores"), [
@@ -32,6 +33,7 @@ def test_smt_siblings_count_as_one_core_and_packages_apart(tmp_path):
     ({"cpu.max": "max 100000\n"}, None),
     ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "0\n"}, None),  # no division by zero
     ({}, None),
 ])
 def test_cgroup_quota_in_cores(tmp_path, files, cores):
@@ -42,7 +44,7 @@ def test_cgroup_quota_in_cores(tmp_path, files, cores):
 
 
 def test_available_cores_is_the_affinity_capped_by_the_quota(monkeypatch):
-    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(8)) if pid == 0 else set())
     monkeypatch.setattr(machine, "_physical_cores", lambda cpus: len(cpus))
     monkeypatch.setattr(machine, "_cgroup_quota_cores", lambda: 2.5)
     assert machine.available_cores() == 3  # a 2.5-core quota runs 3 threads part of the time
@@ -50,6 +52,25 @@ def test_available_cores_is_the_affinity_capped_by_the_quota(monkeypatch):
     assert machine.available_cores() == 8
     monkeypatch.setattr(machine, "_cgroup_quota_cores", lambda: 0.2)
     assert machine.available_cores() == 1
+
+
+def test_without_an_affinity_mask_the_cpu_count_is_used(monkeypatch):
+    def no_affinity(pid):
+        raise AttributeError("not Linux")
+
+    monkeypatch.setattr(machine.os, "sched_getaffinity", no_affinity)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 6)
+    assert machine.available_cores() == 6
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: None)  # unknown
+    assert machine.available_cores() == 1
+
+
+def test_cpu_flags_survive_bytes_that_are_not_utf8(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_bytes(b"model name\t: Caf\xe9 CPU\nflags\t\t: avx2 amx_bf16\n")
+    assert machine.cpu_flags(cpuinfo) == frozenset({"avx2", "amx_bf16"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert machine.native_bf16()  # no flags given: this machine's
 
 
 def test_cpu_flags_and_native_bf16(tmp_path):

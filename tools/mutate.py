@@ -81,6 +81,8 @@ TARGETS = {
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),
                                ("tests/test_speculative_rows.py", "-k",
                                 "common_prefix or held_a_longer or fed_again or runs_in_the_shared_batch")),
+    "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
+    "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     "greedy_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_greedy_verdict*",),
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),

@@ -37,16 +37,28 @@ def is_lossy(kv_format: str) -> bool:
 
 
 def _quantise(x: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
-    """Asymmetric 8-bit codes of ``x`` with one fp16 scale and minimum per slice along ``dim``."""
+    """Asymmetric 8-bit codes of ``x`` with one fp16 scale and minimum per slice along ``dim``.
+
+    The grid is built from the values decoding will use: the minimum rounded *down* to fp16 (so no value
+    falls below it, however large the slice's offset against its spread) and the scale rounded *up* (so
+    255 steps still reach the maximum); each value is then within half a step of its decoded value.
+    """
     x = x.to(torch.float32)
     low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    low, high = low.to(_SCALE_DTYPE).float(), high.to(_SCALE_DTYPE).float()  # the stored values, rounded alike
+    stored_low = _round_to_scale_dtype(low, up=False)
+    low = stored_low.float()
     exact = ((high - low) / _LEVELS).clamp(min=torch.finfo(_SCALE_DTYPE).tiny)
-    stored = exact.to(_SCALE_DTYPE)  # rounded up where fp16 rounds down, so 255 steps still reach the maximum
-    stored = torch.where(stored.float() < exact, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
-    scale = stored.float()  # codes are computed with the scale decoding will use: error <= half a step
-    codes = torch.round((x - low) / scale).clamp(0, _LEVELS).to(torch.uint8)
-    return {"codes": codes, "scale": stored, "min": low.to(_SCALE_DTYPE)}
+    stored_scale = _round_to_scale_dtype(exact, up=True)
+    codes = torch.round((x - low) / stored_scale.float()).clamp(0, _LEVELS).to(torch.uint8)
+    return {"codes": codes, "scale": stored_scale, "min": stored_low}
+
+
+def _round_to_scale_dtype(x: torch.Tensor, *, up: bool) -> torch.Tensor:
+    """``x`` in fp16, rounded up (or down) where the nearest fp16 value lies on the other side."""
+    rounded = x.to(_SCALE_DTYPE)
+    wrong_side = rounded.float() < x if up else rounded.float() > x
+    toward = torch.full_like(rounded, torch.inf if up else -torch.inf)
+    return torch.where(wrong_side, torch.nextafter(rounded, toward), rounded)
 
 
 def encode(kv: torch.Tensor, kv_format: str) -> dict[str, torch.Tensor]:
@@ -85,8 +97,8 @@ def check_stored(tensors: dict[str, torch.Tensor], kv_format: str) -> str | None
         if tensor.dtype != _SCALE_DTYPE or tuple(tensor.shape) != shape:
             return f"{name} of dtype {tensor.dtype} and shape {tuple(tensor.shape)}, not {_SCALE_DTYPE} {shape}"
     scales = torch.cat([tensors["key_scale"].reshape(-1), tensors["value_scale"].reshape(-1)]).float()
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        return "negative or non-finite quantisation scales"
+    if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+        return "quantisation scales that are not positive and finite"
     return None
 
 
