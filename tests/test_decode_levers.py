@@ -80,6 +80,22 @@ def test_greedy_equals_transformers_generate_on_both_cache_kinds():
             torch.testing.assert_close(first, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_resumed_context_steps_as_its_own_prefill_would():
+    # the timed steps start from keys and values copied in: a copy that left the cache short (steps over
+    # one token instead of the context are faster, and wrong) or put layers out of order changes these logits
+    tiny = tiny_loaded("llama", seed=0, position_sensitive=True)
+    context = levers.context_keys_values(tiny.model, rows=2, length=12, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, tiny.model.config.vocab_size, (2, 12), generator=generator)  # the same ids
+    token = torch.tensor([[5], [7]])
+    for static in (False, True):
+        decoder = Decoder(Prepared(tiny.model, tiny.model.forward, static_cache=static), max_len=20)
+        decoder.prefill(ids)
+        expected = decoder.step(token)
+        decoder.resume(context)
+        torch.testing.assert_close(decoder.step(token), expected)
+
+
 def test_common_prefix_stops_at_the_first_difference():
     # counting equal positions instead would give 2 for the first case
     assert common_prefix([1, 9, 3], [1, 2, 3]) == 1
