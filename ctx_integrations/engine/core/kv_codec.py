@@ -39,26 +39,19 @@ def is_lossy(kv_format: str) -> bool:
 def _quantise(x: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
     """Asymmetric 8-bit codes of ``x`` with one fp16 scale and minimum per slice along ``dim``.
 
-    The grid is built from the values decoding will use: the minimum rounded *down* to fp16 (so no value
-    falls below it, however large the slice's offset against its spread) and the scale rounded *up* (so
-    255 steps still reach the maximum); each value is then within half a step of its decoded value.
+    The grid is built from the values decoding will use: the minimum rounded *down* to fp16 (rounded to
+    nearest, a slice far from zero against its spread would have values below the grid) and the scale
+    in fp16 (its rounding moves the top of the grid by at most 255 x half an fp16 ulp, an eighth of a
+    step); each value is then within half a step of its decoded value.
     """
     x = x.to(torch.float32)
     low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    stored_low = _round_to_scale_dtype(low, up=False)
-    low = stored_low.float()
-    exact = ((high - low) / _LEVELS).clamp(min=torch.finfo(_SCALE_DTYPE).tiny)
-    stored_scale = _round_to_scale_dtype(exact, up=True)
-    codes = torch.round((x - low) / stored_scale.float()).clamp(0, _LEVELS).to(torch.uint8)
+    nearest = low.to(_SCALE_DTYPE)
+    below = torch.nextafter(nearest, torch.full_like(nearest, -torch.inf))
+    stored_low = torch.where(nearest.float() > low, below, nearest)
+    stored_scale = ((high - stored_low.float()) / _LEVELS).clamp(min=torch.finfo(_SCALE_DTYPE).tiny).to(_SCALE_DTYPE)
+    codes = torch.round((x - stored_low.float()) / stored_scale.float()).clamp(0, _LEVELS).to(torch.uint8)
     return {"codes": codes, "scale": stored_scale, "min": stored_low}
-
-
-def _round_to_scale_dtype(x: torch.Tensor, *, up: bool) -> torch.Tensor:
-    """``x`` in fp16, rounded up (or down) where the nearest fp16 value lies on the other side."""
-    rounded = x.to(_SCALE_DTYPE)
-    wrong_side = rounded.float() < x if up else rounded.float() > x
-    toward = torch.full_like(rounded, torch.inf if up else -torch.inf)
-    return torch.where(wrong_side, torch.nextafter(rounded, toward), rounded)
 
 
 def encode(kv: torch.Tensor, kv_format: str) -> dict[str, torch.Tensor]:
