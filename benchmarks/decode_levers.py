@@ -23,9 +23,10 @@ Per lever: milliseconds per decode step at 1 and 8 rows over a cache of ``--cont
 speedup over fp32 eager (per repeat, the levers alternating within each repeat, then the median), the
 seconds to build the lever and to run its first steps (compiling included), and quality against fp32
 eager on the demo questions (each over its source document, the prompt ``concat`` builds): the largest
-|logit difference| at the first step and greedy agreement, the tokens before the first difference over
-the reference's tokens (``--new-tokens`` each, stopping at EOS). ``--llama-bench-json`` adds llama.cpp's
-decode speed from a ``benchmarks/peer_llamacpp.py`` results file, labelled as that run's.
+|logit difference| at the first step and over the steps whose inputs still agree, and greedy agreement,
+the tokens before the first difference over the reference's tokens (``--new-tokens`` each, stopping at
+EOS). ``--llama-bench-json`` adds llama.cpp's decode speed from a ``benchmarks/peer_llamacpp.py``
+results file, labelled as that run's.
 
 Hand-written here, because no installed library does it: the int4 linear (torch ships the kernel and
 its packing op, not a module; torchao's int4 configs are an optional dependency), and the prefill/step
@@ -66,7 +67,7 @@ from benchmarks.common import median, print_table, write_results  # noqa: E402
 REFERENCE = "fp32-eager"
 TORCHAO_PIP = "pip install torchao==0.18.0"
 COLUMNS = ("lever", "rows", "ms_per_step", "tok_s", "speedup_vs_fp32_eager", "prepare_s", "warmup_s",
-           "max_abs_dlogit", "agreement", "status")
+           "max_abs_dlogit", "max_abs_dlogit_steps", "agreement", "status")
 INT4_GROUP = 32
 
 
@@ -319,16 +320,18 @@ def time_decode(decoder: Decoder, context: Sequence[tuple[torch.Tensor, torch.Te
     return (time.perf_counter() - start) * 1000 / plan.steps, warmup_s
 
 
-def greedy(decoder: Decoder, prompt: Sequence[int], new_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy answer tokens (at most ``new_tokens``, the EOS included) and the first step's logits ``[vocab]``."""
-    first = decoder.prefill(torch.tensor([list(prompt)]))
-    logits, tokens = first, []
+def greedy(decoder: Decoder, prompt: Sequence[int], new_tokens: int,
+           eos: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy answer tokens (at most ``new_tokens``, the EOS included) and the logits ``[vocab]`` of each choice."""
+    logits = decoder.prefill(torch.tensor([list(prompt)]))[0]
+    tokens, chosen_from = [], []
     while True:
-        token = int(logits[0].argmax())
+        token = int(logits.argmax())
         tokens.append(token)
+        chosen_from.append(logits)
         if token in eos or len(tokens) >= new_tokens:
-            return tokens, first[0]
-        logits = decoder.step(torch.tensor([[token]]))
+            return tokens, chosen_from
+        logits = decoder.step(torch.tensor([[token]]))[0]
 
 
 def common_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
@@ -343,29 +346,38 @@ def common_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
 
 @dataclass
 class Quality:
-    """A lever's answers against fp32 eager's on the same prompts."""
+    """A lever's answers against fp32 eager's on the same prompts.
+
+    ``max_abs_dlogit``: at the first step (the prefill's last position). ``max_abs_dlogit_steps``: over
+    every step whose inputs still equal the reference's (up to and including the first differing token);
+    the first alone says nothing of a compiled lever, whose prefill runs eager.
+    """
 
     max_abs_dlogit: float
+    max_abs_dlogit_steps: float
     agreed_tokens: int
     reference_tokens: int
 
     def fields(self) -> dict[str, Any]:
-        return {"max_abs_dlogit": self.max_abs_dlogit, "agreed_tokens": self.agreed_tokens,
-                "reference_tokens": self.reference_tokens,
+        return {"max_abs_dlogit": self.max_abs_dlogit, "max_abs_dlogit_steps": self.max_abs_dlogit_steps,
+                "agreed_tokens": self.agreed_tokens, "reference_tokens": self.reference_tokens,
                 "agreement": f"{self.agreed_tokens}/{self.reference_tokens}"}
 
 
 def measure_quality(decoder: Decoder, prompts: Sequence[Sequence[int]],
-                    reference: Sequence[tuple[list[int], torch.Tensor]], new_tokens: int,
+                    reference: Sequence[tuple[list[int], list[torch.Tensor]]], new_tokens: int,
                     eos: set[int]) -> Quality:
-    """The largest first-step |logit difference| over the prompts, and the greedy prefix agreement summed."""
-    worst, agreed, total = 0.0, 0, 0
+    """Logit differences where the inputs are the same, and the greedy prefix agreement summed over the prompts."""
+    first = steps = 0.0
+    agreed = total = 0
     for prompt, (reference_tokens, reference_logits) in zip(prompts, reference, strict=True):
         tokens, logits = greedy(decoder, prompt, new_tokens, eos)
-        worst = max(worst, float((logits - reference_logits).abs().max()))
-        agreed += common_prefix(tokens, reference_tokens)
+        same = common_prefix(tokens, reference_tokens)
+        differences = [float((ours - theirs).abs().max()) for ours, theirs in zip(logits[:same + 1], reference_logits)]
+        first, steps = max(first, differences[0]), max(steps, *differences)
+        agreed += same
         total += len(reference_tokens)
-    return Quality(worst, agreed, total)
+    return Quality(first, steps, agreed, total)
 
 
 # -- rows ----------------------------------------------------------------------------------------------
@@ -403,8 +415,8 @@ def lever_rows(runs: Sequence[LeverRun], rows: Sequence[int], reference: str = R
                 row["tok_s"] = count * 1000 / row["ms_per_step"]
                 row["speedup_vs_fp32_eager"] = median([ref / ours for ref, ours in zip(base.ms[count], times,
                                                                                         strict=True)])
-            row.update(run.quality.fields() if run.quality else
-                       {"max_abs_dlogit": None, "agreed_tokens": None, "reference_tokens": None, "agreement": None})
+            row.update(run.quality.fields() if run.quality else dict.fromkeys(
+                ("max_abs_dlogit", "max_abs_dlogit_steps", "agreed_tokens", "reference_tokens", "agreement")))
             out.append(row)
     return out
 

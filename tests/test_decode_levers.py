@@ -55,7 +55,8 @@ def test_reference_agrees_with_itself_and_int8_does_not_match_it_exactly(tiny, n
     assert list(runs) == [REFERENCE, "int8-dynamic-per-channel"]  # the reference runs first whatever the order asked
     reference = runs[REFERENCE].quality
     assert reference.reference_tokens > 0
-    assert reference.agreed_tokens == reference.reference_tokens and reference.max_abs_dlogit == 0.0
+    assert reference.agreed_tokens == reference.reference_tokens
+    assert reference.max_abs_dlogit == reference.max_abs_dlogit_steps == 0.0
     assert runs["int8-dynamic-per-channel"].quality.max_abs_dlogit > 0
     for run in runs.values():  # every repeat of every row count timed, each first warm-up kept
         assert {rows: len(ms) for rows, ms in run.ms.items()} == {1: 2, 2: 2}
@@ -73,11 +74,11 @@ def test_greedy_equals_transformers_generate_on_both_cache_kinds():
         decoder = Decoder(Prepared(tiny.model, tiny.model.forward, static_cache=static),
                           max_len=max(map(len, prompts)) + 8)
         for prompt in prompts:  # the second prompt reuses (resets) the static cache of the first
-            tokens, first = greedy(decoder, prompt, 8, eos)
+            tokens, logits = greedy(decoder, prompt, 8, eos)
             assert [t for t in tokens if t not in eos] == greedy_reference(tiny, prompt, 8)
             with torch.inference_mode():
-                expected = tiny.model(torch.tensor([prompt])).logits[0, -1]
-            torch.testing.assert_close(first, expected, atol=1e-4, rtol=1e-4)
+                expected = tiny.model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+            torch.testing.assert_close(torch.stack(logits), expected, atol=1e-3, rtol=1e-4)
 
 
 def test_a_resumed_context_steps_as_its_own_prefill_would():
@@ -94,6 +95,24 @@ def test_a_resumed_context_steps_as_its_own_prefill_would():
         expected = decoder.step(token)
         decoder.resume(context)
         torch.testing.assert_close(decoder.step(token), expected)
+
+
+def test_logit_error_covers_the_decode_steps_not_only_the_prefill(tiny):
+    # a lever whose steps differ but whose prefill does not (a compiled step after an eager prefill) must
+    # show it: here every step's logits are shifted by 0.5, which leaves every argmax, so the answers agree
+    def shifted(**kwargs):
+        out = tiny.model.forward(**kwargs)
+        out.logits = out.logits + 0.5
+        return out
+
+    prompts = levers.demo_prompts(tiny.tokenizer)[:1]
+    eos = set(tiny.eos_token_ids)
+    max_len = len(prompts[0]) + 8
+    reference = [greedy(Decoder(Prepared(tiny.model, tiny.model.forward), max_len), prompts[0], 6, eos)]
+    quality = levers.measure_quality(Decoder(Prepared(tiny.model, shifted), max_len), prompts, reference, 6, eos)
+    assert quality.agreed_tokens == quality.reference_tokens == 6
+    assert quality.max_abs_dlogit == 0.0
+    assert quality.max_abs_dlogit_steps == pytest.approx(0.5, abs=1e-4)
 
 
 def test_common_prefix_stops_at_the_first_difference():
@@ -186,4 +205,4 @@ def test_compiled_lever_answers_as_the_reference(tiny):
                                                                repeats=1, new_tokens=8), log=lambda _: None)
     compiled = runs[1].quality
     assert compiled.agreed_tokens == compiled.reference_tokens
-    assert compiled.max_abs_dlogit < 1e-3
+    assert compiled.max_abs_dlogit_steps < 1e-3
