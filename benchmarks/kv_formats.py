@@ -34,6 +34,7 @@ Tables (one JSON file holds all rows, each with its ``table``):
 
     python -m benchmarks.kv_formats --quick --output /tmp/kv_formats_quick.json
     python -m benchmarks.kv_formats --threads 1 --model qwen2.5-coder-0.5b --world 24 --secret-code 24
+    python -m benchmarks.kv_formats --threads 1 --formats int8          # native (the reference) and int8 only
     python -m benchmarks.kv_formats --threads 1 --model smollm2 --model qwen2.5-coder-0.5b \\
         --output benchmarks/results/kv_formats.json
 
@@ -110,11 +111,12 @@ def load(model: str) -> Any:
     return load_model(None if model == EMBEDDED else model, device="cpu")
 
 
-def format_engines(loaded: Any, cache_root: Path, threads: int | None) -> dict[str, Any]:
-    """One engine per format on ``loaded`` (one shared scheduler), all under ``cache_root``."""
+def format_engines(loaded: Any, cache_root: Path, threads: int | None,
+                   formats: Sequence[str] = FORMATS) -> dict[str, Any]:
+    """One engine per format on ``loaded`` (one shared scheduler), all under ``cache_root``; native first."""
     from ctx_integrations import Engine
 
-    return {fmt: Engine(loaded, cache_dir=cache_root, disk_format=fmt, threads=threads) for fmt in FORMATS}
+    return {fmt: Engine(loaded, cache_dir=cache_root, disk_format=fmt, threads=threads) for fmt in formats}
 
 
 def theory_bytes_per_token(loaded: Any, fmt: str) -> float:
@@ -339,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--world", default="24", help="world questions (default 24; 0 skips the set); comma-"
                                                        "separated: one per --model, in order (the last one repeats)")
     parser.add_argument("--secret-code", default="24", help="secret_code questions (default 24; 0 skips), as --world")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="comma-separated disk formats (default all; native, the reference, is always run)")
     parser.add_argument("--modes", default="pced", help="comma-separated modes to score (default pced)")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20, as eval)")
     parser.add_argument("--quick", action="store_true", help="a tiny smoke size (tests): 2 documents of 32 tokens, "
@@ -349,6 +353,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.load_documents, args.load_tokens, args.repeats = 2, 32, 1
         args.world, args.secret_code, args.max_new_tokens = 2, 2, 4
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    asked = {f.strip() for f in args.formats.split(",") if f.strip()}
+    if asked - set(FORMATS):
+        parser.error(f"unknown formats {sorted(asked - set(FORMATS))}: choose from {', '.join(FORMATS)}")
+    args.formats = [f for f in FORMATS if f in asked | {"native"}]
     args.world, args.secret_code = _per_model(args.world, args.model), _per_model(args.secret_code, args.model)
     return args
 
@@ -378,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     for index, model in enumerate(args.model):
         loaded = load(model)
         root = Path(tempfile.mkdtemp(prefix="kv-formats-"))
-        engines = format_engines(loaded, root, args.threads)
+        engines = format_engines(loaded, root, args.threads, args.formats)
         try:
             log(f"{loaded.name} ({loaded.dtype}): tiers")
             documents = load_documents(engines["native"], args.load_documents, args.load_tokens)

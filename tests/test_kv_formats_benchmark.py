@@ -98,3 +98,10 @@ def test_main_writes_every_format_with_the_tables_fields(tmp_path, monkeypatch):
         assert row["misses"] == 0 and row["disk_hits"] == 8  # 2 questions x 4 documents, each read back once
         if row["format"] == "native":
             assert row["differ_vs_native"] == 0 and row["delta_em"] == 0 and row["em_within_one_question"]
+
+
+def test_formats_always_include_native_first():
+    assert kv_formats.parse_args(["--formats", "int8,fp16"]).formats == ["native", "fp16", "int8"]
+    assert kv_formats.parse_args([]).formats == list(kv_formats.FORMATS)
+    with pytest.raises(SystemExit):
+        kv_formats.parse_args(["--formats", "int4"])
