@@ -411,6 +411,7 @@ def lever_rows(runs: Sequence[LeverRun], rows: Sequence[int], reference: str = R
             else:
                 times = run.ms[count]
                 row["status"] = "ok"
+                row["ms_per_repeat"] = times
                 row["ms_per_step"] = median(times)
                 row["tok_s"] = count * 1000 / row["ms_per_step"]
                 row["speedup_vs_fp32_eager"] = median([ref / ours for ref, ours in zip(base.ms[count], times,
@@ -546,6 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = Plan(tuple(int(r) for r in _names(args.rows)), args.context, args.warmup_steps, args.steps, args.repeats,
                 args.new_tokens)
     started, load_before = time.perf_counter(), os.getloadavg()
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
     def log(text: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {text}", flush=True)
@@ -556,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
           "lever ms, same run (above 1: faster)\n")
     print_table(rows, COLUMNS)
     settings = {**{k: v for k, v in vars(args).items() if k != "output"}, "model_name": loaded.name,
-                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu_description(),
+                "date": date, "cpu": cpu_description(),
                 "transformers": package_version("transformers"), "torchao": package_version("torchao"),
                 "static_cache_len": plan.max_len(demo_prompts(loaded.tokenizer)),
                 "load_average": {"before": load_before, "after": os.getloadavg()},

@@ -152,6 +152,7 @@ def test_speedup_is_the_median_of_same_repeat_ratios_per_row_count():
     assert rows[("lever", 8)]["speedup_vs_fp32_eager"] == pytest.approx(3.0)
     assert rows[(REFERENCE, 1)]["speedup_vs_fp32_eager"] == 1.0
     assert rows[("lever", 8)]["tok_s"] == pytest.approx(8 * 1000 / 37.5)  # rows per median step
+    assert rows[("lever", 8)]["ms_per_repeat"] == [25.0, 50.0]  # in the order they ran
 
 
 def peer_json(path, rows):
