@@ -253,3 +253,21 @@ def test_check_stored_names_each_malformation(changes, message):
     assert kv_codec.check_stored(_stored(), "int8") is None
     problem = kv_codec.check_stored(_stored(**changes), "int8")
     assert problem is not None and re.search(message, problem), problem
+
+
+
+def test_an_entry_fp16_cannot_hold_is_stored_exact_instead_of_as_inf(loaded, layout, tmp_path):
+    """A value beyond 65504 is inf in fp16: written so, the entry would fail the finite check on every load
+    and be recomputed forever (found while measuring the formats with benchmarks/kv_formats.py)."""
+    ids = tuple(layout.context_ids(DOC))
+    big = KVCacheStore(loaded).document(layout, DOC).kv.clone()
+    big[0, 0, 0, 0, 0] = 7e4
+    store = KVCacheStore(loaded, tmp_path, disk_format="fp16")
+    key = store.entry_key(layout, ids)
+    store.disk.save(key, ids, big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCacheWarning)
+        back = store.disk.load(key, ids)
+    assert back is not None and torch.equal(back, big) and store.stats.corrupt == 0
+    assert kv_codec.storable_format(big, "fp16") == "native"
+    assert kv_codec.storable_format(big, "bf16") == "bf16" and kv_codec.storable_format(big / 2, "fp16") == "fp16"

@@ -57,6 +57,7 @@ from ctx_integrations.engine.core.kv_codec import (
     decode,
     encode,
     is_lossy,
+    storable_format,
     stored_names,
 )
 from ctx_integrations.engine.core.kv_shape import kv_shape
@@ -256,8 +257,10 @@ class DiskTier:
 
         if not self.writable:
             return
-        tensors = {**encode(kv.to("cpu"), self.kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-        metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": self.kv_format, "checksum": checksum(tensors)}
+        kv = kv.to("cpu")
+        kv_format = storable_format(kv, self.kv_format)  # each entry names its own format in its metadata
+        tensors = {**encode(kv, kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
+        metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": kv_format, "checksum": checksum(tensors)}
         if self.signing_key is not None:
             metadata["signature"] = signature(self.signing_key, key, tensors)
         path, tmp = self.path(key), None

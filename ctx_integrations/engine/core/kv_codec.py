@@ -67,6 +67,17 @@ def encode(kv: torch.Tensor, kv_format: str) -> dict[str, torch.Tensor]:
             "value_scale": values["scale"].contiguous(), "value_min": values["min"].contiguous()}
 
 
+def storable_format(kv: torch.Tensor, kv_format: str) -> str:
+    """``kv_format``, or ``"native"`` where it would not hold ``kv``: fp16 turns values beyond 65504 into inf.
+
+    Such an entry, written in fp16, would fail the finite check on every load and be recomputed forever;
+    bf16 and int8 (fp16 scales of a range, fp16 minima) hold any fp32 KV magnitude a model produces.
+    """
+    if kv_format == "fp16" and bool((kv.abs() > torch.finfo(torch.float16).max).any()):
+        return "native"
+    return kv_format
+
+
 def stored_names(kv_format: str) -> tuple[str, ...]:
     """The tensor names an entry of ``kv_format`` holds (besides its token ids)."""
     if kv_format == "int8":
