@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.paths import cache_root
 from tests.helpers import tiny_loaded
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_cache_root(tmp_path_factory) -> Path:
+    """Every test session starts with no KV caches and no stores, whatever the developer ran before (a demo run
+    by hand would otherwise leave the demo's caches warm); converted models are shared: ``models/`` links to
+    the real cache root's, so the embedded model is not converted again. Subprocesses inherit the variable."""
+    models = cache_root() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("ctx_cache")
+    (root / "models").symlink_to(models, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CTX_CACHE_DIR", str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")

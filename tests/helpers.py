@@ -107,12 +107,12 @@ async def loop_ticks(interval_s: float = 0.001) -> AsyncIterator[list[float]]:
 
 
 def run_cli(*argv: str) -> int:
-    """``ctx-experts`` with ``--threads 1`` (much faster on a busy shared CPU); torch's thread count is restored."""
+    """``ctx-experts`` in this process with its default threads; torch's thread count is restored after."""
     from ctx_integrations.cli import main
 
     threads = torch.get_num_threads()
     try:
-        return main(["--threads", "1", *argv])
+        return main(list(argv))
     finally:
         torch.set_num_threads(threads)
 

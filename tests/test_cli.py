@@ -11,7 +11,7 @@ import pytest
 
 import ctx_integrations  # noqa: F401  (registers every mode)
 from ctx_integrations.cli import load_demo_corpus
-from ctx_integrations.engine.core.machine import available_cores, native_bf16
+from ctx_integrations.engine.core.machine import available_cores, default_threads, native_bf16
 from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import run_cli
 
@@ -37,8 +37,8 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
     assert out.startswith("store ") and f"{len(documents)} added" in out
     assert f"KV caches: {len(documents)} computed" in out
     dtype = "bfloat16" if native_bf16() else "float32"  # chosen by CPU feature; the runtime line says which and why
-    cores = available_cores()
-    assert re.search(rf"^model .+ on cpu: dtype {dtype} \(this CPU .+\); {cores} CPU threads? \({cores} physical "
+    cores, threads = available_cores(), default_threads()  # torch's count capped at the cores this process may use
+    assert re.search(rf"^model .+ on cpu: dtype {dtype} \(this CPU .+\); {threads} CPU threads? \({cores} physical "
                      rf"cores? available to this process\)$", out, flags=re.M)
     for item in questions:
         block = out.split(f"Q: {item['question']}")[1].split("\nQ: ")[0]
