@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=None,
                         help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
                              "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="the model's weights and KV caches (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
+                             "/ AVX512-BF16, else fp32; float32 is the exact reference path)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.help,
@@ -164,22 +167,31 @@ def check_modes(modes: Sequence[str]) -> None:
 
 # -- shared arguments ----------------------------------------------------------------------------------
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--threads`` and ``--disk-format`` as engine options, each left out when not given (the engine's default)."""
+    """``--threads``, ``--disk-format`` and ``--dtype`` as engine options, each left out when not given (the
+    engine's default)."""
     options: dict[str, Any] = {}
     if getattr(args, "threads", None) is not None:
         options["threads"] = max(1, args.threads)  # the scheduler sets them on its own thread
     if getattr(args, "disk_format", None) is not None:
         options["disk_format"] = args.disk_format
+    if getattr(args, "dtype", "auto") != "auto":
+        import torch
+
+        options["dtype"] = getattr(torch, args.dtype)
     return options
 
 
 def runtime_line(engine: Any) -> str:
-    """What the model runs with, and why: the dtype (chosen per CPU feature) and the torch CPU threads."""
+    """What the model runs with, and why: the dtype (asked for, or chosen per CPU feature) and the torch threads."""
     from ctx_integrations.engine.core.machine import available_cores, native_bf16
+    from ctx_integrations.engine.core.model import default_dtype
 
     loaded = engine.loaded
     dtype = str(loaded.dtype).removeprefix("torch.")
-    if loaded.device.type == "cpu":
+    chosen = default_dtype(loaded.device)
+    if loaded.dtype != chosen:
+        dtype = f"{dtype} (asked for; this device's default is {str(chosen).removeprefix('torch.')})"
+    elif loaded.device.type == "cpu":
         why = "this CPU computes bf16 (AMX / AVX512-BF16)" if native_bf16() else \
             "this CPU has no bf16 arithmetic (AMX / AVX512-BF16), where fp32 is faster"
         dtype = f"{dtype} ({why})"

@@ -51,15 +51,16 @@ def _require(module: str, extra: str) -> None:
 
 def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bool], Any],
           engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
-    """``ctx-experts serve``: ``open_store`` and ``engine_options`` (``--threads``, ``--disk-format``) come from
-    the main CLI, which imports this module only when the command runs."""
+    """``ctx-experts serve``: ``open_store`` and ``engine_options`` (``--threads``, ``--disk-format``,
+    ``--dtype``) come from the main CLI, which imports this module only when the command runs; with ``--ray``
+    the options reach every replica's engine."""
     if not 0 < args.port < 65536:
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     if args.ray:
         _require("ray.serve", "ray")
         from ctx_integrations.serve.ray_app import run_ray_serve
 
-        return run_ray_serve(args, limits_from(args))
+        return run_ray_serve(args, limits_from(args), engine_options(args))
     _require("fastapi", "serve")
     _require("uvicorn", "serve")
     from ctx_integrations.engine.core.engine import Engine

@@ -96,6 +96,25 @@ DRAIN_TIMEOUT_S = 10.0
 SHUTDOWN_POLL_S = 0.2
 
 
+def replica_engine(model: str | None, cache_dir: str | None, engine_factory: str | None = None,
+                   engine_options: dict[str, Any] | None = None) -> Any:
+    """The engine of one replica: ``engine_factory(cache_dir=...)`` (tests), else ``model`` with ``engine_options``.
+
+    Ray reserves one CPU per replica (``num_cpus=1``), so the engine runs one torch thread unless the options
+    ask for more; the count is also set on this (the replica's) thread.
+    """
+    import torch
+
+    options = {"threads": 1, **(engine_options or {})}
+    torch.set_num_threads(options["threads"])
+    factory = _engine_factory(engine_factory)
+    if factory is not None:
+        return factory(cache_dir=cache_dir)
+    from ctx_integrations.engine.core.engine import Engine
+
+    return Engine.from_pretrained(model, cache_dir=cache_dir, **options)
+
+
 @serve.deployment(request_router_config=RequestRouterConfig(request_router_class=DocumentAffinityRouter),
                   max_ongoing_requests=8, ray_actor_options={"num_cpus": 1},
                   graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
@@ -103,19 +122,8 @@ class EngineReplica:
     """One engine (the scheduler batches the requests Ray sends it concurrently); answers carry ``replica``."""
 
     def __init__(self, model: str | None, cache_dir: str | None, engine_factory: str | None = None,
-                 threads: int | None = 1):
-        import torch
-
-        if threads:
-            torch.set_num_threads(threads)
-        factory = _engine_factory(engine_factory)
-        if factory is not None:
-            engine = factory(cache_dir=cache_dir)
-        else:
-            from ctx_integrations.engine.core.engine import Engine
-
-            engine = Engine.from_pretrained(model, cache_dir=cache_dir, threads=threads or None)
-        self.backend = LocalBackend(engine)
+                 engine_options: dict[str, Any] | None = None):
+        self.backend = LocalBackend(replica_engine(model, cache_dir, engine_factory, engine_options))
         self.name = serve.get_replica_context().replica_id.unique_id
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +215,7 @@ def kv_folder(cache_dir: str | os.PathLike | None = None) -> Path:
 def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, store_url: str | None = None,
               model: str | None = None, engine_factory: str | None = None, max_in_flight: int | None = None,
               max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-              limits: ServerLimits | None = None) -> Any:
+              limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None) -> Any:
     """The bound Ray Serve application: ``Gateway`` over ``replicas`` copies of ``EngineReplica``.
 
     ``cache_dir``: the KV folder every replica shares (default :func:`kv_folder`: the one ingestion
@@ -216,6 +224,8 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     ``cache_dir=`` (tests use a tiny model). ``drain_timeout_s``: how long a stopping replica waits for
     its requests in flight. ``limits``: the gateway's request limits (default :class:`ServerLimits`'s);
     Ray's own HTTP proxy reads the request, so the header read deadline is not applied there.
+    ``engine_options``: :class:`~ctx_integrations.Engine` options every replica's engine gets (``threads``,
+    default 1 per replica; ``disk_format``; ``dtype``), as ``ctx-experts serve --ray`` passes its flags.
     """
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")
@@ -227,7 +237,7 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     folder = kv_folder(cache_dir)
     shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
     engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-                                    **shutdown).bind(model, str(folder), engine_factory)
+                                    **shutdown).bind(model, str(folder), engine_factory, engine_options)
     return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight, model, limits)
 
 
@@ -307,7 +317,8 @@ def stop() -> dict[str, float]:
     return {"serve": served - started, "ray": ended - served, "total": ended - started}
 
 
-def run_ray_serve(args: Any, limits: ServerLimits | None = None) -> int:
+def run_ray_serve(args: Any, limits: ServerLimits | None = None,
+                  engine_options: dict[str, Any] | None = None) -> int:
     """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests)."""
     import signal
     import threading
@@ -317,7 +328,8 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None) -> int:
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
     cache_dir = kv_folder(args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
-                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits)
+                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits,
+                    engine_options=engine_options)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
     print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
           f"{cache_dir}; store: {args.store or 'none'})", flush=True)

@@ -1,0 +1,87 @@
+"""The CLI's engine flags (``--threads``, ``--disk-format``, ``--dtype``) reach every engine it builds, Ray's too,
+and the runtime line says whether the dtype was asked for or chosen by the machine. No model is loaded."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ctx_integrations.cli import build_parser, engine_options, runtime_line
+from ctx_integrations.engine.core.model import default_dtype
+from ctx_integrations.errors import InvalidOptionError
+from tests.helpers import run_cli
+
+CPU = torch.device("cpu")
+
+
+def _parse(*argv: str):
+    return build_parser().parse_args([*argv, "ask", "q", "--store", "s"])
+
+
+def test_dtype_is_an_engine_option_only_when_asked_for():
+    assert "dtype" not in engine_options(_parse())
+    assert "dtype" not in engine_options(_parse("--dtype", "auto"))
+    assert engine_options(_parse("--dtype", "float32")) == {"dtype": torch.float32}
+    assert engine_options(_parse("--dtype", "bfloat16", "--threads", "2")) == {"dtype": torch.bfloat16, "threads": 2}
+
+
+def test_a_dtype_that_is_not_a_float_type_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--dtype", "int8")
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def _engine(dtype: torch.dtype, threads: int = 3) -> SimpleNamespace:
+    return SimpleNamespace(loaded=SimpleNamespace(name="m", dtype=dtype, device=CPU),
+                           scheduler=SimpleNamespace(threads=threads))
+
+
+def test_the_runtime_line_says_when_the_dtype_was_asked_for_and_what_the_default_is():
+    chosen = default_dtype(CPU)
+    other = torch.float32 if chosen == torch.bfloat16 else torch.bfloat16
+    line = runtime_line(_engine(other))
+    default_name = str(chosen).removeprefix("torch.")
+    assert f"dtype {str(other).removeprefix('torch.')} (asked for; this device's default is {default_name});" in line
+    assert "this CPU" not in line
+
+
+def test_the_runtime_line_gives_the_cpu_reason_for_the_default_dtype():
+    line = runtime_line(_engine(default_dtype(CPU), threads=1))
+    assert "(this CPU " in line and "asked for" not in line
+    assert "; 1 CPU thread (" in line
+
+
+def test_a_ray_replica_builds_its_engine_with_the_options_and_one_thread_by_default(monkeypatch):
+    ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
+    from ctx_integrations.engine.core.engine import Engine
+
+    built: list[dict] = []
+    monkeypatch.setattr(Engine, "from_pretrained",
+                        classmethod(lambda cls, model, **options: built.append({"model": model, **options})))
+    threads = torch.get_num_threads()
+    try:
+        ray_app.replica_engine("m", "/kv", None, {"disk_format": "int8", "dtype": torch.float32})
+        assert torch.get_num_threads() == 1
+        ray_app.replica_engine("m", "/kv", None, {"threads": 2})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert built == [{"model": "m", "cache_dir": "/kv", "threads": 1, "disk_format": "int8", "dtype": torch.float32},
+                     {"model": "m", "cache_dir": "/kv", "threads": 2}]
+
+
+def test_serve_ray_hands_the_engine_flags_to_the_app(monkeypatch, capsys):
+    """Bug caught: ``serve --ray`` building its replicas without ``--threads`` / ``--disk-format`` / ``--dtype``."""
+    ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
+    seen: dict = {}
+
+    def build_app(**kwargs):
+        seen.update(kwargs)
+        raise InvalidOptionError("stopped before Ray starts")
+
+    monkeypatch.setattr(ray_app, "build_app", build_app)
+    assert run_cli("--threads", "2", "--disk-format", "int8", "--dtype", "float32", "serve", "--ray") == 2
+    assert "stopped before Ray starts" in capsys.readouterr().err
+    assert seen["engine_options"] == {"threads": 2, "disk_format": "int8", "dtype": torch.float32}
