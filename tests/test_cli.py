@@ -26,7 +26,7 @@ def demo_run(tmp_path_factory):
     store = tmp_path_factory.mktemp("demo") / "store"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert run_cli("demo", "--store", str(store), "--large-questions", str(LARGE_QUESTIONS),
+        assert run_cli("--dtype", "float32", "demo", "--store", str(store), "--large-questions", str(LARGE_QUESTIONS),
                        "--large-passages", str(LARGE_PASSAGES)) == 0
     return store, out.getvalue()
 
@@ -36,9 +36,10 @@ def test_demo_answers_every_question_from_warm_caches(demo_run):
     documents, questions = load_demo_corpus()
     assert out.startswith("store ") and f"{len(documents)} added" in out
     assert f"KV caches: {len(documents)} computed" in out
-    dtype = "bfloat16" if native_bf16() else "float32"  # chosen by CPU feature; the runtime line says which and why
+    # fp32 asked for (greedy answers below are the reference path's); the line says why, per CPU feature
+    why = r"asked for; this device's default is bfloat16" if native_bf16() else r"this CPU has no bf16 arithmetic .+"
     cores, threads = available_cores(), default_threads()  # torch's count capped at the cores this process may use
-    assert re.search(rf"^model .+ on cpu: dtype {dtype} \(this CPU .+\); {threads} CPU threads? \({cores} physical "
+    assert re.search(rf"^model .+ on cpu: dtype float32 \({why}\); {threads} CPU threads? \({cores} physical "
                      rf"cores? available to this process\)$", out, flags=re.M)
     for item in questions:
         block = out.split(f"Q: {item['question']}")[1].split("\nQ: ")[0]
@@ -72,8 +73,8 @@ def test_demo_part_two_reports_each_modes_accuracy_rate_over_several_questions(d
 
 def test_a_second_demo_computes_nothing(demo_run, capsys):
     store, _ = demo_run
-    assert run_cli("--threads", "1", "demo", "--store", str(store), "--modes", "pced", "--max-new-tokens", "2",
-                   "--large-modes", "pced", "--large-questions", str(LARGE_QUESTIONS),
+    assert run_cli("--threads", "1", "--dtype", "float32", "demo", "--store", str(store), "--modes", "pced",
+                   "--max-new-tokens", "2", "--large-modes", "pced", "--large-questions", str(LARGE_QUESTIONS),
                    "--large-passages", str(LARGE_PASSAGES)) == 0
     unchanged = len(load_demo_corpus()[0])
     out = capsys.readouterr().out
