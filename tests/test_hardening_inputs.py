@@ -88,7 +88,7 @@ def test_bad_mode_options_are_typed_errors_naming_the_option(tiny_engine, mode, 
 DEVICES = ["gpu", "cuda:99", "cuda", "meta", "cpu:x", "", 3, 1.5, object()]
 
 
-@pytest.mark.parametrize("device", DEVICES, ids=[repr(d) for d in DEVICES])
+@pytest.mark.parametrize("device", DEVICES, ids=[type(d).__name__ if type(d) is object else repr(d) for d in DEVICES])
 def test_bad_device_is_a_typed_error_before_loading(tmp_path, device):
     """The bug: ``torch.device("gpu")`` raised a RuntimeError from inside torch, after nothing was checked."""
     import torch
