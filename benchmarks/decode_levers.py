@@ -455,8 +455,9 @@ def demo_prompts(tokenizer: object) -> list[list[int]]:
 
 
 def run_levers(loaded: Any, names: Sequence[str], plan: Plan, log: Callable[[str], None] = print) -> list[LeverRun]:
-    """Build every lever from ``loaded`` (a ``LoadedModel``), time them alternating per repeat (reference first),
-    then compare their greedy answers to the reference's."""
+    """Build every lever from ``loaded`` (a ``LoadedModel``), time them alternating per repeat, then compare their
+    greedy answers to the reference's. Repeat ``r`` starts with the ``r``-th lever (the order rotates), so a burst
+    of load on a shared machine does not always land on the same lever, the reference included."""
     if REFERENCE not in names:
         raise ValueError(f"the levers must include {REFERENCE}, the reference of every ratio")
     names = [REFERENCE] + [n for n in names if n != REFERENCE]
@@ -476,10 +477,12 @@ def run_levers(loaded: Any, names: Sequence[str], plan: Plan, log: Callable[[str
         runs[name].prepare_s = time.perf_counter() - start
         log(f"  {name}: built in {runs[name].prepare_s:.1f} s")
     contexts = {rows: context_keys_values(model, rows, plan.context) for rows in plan.rows}
+    timed = list(decoders)
     for repeat in range(plan.repeats):
-        for name, decoder in decoders.items():
+        first = repeat % len(timed)
+        for name in timed[first:] + timed[:first]:
             for rows in plan.rows:
-                ms, warmup_s = time_decode(decoder, contexts[rows], plan, seed=repeat)
+                ms, warmup_s = time_decode(decoders[name], contexts[rows], plan, seed=repeat)
                 runs[name].ms.setdefault(rows, []).append(ms)
                 runs[name].warmup_s.setdefault(rows, warmup_s)
                 log(f"  r={repeat} {name} rows={rows}: {ms:.1f} ms/step (warm-up {warmup_s:.1f} s)")

@@ -63,6 +63,20 @@ def test_reference_agrees_with_itself_and_int8_does_not_match_it_exactly(tiny, n
         assert set(run.warmup_s) == {1, 2} and run.prepare_s is not None
 
 
+def test_each_repeat_starts_with_the_next_lever_so_load_bursts_do_not_always_hit_the_reference(tiny, no_torchao,
+                                                                                              monkeypatch):
+    # a timing loop that always starts with the reference (what it did) puts every burst of a shared machine's
+    # load at the start of a repeat on the reference, the denominator of every ratio
+    monkeypatch.setattr(levers, "time_decode", lambda *args, **kwargs: (1.0, 0.0))
+    lines: list[str] = []
+    plan = Plan(rows=(1,), context=8, warmup_steps=1, steps=1, repeats=3, new_tokens=2)
+    run_levers(tiny, [REFERENCE, "int8-dynamic-per-channel"], plan, log=lines.append)
+    timed = [line.split()[:2] for line in lines if line.startswith("  r=")]
+    assert timed == [["r=0", REFERENCE], ["r=0", "int8-dynamic-per-channel"],
+                     ["r=1", "int8-dynamic-per-channel"], ["r=1", REFERENCE],
+                     ["r=2", REFERENCE], ["r=2", "int8-dynamic-per-channel"]]
+
+
 def test_greedy_equals_transformers_generate_on_both_cache_kinds():
     # the eager static-cache path (what the compiled lever runs, without compiling) must decode as generate:
     # a cache position off by one, or a reset that leaves the last prompt's keys, changes these tokens
