@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="the model's weights and KV caches (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
                              "/ AVX512-BF16, else fp32; float32 is the exact reference path)")
+    parser.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="SIZE",
+                        help="the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on CPU, half the "
+                             "GPU's memory on CUDA); a bigger request is refused with the size it needs")
+    parser.add_argument("--max-batch-bytes", type=byte_count, default=None, metavar="SIZE",
+                        help="the KV bytes all running requests of the model may reserve together (e.g. 4GiB; default "
+                             "half the host's RAM on CPU, half the GPU's memory on CUDA); requests beyond it wait")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.help,
@@ -166,15 +172,35 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes from ``1048576``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI and binary units, any case): the
+    argparse type of the byte-budget flags, so a typo is refused before a model loads."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().lower()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes (1048576) or a number with a unit: "
+                                         "KB, MB, GB, KiB, MiB, GiB") from None
+    if not value >= 1 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least one byte")
+    return int(value)
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--threads``, ``--disk-format`` and ``--dtype`` as engine options, each left out when not given (the
-    engine's default)."""
+    """``--threads``, ``--disk-format``, ``--dtype``, ``--max-request-bytes`` and ``--max-batch-bytes`` as engine
+    options, each left out when not given (the engine's default)."""
     options: dict[str, Any] = {}
-    if getattr(args, "threads", None) is not None:
+    if args.threads is not None:
         options["threads"] = max(1, args.threads)  # the scheduler sets them on its own thread
-    if getattr(args, "disk_format", None) is not None:
-        options["disk_format"] = args.disk_format
-    if getattr(args, "dtype", "auto") != "auto":
+    for name in ("disk_format", "max_request_bytes", "max_batch_bytes"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.dtype != "auto":
         import torch
 
         options["dtype"] = getattr(torch, args.dtype)

@@ -84,6 +84,15 @@ def test_a_second_demo_computes_nothing(demo_run, capsys):
     assert out.rstrip().endswith("KV cache misses while answering: 0")
 
 
+def test_ask_over_the_request_budget_the_cli_was_given_is_refused_with_the_flag_to_raise(demo_run, capsys):
+    """Bug caught: ``--max-request-bytes`` parsed but never handed to the engine (the 2 GiB default would answer)."""
+    store, _ = demo_run
+    assert run_cli("--max-request-bytes", "64KiB", "ask", "Who designed the Copper Bridge in Velmora?", "--store",
+                   str(store), "--mode", "pced", "--top-k", "3", "--max-new-tokens", "2") == 2
+    err = capsys.readouterr().err
+    assert "more than this engine's per-request budget of 0.1 MiB" in err and "--max-request-bytes" in err
+
+
 @pytest.mark.parametrize("mode", available_modes())
 def test_ask_in_every_mode_on_the_demo_store(demo_run, capsys, mode):
     store, _ = demo_run

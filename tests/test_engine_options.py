@@ -1,14 +1,16 @@
-"""The CLI's engine flags (``--threads``, ``--disk-format``, ``--dtype``) reach every engine it builds, Ray's too,
-and the runtime line says whether the dtype was asked for or chosen by the machine. No model is loaded."""
+"""The CLI's engine flags (``--threads``, ``--disk-format``, ``--dtype``, ``--max-request-bytes``,
+``--max-batch-bytes``) reach every engine it builds, Ray's too, and the runtime line says whether the dtype was
+asked for or chosen by the machine. No model is loaded."""
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ctx_integrations.cli import build_parser, engine_options, runtime_line
+from ctx_integrations.cli import build_parser, byte_count, engine_options, runtime_line
 from ctx_integrations.engine.core.model import default_dtype
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import run_cli
@@ -31,6 +33,39 @@ def test_a_dtype_that_is_not_a_float_type_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         _parse("--dtype", "int8")
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("1048576", 2**20), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
+    ("4 kib", 4096), ("10kB", 10_000), ("3b", 3), ("1TiB", 2**40), (" 7MB ", 7_000_000), ("2.5", 2), ("1", 1),
+    ("1.0", 1)])
+def test_a_byte_count_reads_plain_bytes_and_si_or_binary_units(text, size):
+    assert byte_count(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 iB", "5 PB", "two GB", "0", "0.5", "-1", "-1GiB", "nan", "inf",
+                                  "1e400", "1,000"])
+def test_what_is_not_a_size_of_at_least_one_byte_is_refused_by_the_parser(text, capsys):
+    with pytest.raises(SystemExit):
+        _parse(f"--max-batch-bytes={text}")  # one token, so argparse does not read "-1GiB" as a flag
+    err = capsys.readouterr().err
+    assert f"argument --max-batch-bytes: {text!r}" in err
+    # what to give instead: units for what is not a number, a minimum for what is one
+    assert "is not a size; give bytes (1048576) or a number with a unit: KB, MB, GB, KiB, MiB, GiB" in err or \
+        "a size must be at least one byte" in err
+
+
+def test_a_size_below_one_byte_is_refused_as_too_small_and_a_word_as_not_a_size():
+    with pytest.raises(argparse.ArgumentTypeError, match="'0.5': a size must be at least one byte"):
+        byte_count("0.5")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'lots' is not a size; .* KiB, MiB, GiB$"):
+        byte_count("lots")
+
+
+def test_the_byte_budgets_are_engine_options_only_when_given():
+    assert not {"max_request_bytes", "max_batch_bytes"} & set(engine_options(_parse()))
+    assert engine_options(_parse("--max-request-bytes", "512MiB", "--max-batch-bytes", "4GiB")) == {
+        "max_request_bytes": 512 * 2**20, "max_batch_bytes": 4 * 2**30}
 
 
 def _engine(dtype: torch.dtype, threads: int = 3) -> SimpleNamespace:
@@ -82,6 +117,8 @@ def test_serve_ray_hands_the_engine_flags_to_the_app(monkeypatch, capsys):
         raise InvalidOptionError("stopped before Ray starts")
 
     monkeypatch.setattr(ray_app, "build_app", build_app)
-    assert run_cli("--threads", "2", "--disk-format", "int8", "--dtype", "float32", "serve", "--ray") == 2
+    assert run_cli("--threads", "2", "--disk-format", "int8", "--dtype", "float32", "--max-batch-bytes", "1GiB",
+                   "serve", "--ray") == 2
     assert "stopped before Ray starts" in capsys.readouterr().err
-    assert seen["engine_options"] == {"threads": 2, "disk_format": "int8", "dtype": torch.float32}
+    assert seen["engine_options"] == {"threads": 2, "disk_format": "int8", "dtype": torch.float32,
+                                      "max_batch_bytes": 2**30}

@@ -478,7 +478,7 @@ def test_a_request_too_large_for_the_batch_says_how_large_and_what_to_do(schedul
     assert str(refused.value) == (
         "this request needs 4.0 MiB of KV cache (its prompt and max_new_tokens, all its streams), more than the "
         "3.0 MiB all running requests may hold together: retrieve fewer documents (top_k), lower max_new_tokens, "
-        "or raise Engine(max_batch_bytes=...)")
+        "or raise Engine(max_batch_bytes=...) (--max-batch-bytes on the command line)")
 
 
 class FakeDraftingJob(FakeJob):

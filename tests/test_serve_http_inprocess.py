@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from ctx_integrations.errors import RequestTooLargeError  # noqa: E402
 from ctx_integrations.serve.app import create_app  # noqa: E402
 from ctx_integrations.serve.encoding import SafeJSONResponse, sse  # noqa: E402
 
@@ -101,3 +102,25 @@ def test_openapi_documents_the_request_bodies():
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert "properties" in schema["components"]["schemas"][model]
     assert "DocumentIn" in schema["components"]["schemas"] and "ChatMessage" in schema["components"]["schemas"]
+
+
+class OverBudgetBackend(SurrogateBackend):
+    """Refuses every request as the engine does one whose KV caches exceed its byte budget."""
+
+    async def answer(self, job: dict) -> dict:
+        raise RequestTooLargeError("this request needs 9.0 MiB of KV cache, more than the 4.0 MiB ... "
+                                   "(--max-batch-bytes on the command line)")
+
+
+def test_a_request_over_the_kv_byte_budget_is_a_400_that_keeps_the_engine_s_advice():
+    """Bug caught: the budget refusal answered as a server error (500) or a body-size 413, or its advice lost.
+    OpenAI answers a prompt over the context length with 400, which stock clients surface."""
+    async def send() -> httpx.Response:
+        app = create_app(backend=OverBudgetBackend(), model_name="fake")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/answer", json={"query": "q", "documents": ["d"]})
+
+    response = asyncio.run(send())
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == 400 and "--max-batch-bytes on the command line" in error["message"]

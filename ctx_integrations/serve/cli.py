@@ -52,8 +52,8 @@ def _require(module: str, extra: str) -> None:
 def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bool], Any],
           engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
     """``ctx-experts serve``: ``open_store`` and ``engine_options`` (``--threads``, ``--disk-format``,
-    ``--dtype``) come from the main CLI, which imports this module only when the command runs; with ``--ray``
-    the options reach every replica's engine."""
+    ``--dtype``, the byte budgets) come from the main CLI, which imports this module only when the command runs;
+    with ``--ray`` the options reach every replica's engine."""
     if not 0 < args.port < 65536:
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     if args.ray:

@@ -225,7 +225,8 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     its requests in flight. ``limits``: the gateway's request limits (default :class:`ServerLimits`'s);
     Ray's own HTTP proxy reads the request, so the header read deadline is not applied there.
     ``engine_options``: :class:`~ctx_integrations.Engine` options every replica's engine gets (``threads``,
-    default 1 per replica; ``disk_format``; ``dtype``), as ``ctx-experts serve --ray`` passes its flags.
+    default 1 per replica; ``disk_format``; ``dtype``; the byte budgets), as ``ctx-experts serve --ray`` passes
+    its flags.
     """
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")

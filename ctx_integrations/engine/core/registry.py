@@ -184,6 +184,7 @@ class DecodeContext:
         needed = kv_bytes_per_token(loaded) * tokens
         if needed > budget:
             raise RequestTooLargeError(
-                f"{what}: {streams} stream(s) of up to {tokens_per_stream} tokens need {needed / 2**20:.0f} MiB of KV "
-                f"cache, more than this engine's per-request budget of {budget / 2**20:.0f} MiB. Retrieve fewer "
-                "documents (top_k), split the question into several requests, or raise Engine(max_request_bytes=...).")
+                f"{what}: {streams} stream(s) of up to {tokens_per_stream} tokens need {needed / 2**20:.1f} MiB of KV "
+                f"cache, more than this engine's per-request budget of {budget / 2**20:.1f} MiB. Retrieve fewer "
+                "documents (top_k), split the question into several requests, or raise Engine(max_request_bytes=...) "
+                "(--max-request-bytes on the command line).")

@@ -629,7 +629,7 @@ class Scheduler:
                 f"this request needs {needed / 2**20:.1f} MiB of KV cache (its prompt and max_new_tokens, all its "
                 f"streams), more than the {self.max_batch_bytes / 2**20:.1f} MiB all running requests may hold "
                 "together: retrieve fewer documents (top_k), lower max_new_tokens, or raise "
-                "Engine(max_batch_bytes=...)")
+                "Engine(max_batch_bytes=...) (--max-batch-bytes on the command line)")
         return needed
 
     def _finish(self, job: Job, submission: Submission) -> None:
