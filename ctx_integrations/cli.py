@@ -463,7 +463,7 @@ def run_ingest(args: argparse.Namespace) -> int:
     if args.no_cache:
         tokenizer = load_tokenizer(args.model)
     else:
-        tokenizer = store.open_engine(args.model, device=args.device).loaded.tokenizer
+        tokenizer = store.open_engine(args.model, device=args.device, **engine_options(args)).loaded.tokenizer
     report = ingest(store, args.paths, token_counter(tokenizer), args.chunk_tokens, warm=not args.no_cache,
                     progress=args.progress)
     elapsed = time.perf_counter() - started

@@ -1,7 +1,8 @@
 """``ctx-experts ingest`` for scripts and humans: binary files refused by name, skipped files counted as
 skipped, a non-zero exit when nothing was ingested, pypdf's warnings kept out, ``--json``, progress bars.
 
-Runs with ``--no-cache`` (the LLM's tokenizer sizes passages; no model is loaded) and the embedded MiniLM.
+Runs with ``--no-cache`` (the LLM's tokenizer sizes passages; no model is loaded) and the embedded MiniLM, but
+for one test: caches ingested with the engine flags are the ones ``ask`` with the same flags reads (embedded LLM).
 """
 
 from __future__ import annotations
@@ -81,3 +82,20 @@ def test_cli_ingest_writes_caches_where_cache_dir_says_and_reports_the_folder(do
     assert run_cli("ingest", str(docs / "notes.txt"), "--store", str(store), "--no-cache", "--json",
                    "--cache-dir", str(tmp_path / "kv")) == 0
     assert json.loads(capfd.readouterr().out)["kv_dir"] == str(tmp_path / "kv")
+
+
+def test_caches_ingested_with_the_engine_flags_are_the_ones_ask_reads(docs, tmp_path, capfd):
+    """Bug caught: ``ingest`` building its engine without ``--disk-format`` / ``--dtype`` / ``--threads``: its
+    caches landed in the native folder, and an ``ask`` with the same flags computed every passage again."""
+    store, question = tmp_path / "store", "When was the lighthouse of Quillby built?"
+    assert run_cli("--disk-format", "fp16", "--dtype", "float32", "ingest", str(docs / "notes.txt"), "--store",
+                   str(store), "--json") == 0
+    assert json.loads(capfd.readouterr().out)["cache_misses"] == 1
+
+    def ask_misses(disk_format: str) -> int:
+        assert run_cli("--disk-format", disk_format, "--dtype", "float32", "ask", question, "--store", str(store),
+                       "--mode", "pced", "--top-k", "1", "--max-new-tokens", "1", "--json") == 0
+        return json.loads(capfd.readouterr().out)["cache"]["misses"]
+
+    assert ask_misses("fp16") == 0  # what ingest computed
+    assert ask_misses("int8") == 1  # another format's folder: the test can tell the two apart
