@@ -41,16 +41,19 @@ class Command:
     help: str
     configure: Configure | None
     run: Handler
+    builds_engine: bool = False
 
 
 _COMMANDS: dict[str, Command] = {}
 
 
-def register_command(name: str, *, help: str, configure: Configure | None = None) -> Callable[[Handler], Handler]:
-    """Register ``ctx-experts <name>``; ``configure`` adds its arguments, the decorated function runs it."""
+def register_command(name: str, *, help: str, configure: Configure | None = None,
+                     builds_engine: bool = False) -> Callable[[Handler], Handler]:
+    """Register ``ctx-experts <name>``; ``configure`` adds its arguments, the decorated function runs it.
+    ``builds_engine``: the command takes the engine flags after its name too (see :func:`engine_options`)."""
 
     def decorate(run: Handler) -> Handler:
-        _COMMANDS[name] = Command(name, help, configure, run)
+        _COMMANDS[name] = Command(name, help, configure, run, builds_engine)
         return run
 
     return decorate
@@ -85,27 +88,50 @@ class _DeferredParser(argparse.ArgumentParser):
         return super().format_usage()
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """The engine flags, accepted before the command (``ctx-experts --threads 2 ask ...``) and after it
+    (``ctx-experts ask ... --threads 2``). After it they have no default (``SUPPRESS``), so a flag given
+    before the command is not reset by the command's parser; given in both places, the later one wins."""
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_command else value
+
+    group = parser.add_argument_group("engine options (also accepted before the command)") if after_command \
+        else parser
+    group.add_argument("--threads", type=int, default=default(None),
+                       help="torch CPU threads (default: torch's, capped at the physical cores this process may "
+                            "use; 1 is faster on a CPU other jobs are busy with)")
+    group.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=default(None),
+                       help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
+                            "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
+    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=default("auto"),
+                       help="the model's weights and KV caches (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
+                            "/ AVX512-BF16, else fp32; float32 is the exact reference path)")
+    group.add_argument("--max-request-bytes", type=byte_count, default=default(None), metavar="SIZE",
+                       help="the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on CPU, half the "
+                            "GPU's memory on CUDA); a bigger request is refused with the size it needs")
+    group.add_argument("--max-batch-bytes", type=byte_count, default=default(None), metavar="SIZE",
+                       help="the KV bytes all running requests of the model may reserve together (e.g. 4GiB; default "
+                            "half the host's RAM on CPU, half the GPU's memory on CUDA); requests beyond it wait")
+
+
+def _with_engine_arguments(configure: Configure | None) -> Configure:
+    """``configure``, then the engine flags, so a command's help lists its own arguments first."""
+    def both(parser: argparse.ArgumentParser) -> None:
+        if configure is not None:
+            configure(parser)
+        _add_engine_arguments(parser, after_command=True)
+
+    return both
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's, capped at the physical cores this process may "
-                             "use; 1 is faster on a CPU other jobs are busy with)")
-    parser.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=None,
-                        help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
-                             "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="the model's weights and KV caches (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
-                             "/ AVX512-BF16, else fp32; float32 is the exact reference path)")
-    parser.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="SIZE",
-                        help="the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on CPU, half the "
-                             "GPU's memory on CUDA); a bigger request is refused with the size it needs")
-    parser.add_argument("--max-batch-bytes", type=byte_count, default=None, metavar="SIZE",
-                        help="the KV bytes all running requests of the model may reserve together (e.g. 4GiB; default "
-                             "half the host's RAM on CPU, half the GPU's memory on CUDA); requests beyond it wait")
+    _add_engine_arguments(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.help,
-                                  configure=command.configure)
+                                  configure=_with_engine_arguments(command.configure) if command.builds_engine
+                                  else command.configure)
         sub.set_defaults(_run=command.run)
     return parser
 
@@ -340,7 +366,7 @@ def _configure_demo(parser: argparse.ArgumentParser) -> None:
 
 
 @register_command("demo", help="answer questions about a small invented city with PCED and concatenation",
-                  configure=_configure_demo)
+                  configure=_configure_demo, builds_engine=True)
 def run_demo(args: argparse.Namespace) -> int:
     from ctx_integrations.paths import cache_root
     from ctx_integrations.retrieval.retriever import ScoredRetriever
@@ -449,7 +475,7 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
 
 
 @register_command("ingest", help="add .txt/.md/.pdf files to a store as passages, KV caches computed now",
-                  configure=_configure_ingest)
+                  configure=_configure_ingest, builds_engine=True)
 def run_ingest(args: argparse.Namespace) -> int:
     from ctx_integrations.retrieval.ingest import MIN_TOKENS, find_files, ingest, token_counter
 
@@ -536,7 +562,7 @@ def _finite_float(text: str) -> float:
 
 
 @register_command("ask", help="answer a question from a store, listing sources with scores and timings",
-                  configure=_configure_ask)
+                  configure=_configure_ask, builds_engine=True)
 def run_ask(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     check_modes([args.mode])  # refuse a typo before importing torch or loading anything
@@ -620,7 +646,7 @@ def _parse_variant(text: str) -> Any:
 
 
 @register_command("eval", help="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
-                  configure=_configure_eval)
+                  configure=_configure_eval, builds_engine=True)
 def run_eval(args: argparse.Namespace) -> int:
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.registry import resolve_mode
@@ -690,7 +716,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
 
 
 @register_command("serve", help="serve the engine over HTTP (FastAPI; --ray: replicas on Ray Serve)",
-                  configure=_configure_serve)
+                  configure=_configure_serve, builds_engine=True)
 def run_serve(args: argparse.Namespace) -> int:
     from ctx_integrations.serve.cli import serve
 

@@ -68,6 +68,50 @@ def test_the_byte_budgets_are_engine_options_only_when_given():
         "max_request_bytes": 512 * 2**20, "max_batch_bytes": 4 * 2**30}
 
 
+ENGINE_FLAGS = ("--threads", "2", "--disk-format", "int8", "--dtype", "float32", "--max-request-bytes", "1MiB",
+                "--max-batch-bytes", "2MiB")
+ENGINE_OPTIONS = {"threads": 2, "disk_format": "int8", "dtype": torch.float32, "max_request_bytes": 2**20,
+                  "max_batch_bytes": 2 * 2**20}
+ENGINE_COMMANDS = [("demo",), ("ingest", "docs"), ("ask", "q", "--store", "s"), ("eval",), ("serve",)]
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: c[0])
+def test_the_engine_flags_are_taken_after_the_command_as_before_it(command):
+    """Bug caught: ``ctx-experts ask q --threads 2`` refused as "unrecognized arguments" (the flags were the
+    main parser's only), or a command's own default resetting a flag given before the command."""
+    parse = build_parser().parse_args
+    assert engine_options(parse([*command, *ENGINE_FLAGS])) == ENGINE_OPTIONS
+    assert engine_options(parse([*ENGINE_FLAGS, *command])) == ENGINE_OPTIONS
+    assert engine_options(parse([*command])) == {}
+
+
+def test_a_flag_given_before_and_after_the_command_takes_the_later_value():
+    args = build_parser().parse_args(["--threads", "1", "--dtype", "bfloat16", "ask", "q", "--store", "s",
+                                      "--threads", "2"])
+    assert engine_options(args) == {"threads": 2, "dtype": torch.bfloat16}
+
+
+@pytest.mark.parametrize("place", ["before", "after"])
+def test_every_kv_format_and_float_dtype_the_engine_knows_is_a_choice_of_the_flags(place):
+    """Bug caught: a format added to the codec (or a dtype name mistyped) that the CLI refuses or mislabels."""
+    from ctx_integrations.engine.core.kv_codec import KV_FORMATS
+
+    def parse(*flags: str):
+        command = ["ask", "q", "--store", "s"]
+        return build_parser().parse_args([*flags, *command] if place == "before" else [*command, *flags])
+
+    for kv_format in KV_FORMATS:
+        assert engine_options(parse("--disk-format", kv_format)) == {"disk_format": kv_format}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert engine_options(parse("--dtype", str(dtype).removeprefix("torch."))) == {"dtype": dtype}
+
+
+def test_commands_without_an_engine_do_not_take_the_engine_flags_after_their_name(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["models", "list", "--threads", "2"])
+    assert "unrecognized arguments: --threads 2" in capsys.readouterr().err
+
+
 def _engine(dtype: torch.dtype, threads: int = 3) -> SimpleNamespace:
     return SimpleNamespace(loaded=SimpleNamespace(name="m", dtype=dtype, device=CPU),
                            scheduler=SimpleNamespace(threads=threads))
