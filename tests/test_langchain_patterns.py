@@ -94,7 +94,11 @@ def test_the_chain_answers_with_context_scores_and_citations(engine, retriever, 
         return "".join([chunk["answer"] async for chunk in chain.astream({"input": QUESTION}) if "answer" in chunk])
 
     assert asyncio.run(astreamed()) == answer.text
-    assert asyncio.run(chain.ainvoke({"input": QUESTION}))["citations"] == out["citations"]
+    # the same citations; the scores to float precision: ainvoke embeds the question on an executor thread, whose
+    # torch thread count may differ from this one's, and a matmul split differently moves the cosine's last bits
+    async_citations = asyncio.run(chain.ainvoke({"input": QUESTION}))["citations"]
+    assert [{**c, "score": None} for c in async_citations] == [{**c, "score": None} for c in out["citations"]]
+    assert [c["score"] for c in async_citations] == pytest.approx([c["score"] for c in out["citations"]], rel=1e-6)
 
 
 def test_a_chat_prompt_carries_documents_to_the_chat_model(engine, retriever):
