@@ -36,21 +36,13 @@ from ctx_integrations.engine.core.decoding import forward_sequences
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
 from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import greedy_reference, tiny_loaded
+from tests.test_cuda import AGREE_TOKENS, BF16, DOCS, MODE_OPTIONS, QUESTIONS, prompt
 
-FIRST_STEP_RELATIVE = 0.05
-AGREE_TOKENS = 8
-AGREEING_QUESTIONS = 3
+# The stated bf16 tolerance, one place for both suites: tests/test_cuda.py's BF16 and AGREE_TOKENS.
+FIRST_STEP_RELATIVE = BF16["first_step_relative"]
+AGREEING_QUESTIONS = BF16["agreeing_prompts"]
 AGREEMENT_FLOOR = 0.75
 SPREAD_INIT = 0.1
-DOCS = ["Marrowgate is the capital of Veloria and lies on the river Ast.",
-        "The mayor of Marrowgate is Ilsa Brenn, elected in 2019. She was born in the northern hills.",
-        "Veloria's national dish is smoked eel with plums, served at the Lantern Fair every October."]
-QUESTIONS = ["Who is the mayor of Marrowgate?", "What is the capital of Veloria?",
-             "When is the Lantern Fair held?", "Which river runs through the capital?"]
-MODE_OPTIONS = {"soft_nbce": {"chunk_tokens": 24}, "nbce": {"chunk_tokens": 24}, "pcw": {"chunk_tokens": 24},
-                "rapid": {"draft_context_tokens": 32, "chunk_tokens": 16, "ranking": "scores"},
-                "map_reduce": {"summary_tokens": 8}}
-
 
 def in_dtype(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
     """A copy of ``loaded``'s weights in ``dtype``, with its own identity (caches of one dtype serve no other)."""
@@ -90,11 +82,9 @@ def agreement(answer: list[int], reference: list[int]) -> int:
 
 def test_bf16_answers_equal_transformers_own_bf16_greedy(engines):
     engine = engines[torch.bfloat16]
-    layout = engine.layout
     agreeing = 0
     for question in QUESTIONS:
-        prompt = layout.prefix_ids + [t for d in DOCS for t in layout.context_ids(d)] + layout.suffix_ids(question)
-        reference = greedy_reference(engine.loaded, prompt, AGREE_TOKENS)
+        reference = greedy_reference(engine.loaded, prompt(engine, DOCS, question), AGREE_TOKENS)
         agreeing += engine.generate(question, DOCS, mode="concat", max_new_tokens=AGREE_TOKENS).token_ids == reference
     assert agreeing >= AGREEING_QUESTIONS
 
