@@ -29,6 +29,17 @@ SCORES_KEY = "scores"
 DOCUMENT_TAG = "ctx_document"  # the additional_kwargs key that marks a message as a document
 
 
+class DocumentTag(dict):
+    """The value of ``additional_kwargs["ctx_document"]`` that :func:`documents_as_messages` writes: id and metadata.
+
+    Only a tag of this class marks a document. LangChain builds messages from plain data too, and
+    ``convert_to_messages`` moves a message dict's unknown keys into ``additional_kwargs``, so a chat
+    history sent by a client as ``{"role": ..., "content": ..., "ctx_document": {...}}`` would otherwise
+    forge a document with any id and score. Plain data (JSON, dicts) cannot make an instance of this
+    class; being a ``dict``, it serialises and traces as the mapping it holds.
+    """
+
+
 def content_id(text: str) -> str:
     """A stable id for a document that came without one, so citations can still name it."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -94,16 +105,20 @@ def documents_as_messages(documents: Any) -> list[SystemMessage]:
     for document in from_langchain_documents(documents):
         metadata = {**document.metadata, SCORE_KEY: document.score, SCORES_KEY: dict(document.scores)}
         messages.append(SystemMessage(content=document.text, additional_kwargs={
-            DOCUMENT_TAG: {"id": document.id or content_id(document.text), "metadata": metadata}}))
+            DOCUMENT_TAG: DocumentTag(id=document.id or content_id(document.text), metadata=metadata)}))
     return messages
 
 
 def split_document_messages(messages: Sequence[BaseMessage]) -> tuple[list[LCDocument] | None, list[BaseMessage]]:
-    """The documents carried by tagged messages (``None``: no tagged message) and the other messages."""
+    """The documents carried by tagged messages (``None``: no tagged message) and the other messages.
+
+    A message counts as a document only when :func:`documents_as_messages` tagged it (a :class:`DocumentTag`);
+    one whose ``ctx_document`` came as plain data is an ordinary message.
+    """
     documents, rest = [], []
     for message in messages:
         tag = message.additional_kwargs.get(DOCUMENT_TAG)
-        if tag is None:
+        if not isinstance(tag, DocumentTag):
             rest.append(message)
         else:
             documents.append(LCDocument(page_content=str(message.text), id=tag.get("id"),
