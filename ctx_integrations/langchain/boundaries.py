@@ -73,9 +73,9 @@ def write_blocks(blocks: Sequence[Block]) -> str:
 def _verified(text: str, opening: re.Match[str]) -> tuple[Block, int] | None:
     """The block this opening starts and where it ends, or ``None`` when its seal does not verify."""
     attributes = dict(_ATTRIBUTE.findall(opening["attributes"]))
-    seal, chars = attributes.get("seal", ""), attributes.get("chars", "")
-    if not _SEAL.fullmatch(seal) or "id" not in attributes:
+    if not {"id", "chars", "seal"} <= attributes.keys() or not _SEAL.fullmatch(attributes["seal"]):
         return None
+    seal, chars = attributes["seal"], attributes["chars"]
     identifier, score = html.unescape(attributes["id"]), attributes.get("score", "")
     if not hmac.compare_digest(seal[:_HEAD], _mac(_HEAD, "head", identifier, score, chars)):
         return None
