@@ -250,8 +250,8 @@ def _stored(**changes):
     ({"key_scale": lambda t: torch.full_like(t, torch.inf)}, "not positive and finite"),
 ])
 def test_check_stored_names_each_malformation(changes, message):
-    assert kv_codec.check_stored(_stored(), "int8") is None
-    problem = kv_codec.check_stored(_stored(**changes), "int8")
+    assert kv_codec.check_stored(_stored(), "int8", torch.float32) is None
+    problem = kv_codec.check_stored(_stored(**changes), "int8", torch.float32)
     assert problem is not None and re.search(message, problem), problem
 
 
