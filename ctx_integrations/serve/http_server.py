@@ -56,8 +56,7 @@ class ReadDeadlineProtocol(H11Protocol):
         if self.conn.refused_status != _TOO_LARGE:
             super().send_400_response(msg)
             return
-        body = error_json(_TOO_LARGE, headers_too_large(self.max_header_bytes),
-                          "request_too_large", "headers")
+        body = error_json(_TOO_LARGE, headers_too_large(self.max_header_bytes), "request_too_large", "headers")
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
         for event in (h11.Response(status_code=_TOO_LARGE, headers=headers, reason=b"Request Header Fields Too Large"),
