@@ -87,6 +87,8 @@ TARGETS = {
                           "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
+    # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
+    "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),
     # the CLI's engine flags: sizes read from the command line, and which flags become engine options
     "cli_options": Target("ctx_integrations/cli.py", ("x_byte_count*", "x_engine_options*"),
                           ("tests/test_engine_options.py", "tests/test_cli_fast.py")),
