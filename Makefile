@@ -28,9 +28,14 @@ $(VENV)/.dev: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.base
 	$(BIN)/ctx-experts demo
 
+# The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others); the
+# dtype legs run the parity and concurrency tests (marker dtype_legs) again in each dtype, so either kind of
+# CPU checks both.
 test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	CTX_DTYPE=bfloat16 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
+	CTX_DTYPE=float32 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
 
 # Mutation testing of the per-step rule modules (not part of `make test` / CI; minutes per module).
 # `make mutate MODULES="pced scores"` runs some of them; see docs/testing.md for the scores.

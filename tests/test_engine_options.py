@@ -126,10 +126,18 @@ def test_the_runtime_line_says_when_the_dtype_was_asked_for_and_what_the_default
     assert "this CPU" not in line
 
 
-def test_the_runtime_line_gives_the_cpu_reason_for_the_default_dtype():
+def test_the_runtime_line_gives_the_cpu_reason_for_the_default_dtype(monkeypatch):
+    monkeypatch.delenv("CTX_DTYPE", raising=False)
     line = runtime_line(_engine(default_dtype(CPU), threads=1))
     assert "(this CPU " in line and "asked for" not in line
     assert "; 1 CPU thread (" in line
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_the_runtime_line_names_ctx_dtype_when_it_chose_the_dtype(monkeypatch, name):
+    monkeypatch.setenv("CTX_DTYPE", name)
+    line = runtime_line(_engine(getattr(torch, name)))
+    assert f"dtype {name} ($CTX_DTYPE);" in line and "this CPU" not in line
 
 
 def test_a_ray_replica_builds_its_engine_with_the_options_and_one_thread_by_default(monkeypatch):

@@ -86,11 +86,40 @@ def test_cpu_flags_and_native_bf16(tmp_path):
 def test_default_dtype_follows_the_cpu_features(monkeypatch):
     from ctx_integrations.engine.core import model
 
+    monkeypatch.delenv("CTX_DTYPE", raising=False)
     monkeypatch.setattr(model, "native_bf16", lambda: False)
     assert default_dtype(torch.device("cpu")) == torch.float32
     monkeypatch.setattr(model, "native_bf16", lambda: True)
     assert default_dtype(torch.device("cpu")) == torch.bfloat16
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("value, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                          (" BFloat16 ", torch.bfloat16), ("float16", torch.float16)])
+def test_ctx_dtype_overrides_the_cpu_features_on_every_device(monkeypatch, value, dtype):
+    """The dtype legs of ``make test`` set it; a machine of either kind then runs the default path in both dtypes."""
+    from ctx_integrations.engine.core import model
+
+    monkeypatch.setenv("CTX_DTYPE", value)
+    for bf16 in (False, True):
+        monkeypatch.setattr(model, "native_bf16", lambda bf16=bf16: bf16)
+        assert default_dtype(torch.device("cpu")) == dtype and default_dtype(torch.device("cuda")) == dtype
+
+
+def test_ctx_dtype_auto_or_empty_leaves_the_choice_to_the_cpu(monkeypatch):
+    from ctx_integrations.engine.core import model
+
+    monkeypatch.setattr(model, "native_bf16", lambda: False)
+    for value in ("auto", "", " AUTO"):
+        monkeypatch.setenv("CTX_DTYPE", value)
+        assert default_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("value", ["bf16", "fp32", "int8", "float64"])
+def test_a_ctx_dtype_that_names_no_dtype_is_refused_not_ignored(monkeypatch, value):
+    monkeypatch.setenv("CTX_DTYPE", value)
+    with pytest.raises(InvalidOptionError, match=r"\$CTX_DTYPE=.* names no dtype: use one of auto, float32"):
+        default_dtype(torch.device("cpu"))
 
 
 def test_threads_are_set_on_the_thread_that_runs_the_forwards():

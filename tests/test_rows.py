@@ -1,7 +1,7 @@
 """The row pool (``engine/core/rows.py``) on its own: every row's logits equal its tokens run alone.
 
 The reference for a row is one plain forward of the model over the row's whole token sequence, so a
-pool bug (a key written to the wrong column, a wrong virtual position after a merge or a pack, a
+pool bug (a key written to the wrong column, a wrong virtual position after a merge or a drop, a
 row that sees another row's keys or padding, logits handed to the wrong row) changes the logits.
 The model is the position-sensitive tiny model, so a one-position error is visible too. Every test
 runs with both kernels: the boolean mask (eager, the reference) and the FlexAttention block mask.
@@ -100,10 +100,10 @@ def test_rows_of_different_lengths_step_together_as_if_alone(model, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_merged_dropped_and_packed_rows_keep_their_answers(model, kernel):
-    # A pool merges a narrower pool and a wider one (each side padded), drops a row, and is left-packed:
-    # positions, ids and keys must move together, and the padding share must fall when the long row goes.
-    first = [Row(model, 4, 300), Row(model, 5, 3)]  # 300 + 2 columns: a capacity of 512, the joining pool's 256
+def test_merged_and_dropped_rows_keep_their_answers(model, kernel):
+    # A pool merges a narrower pool and a wider one (each side padded) and drops a row: positions, ids and keys
+    # must move together, and the room the long row needed is trimmed when it leaves.
+    first = [Row(model, 4, 600), Row(model, 5, 3)]  # 600 + 2 columns: a capacity of 1024, the joining pool's 512
     pool = RowPool.build([r.pieces for r in first], shape(model), torch.device("cpu"), torch.float32)
     runs = [[row.run(tokens(40 + b, 2, model))] for b, row in enumerate(first)]
     check(model, first, pool.forward(model, runs, 0, kernel), runs)
@@ -115,43 +115,36 @@ def test_merged_dropped_and_packed_rows_keep_their_answers(model, kernel):
     assert (pool.capacity, joining.capacity) == (2 * GROW_COLUMNS, GROW_COLUMNS)
     pool.merge(joining)
     rows = first + second
-    assert pool.rows == 3 and pool.width == 302 and pool.capacity == 2 * GROW_COLUMNS
+    assert pool.rows == 3 and pool.lengths == [602, 5, 9] and pool.capacity == 2 * GROW_COLUMNS
 
     runs = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
     check(model, rows, pool.forward(model, runs, 0, kernel), runs)
 
-    padding_before = pool.padding_share()
-    pool.keep_rows([1, 2])  # the long row leaves; what remains is packed to the longest remaining row
+    pool.keep_rows([1, 2])  # the long row leaves: the room only it needed goes with it
     rows = rows[1:]
-    assert pool.rows == 2 and pool.width == max(len(r.ids) for r in rows)
-    assert pool.padding_share() < padding_before
+    assert pool.rows == 2 and pool.lengths == [len(r.ids) for r in rows] and pool.capacity == GROW_COLUMNS
     for step in range(2):
         runs = [[row.run(tokens(70 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
         check(model, rows, pool.forward(model, runs, 0, kernel), runs)
 
 
-def test_pack_keeps_each_rows_columns_in_order_and_cuts_all_padding_columns():
-    # Row 0 has padding in the middle (a run that took fewer columns than another row's): packing moves its
-    # real columns left in order, with their keys; row 1 is already packed. Width shrinks to the longest row.
-    keys = torch.arange(2 * 6, dtype=torch.float32).reshape(2, 1, 6, 1)
-    positions = torch.tensor([[0, 1, PAD_POSITION, 2, PAD_POSITION, PAD_POSITION],
-                              [0, 1, 2, PAD_POSITION, PAD_POSITION, PAD_POSITION]])
-    contexts = torch.tensor([[0, 1, PAD_ID, 1, PAD_ID, PAD_ID], [0, 0, 2, PAD_ID, PAD_ID, PAD_ID]])
-    questions = torch.tensor([[0, 0, PAD_ID, 3, PAD_ID, PAD_ID], [0, 0, 1, PAD_ID, PAD_ID, PAD_ID]])
-    pool = RowPool([(keys, -keys)], positions, contexts, questions)
-    assert pool.padding_share() == pytest.approx(6 / 12)
-    pool.pack()
-    assert pool.width == 3 and pool.capacity == GROW_COLUMNS  # room for the next steps, all of it padding
-    assert pool.positions[:, :3].tolist() == [[0, 1, 2], [0, 1, 2]]
-    assert pool.contexts[:, :3].tolist() == [[0, 1, 1], [0, 0, 2]]
-    assert pool.questions[:, :3].tolist() == [[0, 0, 3], [0, 0, 1]]
-    assert pool.layers[0][0][:, 0, :3, 0].tolist() == [[0, 1, 3], [6, 7, 8]]
-    assert pool.layers[0][1][:, 0, :3, 0].tolist() == [[0, -1, -3], [-6, -7, -8]]
-    assert (pool.positions[:, 3:] == PAD_POSITION).all() and (pool.contexts[:, 3:] == PAD_ID).all()
-    assert (pool.questions[:, 3:] == PAD_ID).all() and not pool.layers[0][0][:, :, 3:].any()
-    assert pool.padding_share() == 0.0
-    pool.pack()  # already packed: nothing moves
-    assert pool.width == 3 and pool.capacity == GROW_COLUMNS
+def test_each_row_writes_its_tokens_at_its_own_next_columns_and_padding_after_them(model):
+    # Rows of 7 and 19 cached columns take 2 and 5 tokens in one forward: row 0's tokens land at columns 7-8 (not
+    # after row 1's 19 columns, where a shared write column would put them) and its 3 padding tokens after them,
+    # hidden; its next token is written over the first of those.
+    rows = [Row(model, 21, 7), Row(model, 22, 19)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    runs = [[rows[0].run(tokens(23, 2, model))], [rows[1].run(tokens(24, 5, model))]]
+    check(model, rows, pool.forward(model, runs, 0), runs)
+    assert pool.lengths == [9, 24] and pool.width == 24
+    assert pool.positions[0, :9].tolist() == list(range(9)) and (pool.positions[0, 9:] == PAD_POSITION).all()
+    assert pool.positions[1, :24].tolist() == list(range(24)) and (pool.positions[1, 24:] == PAD_POSITION).all()
+    written = pool.layers[0][0][0, :, 9:12].clone()
+    assert written.any()  # the padding tokens' keys were written there (hidden by their positions)
+    runs = [[rows[0].run(tokens(25, 1, model))], [rows[1].run(tokens(26, 1, model))]]
+    check(model, rows, pool.forward(model, runs, 0), runs)
+    assert pool.lengths == [10, 25] and pool.positions[0, 9] == 9
+    assert not torch.equal(pool.layers[0][0][0, :, 9], written[:, 0])
 
 
 def test_build_places_every_piece_at_its_positions_and_context():
@@ -160,12 +153,15 @@ def test_build_places_every_piece_at_its_positions_and_context():
     third = torch.randn(2, 2, 1, 1, 3, dtype=torch.bfloat16)
     pool = RowPool.build([[Piece(kv, 0), Piece(other, 4, context=2), Piece(third, 4, context=3)], [Piece(other, 10)]],
                          (2, 1, 3), torch.device("cpu"), torch.bfloat16)
-    assert pool.positions.tolist() == [[0, 1, 2, 3, 4, 5, 4], [10, 11] + [PAD_POSITION] * 5]
-    assert pool.contexts.tolist() == [[0, 0, 0, 0, 2, 2, 3], [0, 0] + [PAD_ID] * 5]
-    assert pool.questions.tolist() == [[0] * 7, [0, 0] + [PAD_ID] * 5]
+    assert pool.capacity == GROW_COLUMNS and pool.lengths == [7, 2]
+    pad = GROW_COLUMNS - 7
+    assert pool.positions.tolist() == [[0, 1, 2, 3, 4, 5, 4] + [PAD_POSITION] * pad,
+                                       [10, 11] + [PAD_POSITION] * (pad + 5)]
+    assert pool.contexts.tolist() == [[0, 0, 0, 0, 2, 2, 3] + [PAD_ID] * pad, [0, 0] + [PAD_ID] * (pad + 5)]
+    assert pool.questions.tolist() == [[0] * 7 + [PAD_ID] * pad, [0, 0] + [PAD_ID] * (pad + 5)]
     for layer, (keys, values) in enumerate(pool.layers):
         assert keys.dtype == values.dtype == torch.bfloat16  # the model's dtype, not the default float32
-        torch.testing.assert_close(keys[0], torch.cat([kv[layer, 0], other[layer, 0], third[layer, 0]], dim=1),
+        torch.testing.assert_close(keys[0, :, :7], torch.cat([kv[layer, 0], other[layer, 0], third[layer, 0]], dim=1),
                                    rtol=0, atol=0)
         torch.testing.assert_close(values[1, :, :2], other[layer, 1], rtol=0, atol=0)
         assert not keys[1, :, 2:].any()
@@ -173,12 +169,13 @@ def test_build_places_every_piece_at_its_positions_and_context():
     assert (empty.rows, empty.width, empty.capacity) == (0, 0, 0)
 
 
-def test_an_explicit_width_is_kept_and_the_helpers_pad_by_exactly_what_is_missing():
+def test_lengths_are_counted_from_the_positions_and_the_helpers_pad_by_exactly_what_is_missing():
     from ctx_integrations.engine.core.rows import _pad, _pad_ids
 
-    pool = RowPool([(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1))], torch.full((1, 4), PAD_POSITION),
-                   torch.full((1, 4), PAD_ID), torch.full((1, 4), PAD_ID), width=0)
-    assert (pool.width, pool.capacity) == (0, 4)
+    positions = torch.tensor([[0, 1, PAD_POSITION, PAD_POSITION], [PAD_POSITION] * 4])
+    pool = RowPool([(torch.zeros(2, 1, 4, 1), torch.zeros(2, 1, 4, 1))], positions, torch.zeros_like(positions),
+                   torch.zeros_like(positions))
+    assert (pool.lengths, pool.width, pool.capacity) == ([2, 0], 2, 4)
     keys = torch.ones(2, 1, 3, 2)
     for missing in (0, 1, 2):
         padded = _pad(keys, 3 + missing)
@@ -223,7 +220,7 @@ def test_visibility_and_its_block_mask_equal_the_rule_written_out():
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_an_empty_step_returns_empty_logits_without_a_forward(model, kernel):
     pool = RowPool.build([[], []], shape(model), torch.device("cpu"), torch.float32)
-    assert pool.padding_share() == 0.0
+    assert (pool.lengths, pool.capacity) == ([0, 0], 0)
     out = pool.forward(model, [[], []], 0, kernel)
     assert [t.numel() for t in out] == [0, 0] and pool.forwards == 0
 
@@ -247,7 +244,7 @@ def test_steps_write_in_place_until_the_capacity_is_used_up(model):
     long_run = [[rows[0].run(tokens(99, 5, model))], [rows[1].run(tokens(98, 1, model))]]
     check(model, rows, pool.forward(model, long_run, 0), long_run)
     assert pool.capacity == 2 * GROW_COLUMNS and pool.width == GROW_COLUMNS + 5
-    pool.keep_rows([1])  # the long row leaves: the short one is packed and the room trimmed
+    pool.keep_rows([1])  # the long row leaves: the room only it needed is trimmed
     assert pool.width == len(rows[1].ids) and pool.capacity == GROW_COLUMNS
 
 
@@ -259,56 +256,28 @@ def test_a_failed_forward_leaves_the_pool_as_it_was(model):
         model(**kwargs)  # writes its keys into the buffers, then fails (say, out of memory in the LM head)
         raise RuntimeError("boom")
 
-    before = (pool.width, pool.positions.clone(), pool.contexts.clone(), pool.questions.clone())
+    before = (list(pool.lengths), pool.positions.clone(), pool.contexts.clone(), pool.questions.clone())
     with pytest.raises(RuntimeError, match="boom"):
         pool.forward(broken, [[Run((5, 6), 6)], [Run((7,), 9)]], 0)
-    assert pool.width == before[0] and pool.forwards == 0
-    assert torch.equal(pool.positions[:, : pool.width], before[1][:, : pool.width])
-    assert (pool.positions[:, pool.width:] == PAD_POSITION).all() and (pool.contexts[:, pool.width:] == PAD_ID).all()
-    assert (pool.questions[:, pool.width:] == PAD_ID).all()
+    assert pool.lengths == before[0] and pool.forwards == 0
+    assert torch.equal(pool.positions, before[1]) and torch.equal(pool.contexts, before[2])
+    assert torch.equal(pool.questions, before[3])  # every column the failed step wrote is padding again
     runs = [[row.run(tokens(110 + b, 2, model))] for b, row in enumerate(rows)]
     check(model, rows, pool.forward(model, runs, 0), runs)  # the half-written columns are overwritten, unseen
 
 
-def column_pool(positions: list[list[int]], capacity: int) -> RowPool:
-    """A pool whose keys are the column numbers, with the given real positions (PAD_POSITION = padding) per row."""
-    rows, width = len(positions), len(positions[0])
-    pos = torch.full((rows, capacity), PAD_POSITION)
-    pos[:, :width] = torch.tensor(positions)
-    contexts = torch.where(pos == PAD_POSITION, PAD_ID, 0)
-    keys = torch.arange(rows * capacity, dtype=torch.float32).reshape(rows, 1, capacity, 1)
-    return RowPool([(keys, keys.clone())], pos, contexts, contexts.clone(), width=width)
-
-
-def test_pack_moves_interior_padding_even_when_the_width_stays():
-    # Row 0 has a hole in the middle, row 1 is full: the width stays 3, but row 0 must still be packed.
-    pool = column_pool([[0, PAD_POSITION, 1, 2], [0, 1, 2, 3]], GROW_COLUMNS)
-    pool.pack()
-    assert pool.width == 4 and pool.positions[:, :4].tolist() == [[0, 1, 2, PAD_POSITION], [0, 1, 2, 3]]
-    assert pool.layers[0][0][0, 0, :3, 0].tolist() == [0, 2, 3]
-
-
-def test_pack_leaves_a_packed_pool_alone_and_trims_an_oversized_one():
-    pool = column_pool([[0, 1, 2], [0, 1, PAD_POSITION]], GROW_COLUMNS)
-    storage = pool.layers[0][0].data_ptr()
-    pool.pack()  # packed, room < GROW_COLUMNS beyond what is needed: nothing is copied
-    assert pool.layers[0][0].data_ptr() == storage and pool.capacity == GROW_COLUMNS
-    pool = column_pool([[0, 1, 2], [0, 1, PAD_POSITION]], 2 * GROW_COLUMNS)  # packed, but 512 columns for 3
-    pool.pack()
-    assert pool.capacity == GROW_COLUMNS and pool.width == 3
-    assert pool.positions[:, :3].tolist() == [[0, 1, 2], [0, 1, PAD_POSITION]]
-
-
 def test_dropping_every_row_leaves_an_empty_pool():
-    pool = column_pool([[0, 1], [0, PAD_POSITION]], GROW_COLUMNS)
+    positions = torch.tensor([[0, 1, PAD_POSITION], [0, PAD_POSITION, PAD_POSITION]])
+    pool = RowPool([(torch.zeros(2, 1, 3, 1), torch.zeros(2, 1, 3, 1))], positions, torch.zeros_like(positions),
+                   torch.zeros_like(positions))
     pool.keep_rows([])
-    assert (pool.rows, pool.width, pool.padding_share()) == (0, 0, 0.0)
+    assert (pool.rows, pool.width, pool.lengths) == (0, 0, [])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_smaller_pool_takes_a_larger_pools_rows(model, kernel):
-    # The pool already running has 256 columns, the joining one 512: the running rows are the ones padded.
-    small_rows, large_rows = [Row(model, 12, 3)], [Row(model, 13, 300)]
+    # The pool already running has 512 columns, the joining one 1024: the running rows are the ones padded.
+    small_rows, large_rows = [Row(model, 12, 3)], [Row(model, 13, 600)]
     small = RowPool.build([r.pieces for r in small_rows], shape(model), torch.device("cpu"), torch.float32)
     large = RowPool.build([r.pieces for r in large_rows], shape(model), torch.device("cpu"), torch.float32)
     for pool, rows in ((small, small_rows), (large, large_rows)):
@@ -317,7 +286,7 @@ def test_a_smaller_pool_takes_a_larger_pools_rows(model, kernel):
     assert (small.capacity, large.capacity) == (GROW_COLUMNS, 2 * GROW_COLUMNS)
     small.merge(large)
     rows = small_rows + large_rows
-    assert (small.rows, small.width, small.capacity) == (2, 302, 2 * GROW_COLUMNS)
+    assert (small.rows, small.lengths, small.capacity) == (2, [5, 602], 2 * GROW_COLUMNS)
     for step in range(2):
         runs = [[row.run(tokens(130 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
         check(model, rows, small.forward(model, runs, 0, kernel), runs)
@@ -337,10 +306,10 @@ def _check_marks(pool: RowPool, document_of_value: dict[float, int]) -> None:
             assert int(pool.documents[row, column]) == expected, (row, column)
 
 
-def test_document_marks_and_row_rules_follow_their_rows_through_merge_drop_and_pack():
-    # An APE row's key columns carry their document's index and the row carries its attention rule; a merge,
-    # a drop that reorders rows and a pack must move both with the keys (else APE's merge takes the wrong keys
-    # as documents, or another request's row gets APE's attention).
+def test_document_marks_and_row_rules_follow_their_rows_through_merge_and_drop():
+    # An APE row's key columns carry their document's index and the row carries its attention rule; a merge and
+    # a drop that reorders rows must move both with the keys (else APE's merge takes the wrong keys as
+    # documents, or another request's row gets APE's attention).
     first = RowPool.build([[_marked(1.0, 2, 0), _marked(2.0, 3, 2, document=1)], [_marked(3.0, 1, 0)]],
                           (1, 1, 1), torch.device("cpu"), torch.float32, attention=["rule a", None])
     second = RowPool.build([[_marked(5.0, 1, 0), _marked(4.0, 4, 1, document=2)]], (1, 1, 1), torch.device("cpu"),
@@ -349,7 +318,6 @@ def test_document_marks_and_row_rules_follow_their_rows_through_merge_drop_and_p
     first.merge(second)
     assert first.attention == ["rule a", None, "rule b"]
     _check_marks(first, marks)
-    first.positions[0, 0] = PAD_POSITION  # interior padding, so the pack moves columns
     first.keep_rows([2, 0])
     assert first.attention == ["rule b", "rule a"] and first.width == 5
     _check_marks(first, marks)
@@ -377,7 +345,8 @@ def test_a_rows_own_attention_rule_gets_its_row_and_last_query_and_leaves_the_ot
     # row 1's last real query is column 1 of a 3-column step (row 0 takes 3 tokens); it sees its 8 keys and
     # its own 2 tokens; its 8 cached keys are marked document 1 (in a capacity of 256)
     assert calls == [(1, 10, 1, 8)] * layers
-    assert (ruled.documents[:, ruled.width - 3:ruled.width] == 0).all()  # written tokens are never documents
+    # written tokens are never documents: row 0's at its columns 5-7, row 1's (and its padding token) at 8-10
+    assert (ruled.documents[0, 5:8] == 0).all() and (ruled.documents[1, 8:11] == 0).all()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -392,23 +361,39 @@ def test_a_rewound_row_answers_as_if_it_never_held_the_dropped_tokens(model, ker
     runs = [[rows[0].run(drafts)], [rows[1].run(tokens(31, 1, model))]]
     check(model, rows, pool.forward(model, runs, 0, kernel), runs)
     kept = len(rows[0].ids) - 3
+    storage = [k.data_ptr() for k, _ in pool.layers]
     pool.rewind({0: kept})
+    assert [k.data_ptr() for k, _ in pool.layers] == storage  # metadata only: nothing is copied
+    assert pool.lengths == [kept, len(rows[1].ids)]
     assert int((pool.positions[0] != PAD_POSITION).sum()) == kept
     assert int((pool.positions[1] != PAD_POSITION).sum()) == len(rows[1].ids)
     rows[0].ids = rows[0].ids[:kept]
     for step in range(2):
         runs = [[row.run(tokens(40 + 2 * step + b, 1, model))] for b, row in enumerate(rows)]
         check(model, rows, pool.forward(model, runs, 0, kernel), runs)
-    pool.pack()  # the dropped columns are padding like any other: packing keeps the answers
-    runs = [[row.run(tokens(50 + b, 1, model))] for b, row in enumerate(rows)]
-    check(model, rows, pool.forward(model, runs, 0, kernel), runs)
+    pool.rewind({1: len(rows[1].ids)})  # nothing at or after that position: nothing is dropped
+    assert pool.lengths == [len(rows[0].ids), len(rows[1].ids)]
+    with pytest.raises(AssertionError, match="more than the 3 it was fed"):
+        pool.rewind({1: len(rows[1].ids) - 4})  # into its cached piece: a caller's bug
+
+
+def test_rows_fed_through_a_copy_can_be_rewound_after_their_columns_come_back(model):
+    rows = [Row(model, 3, 6)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    selected = pool.select([0])
+    runs = [[rows[0].run(tokens(33, 4, model))]]
+    check(model, rows, selected.forward(model, runs, 0), runs)
+    pool.take_columns([0], selected)
+    assert (pool.lengths, pool.fed, pool.next_positions) == ([10], [4], [10])
+    pool.rewind({0: 8})
+    assert pool.lengths == [8] and (pool.positions[0, 8:] == PAD_POSITION).all()
 
 
 def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forward():
     # Three rows take one token, one row takes five (RAPID's verification): the runner runs the long row on a copy
-    # of its own (two forwards, no padding for the others) and brings its columns back. Catches columns brought
-    # back to the wrong row or position, the long row's logits handed to another row, and other rows given
-    # the long row's tokens; the next step (every row one token) must still be exact.
+    # of its own (two forwards: no row's tokens go through a forward longer than its own) and brings its columns
+    # back. Catches columns brought back to the wrong row or position, the long row's logits handed to another
+    # row, and other rows given the long row's tokens; the next step (every row one token) must still be exact.
     from ctx_integrations.engine.core.runner import ModelRunner
     from ctx_integrations.engine.core.step import ScheduledStep
 
@@ -428,11 +413,12 @@ def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forwar
     assert out.forwards == 2  # the long row ran apart
     check(model, rows, out.decoded, runs)
     pool = runner.pool
-    assert pool.width == len(rows[0].ids) + 5  # the shared step's column, then the long row's five
-    back = slice(pool.width - 5, pool.width)
+    assert pool.lengths == [len(row.ids) for row in rows]  # each row's columns end where its tokens do
+    back = slice(len(rows[2].ids) - 5, len(rows[2].ids))
     assert pool.positions[2, back].tolist() == list(range(len(rows[2].ids) - 5, len(rows[2].ids)))
     assert pool.contexts[2, back].tolist() == [3] * 5 and pool.questions[2, back].tolist() == [4] * 5
-    assert (pool.positions[[0, 1, 3], back] == PAD_POSITION).all()
+    for b in (0, 1, 3):
+        assert (pool.positions[b, len(rows[b].ids):] == PAD_POSITION).all()
     pool.rewind({2: len(rows[2].ids) - 2})  # RAPID rejects the last two: found by the positions brought back
     rows[2].ids = rows[2].ids[:-2]
     runs = [[row.run(tokens(80 + b, 1, model))] for b, row in enumerate(rows)]

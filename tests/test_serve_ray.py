@@ -53,6 +53,9 @@ def ray_app(tmp_path_factory):
     data = tmp_path_factory.mktemp("ray")
     with pytest.MonkeyPatch.context() as patch, chroma_server(data) as chroma_url:
         patch.setenv("CTX_CACHE_DIR", str(data / "cache"))  # the default KV folder of ingest and serve lives here
+        # Ray gives its raylet 30 s to register (RAY_raylet_start_wait_time_s); on a 2-core machine busy with other
+        # test workers it took longer and every test of the module errored at setup
+        patch.setenv("RAY_raylet_start_wait_time_s", "120")
         store = DocumentStore(chroma_url)
         store.engine = tiny_engine(cache_dir=store.kv_dir)  # what `ctx-experts ingest` does: caches computed now
         assert store.add(load_demo_corpus()[0]).cache_misses > 0

@@ -81,6 +81,10 @@ TARGETS = {
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),
                                ("tests/test_speculative_rows.py", "-k",
                                 "common_prefix or held_a_longer or fed_again or runs_in_the_shared_batch")),
+    # the seal of format_docs blocks: only blocks this process wrote come back out of a prompt as documents
+    "boundaries": Target("ctx_integrations/langchain/boundaries.py", ("*",),
+                         ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py", "-k",
+                          "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the CLI's engine flags: sizes read from the command line, and which flags become engine options

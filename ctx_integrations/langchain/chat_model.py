@@ -6,8 +6,9 @@ default), reusing each document's KV cache, and the answer's trace, citations an
 ``response_metadata``. Documents come, in this order of precedence, from the call
 (``invoke(messages, documents=[...])`` or ``.bind(documents=...)``), from tagged messages in the prompt
 (``ChatPromptTemplate`` with a ``("placeholder", "{documents}")`` slot filled by
-:func:`documents_as_messages`), from text blocks of :func:`format_docs` in the prompt (LangChain's RAG
-tutorial chain with our ``format_docs``), or from the ``documents`` field. A prompt inside a chain that
+:func:`documents_as_messages`), from the sealed text blocks of :func:`format_docs` in the prompt (LangChain's
+RAG tutorial chain with our ``format_docs``; marker-like text that ``format_docs`` did not write, e.g. in a
+question or a pasted message, is plain text), or from the ``documents`` field. A prompt inside a chain that
 speaks of context or documents but carries none of these is answered as plain chat, with one
 :class:`UndecodedContextWarning` per model naming the one-line fix: documents joined into plain text
 cannot be split back into documents, so the product's per-document decoding would be lost silently.

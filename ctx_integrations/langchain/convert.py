@@ -5,15 +5,13 @@ for the fused relevance r in [0, 1] and ``metadata["scores"]`` for every raw and
 so a document can go retriever -> runnable -> answer sources and back without losing any of them.
 
 Documents reach a chat model inside a prompt in one of two recoverable forms: tagged messages
-(:func:`documents_as_messages`) or text blocks made by :func:`format_docs`, the drop-in for the
-``format_docs`` of LangChain's RAG tutorial.
+(:func:`documents_as_messages`) or sealed text blocks made by :func:`format_docs`, the drop-in for the
+``format_docs`` of LangChain's RAG tutorial (see :mod:`ctx_integrations.langchain.boundaries`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import html
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,14 +21,23 @@ from langchain_core.messages.ai import UsageMetadata
 
 from ctx_integrations.documents import Document, as_document
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.errors import EmptyDocumentsError, InvalidDocumentError
+from ctx_integrations.errors import EmptyDocumentsError
+from ctx_integrations.langchain.boundaries import Block, read_blocks, write_blocks
 
 SCORE_KEY = "score"
 SCORES_KEY = "scores"
 DOCUMENT_TAG = "ctx_document"  # the additional_kwargs key that marks a message as a document
-_CLOSE = "\n</document>"
-_BLOCK = re.compile(r'<document(?P<attributes>(?: [a-z]+="[^"<>]*")*)>\n(?P<text>.*?)\n</document>', re.DOTALL)
-_ATTRIBUTE = re.compile(r'([a-z]+)="([^"]*)"')
+
+
+class DocumentTag(dict):
+    """The value of ``additional_kwargs["ctx_document"]`` that :func:`documents_as_messages` writes: id and metadata.
+
+    Only a tag of this class marks a document. LangChain builds messages from plain data too, and
+    ``convert_to_messages`` moves a message dict's unknown keys into ``additional_kwargs``, so a chat
+    history sent by a client as ``{"role": ..., "content": ..., "ctx_document": {...}}`` would otherwise
+    forge a document with any id and score. Plain data (JSON, dicts) cannot make an instance of this
+    class; being a ``dict``, it serialises and traces as the mapping it holds.
+    """
 
 
 def content_id(text: str) -> str:
@@ -98,16 +105,20 @@ def documents_as_messages(documents: Any) -> list[SystemMessage]:
     for document in from_langchain_documents(documents):
         metadata = {**document.metadata, SCORE_KEY: document.score, SCORES_KEY: dict(document.scores)}
         messages.append(SystemMessage(content=document.text, additional_kwargs={
-            DOCUMENT_TAG: {"id": document.id or content_id(document.text), "metadata": metadata}}))
+            DOCUMENT_TAG: DocumentTag(id=document.id or content_id(document.text), metadata=metadata)}))
     return messages
 
 
 def split_document_messages(messages: Sequence[BaseMessage]) -> tuple[list[LCDocument] | None, list[BaseMessage]]:
-    """The documents carried by tagged messages (``None``: no tagged message) and the other messages."""
+    """The documents carried by tagged messages (``None``: no tagged message) and the other messages.
+
+    A message counts as a document only when :func:`documents_as_messages` tagged it (a :class:`DocumentTag`);
+    one whose ``ctx_document`` came as plain data is an ordinary message.
+    """
     documents, rest = [], []
     for message in messages:
         tag = message.additional_kwargs.get(DOCUMENT_TAG)
-        if tag is None:
+        if not isinstance(tag, DocumentTag):
             rest.append(message)
         else:
             documents.append(LCDocument(page_content=str(message.text), id=tag.get("id"),
@@ -120,42 +131,35 @@ def format_docs(documents: Any) -> str:
 
     The drop-in for the ``format_docs`` of LangChain's RAG tutorial
     (``{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm``). Each
-    document becomes ``<document id="..." score="...">`` text ``</document>``, blank-line separated: any
-    chat model reads it as tagged context, and :class:`ChatContextOfExperts` takes the blocks back out of
-    the prompt and decodes them as documents (each its own expert, with its KV cache and its retrieval
-    score as prior) instead of answering the whole prompt as plain chat. The tutorial's own
+    document becomes ``<document id="..." score="..." chars="..." seal="...">`` text ``</document>``,
+    blank-line separated: any chat model reads it as tagged context, and :class:`ChatContextOfExperts` takes
+    the blocks back out of the prompt and decodes them as documents (each its own expert, with its KV cache
+    and its retrieval score as prior) instead of answering the whole prompt as plain chat. The seal (an HMAC
+    under this process's key) is what makes a block recoverable: a block written by hand, e.g. in a question,
+    a pasted message or a document's own text, stays plain text. The tutorial's own
     ``"\\n\\n".join(doc.page_content ...)`` cannot be split back into documents.
     """
-    blocks = []
-    for document in from_langchain_documents(documents):
-        if _CLOSE in document.text:
-            raise InvalidDocumentError(f"document {document.id!r} contains the line '</document>' that closes a "
-                                       "format_docs block: pass such documents with documents_as_messages instead")
-        attributes = f' id="{html.escape(document.id or content_id(document.text))}"'
-        if document.score is not None:
-            attributes += f' score="{float(document.score)!r}"'
-        blocks.append(f"<document{attributes}>\n{document.text}{_CLOSE}")
-    return "\n\n".join(blocks)
+    blocks = [Block(document.id or content_id(document.text), document.score, document.text)
+              for document in from_langchain_documents(documents)]
+    return write_blocks(blocks)
 
 
 def split_formatted_documents(messages: Sequence[BaseMessage]) -> tuple[list[LCDocument] | None, list[BaseMessage]]:
     """The documents of :func:`format_docs` blocks in the messages (``None``: none) and the messages without them.
 
-    Each document keeps its id and score (``metadata["score"]``); what is left of a message (the
-    prompt's instructions, the question) stays in the conversation.
+    Only blocks sealed by :func:`format_docs` in this process count; any other marker-like text is left in
+    its message as plain text. Each document keeps its id and score (``metadata["score"]``); what is left of a
+    message (the prompt's instructions, the question) stays in the conversation.
     """
     documents: list[LCDocument] = []
     rest: list[BaseMessage] = []
     for message in messages:
-        text = str(message.text)
-        found = list(_BLOCK.finditer(text))
-        if not found:
+        blocks, without = read_blocks(str(message.text))
+        if not blocks:
             rest.append(message)
             continue
-        for match in found:
-            attributes = {key: html.unescape(value) for key, value in _ATTRIBUTE.findall(match["attributes"])}
-            metadata = {SCORE_KEY: float(attributes["score"])} if "score" in attributes else {}
-            documents.append(LCDocument(page_content=match["text"], id=attributes.get("id"), metadata=metadata))
-        without = re.sub("\0(?:\\s*\0)*", "", _BLOCK.sub("\0", text))  # a run of blocks and its separators
+        documents += [LCDocument(page_content=block.text, id=block.id,
+                                 metadata={} if block.score is None else {SCORE_KEY: block.score})
+                      for block in blocks]
         rest.append(message.model_copy(update={"content": without.strip()}))
     return (documents or None), rest

@@ -7,7 +7,7 @@ what the process may actually run on. bf16 halves the bytes a CPU decode step re
 with bf16 arithmetic (AVX512-BF16, AMX) compute it faster than fp32; on others (AVX2, e.g. Zen 3)
 torch converts every operand and a bf16 prefill measured 7x slower than fp32 in this project.
 Linux reports both in ``/proc`` and ``/sys``; elsewhere the answers fall back to ``os.cpu_count()``
-and "no bf16".
+and "no bf16". ``$CTX_DTYPE`` overrides the choice of dtype (:func:`forced_dtype`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+DTYPE_ENV = "CTX_DTYPE"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what --dtype and $CTX_DTYPE accept besides "auto"
 
 
 def _cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -89,3 +91,19 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     flags = cpu_flags() if flags is None else flags
     return any(flag in flags for flag in _BF16_FLAGS)
 
+
+
+def forced_dtype() -> str | None:
+    """The dtype ``$CTX_DTYPE`` names (``float32``, ``bfloat16`` or ``float16``), ``None`` when unset or ``auto``.
+
+    A value that names no dtype raises :class:`~ctx_integrations.errors.InvalidOptionError` instead of
+    being ignored: a test leg meant to run in bf16 must not run in fp32 without a word.
+    """
+    value = os.environ.get(DTYPE_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in DTYPE_NAMES:
+        from ctx_integrations.errors import InvalidOptionError
+
+        raise InvalidOptionError(f"${DTYPE_ENV}={value!r} names no dtype: use one of auto, {', '.join(DTYPE_NAMES)}")
+    return value

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ctx_integrations.engine.core.lora import merge_adapter
-from ctx_integrations.engine.core.machine import native_bf16
+from ctx_integrations.engine.core.machine import forced_dtype, native_bf16
 from ctx_integrations.engine.core.validation import torch_device
 from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
@@ -81,11 +81,17 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA and on CPUs with bf16 arithmetic (half the bytes a step reads), fp32 on other CPUs.
+    """``$CTX_DTYPE`` when it names a dtype, else bf16 on CUDA and on CPUs with bf16 arithmetic (half the
+    bytes a step reads) and fp32 on other CPUs.
 
     Without AMX-BF16 or AVX512-BF16 (AVX2 CPUs such as Zen 3) torch converts every bf16 operand and a
-    bf16 prefill measured 7x slower than fp32 (:mod:`~ctx_integrations.engine.core.machine`).
+    bf16 prefill measured 7x slower than fp32 (:mod:`~ctx_integrations.engine.core.machine`). The
+    variable lets one machine of either kind run the library's default path in both dtypes (the test
+    suite's dtype legs, ``make test``); an explicit ``dtype=`` / ``--dtype`` still wins over it.
     """
+    forced = forced_dtype()
+    if forced is not None:
+        return getattr(torch, forced)
     if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
         return torch.bfloat16
     return torch.float32

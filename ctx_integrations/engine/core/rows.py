@@ -3,16 +3,19 @@
 A *row* is one stream: a KV cache (a shared prefix, then the stream's own cached context, then the
 tokens it has been fed) plus, per key column, a virtual position, a context id and a question id.
 Rows of different requests have different lengths; they sit side by side in one right-padded
-batched cache (preallocated and written in place, :class:`PoolLayer`), and padding columns get an
-infinite virtual position so nothing attends to them.
+batched cache (preallocated and written in place, :class:`PoolLayer`), each row's columns contiguous
+from column 0 and each row writing at its own next column, and padding columns get an infinite
+virtual position so nothing attends to them.
 
 Which key a new token may see is IPPD's rule (docs/methods.md#ippd), which also covers every plain stream:
 
     vpos(q) >= vpos(k)  and  (ctx(q) = ctx(k) or ctx(k) = 0)  and  (qid(q) = qid(k) or qid(k) = 0)
 
 A plain stream has context and question id 0 everywhere, so the rule reduces to "causal, padding
-hidden". Keys are stored after RoPE, so a key's column in the buffer does not matter: rows can be
-merged, dropped and left-packed freely, and every new token gets its position through ``position_ids``.
+hidden". Keys are stored after RoPE, so a key's column in the buffer does not change what it means: rows
+can be merged and dropped freely, and every new token gets its position through ``position_ids``. A
+key's column does change how a kernel's reductions are blocked, which is why each row keeps its own
+columns where they would be if it ran alone (batch invariance, :class:`RowPool`).
 The mask goes in as a 4D boolean ``attention_mask`` (transformers' standard input, SDPA; the reference)
 or, with the ``"flex"`` kernel (the default on CUDA), as a FlexAttention block mask evaluated from the
 same per-column tensors, so no ``[rows, Q, K]`` mask is built: a 64 x 2048-token prompt prefilled
@@ -98,34 +101,36 @@ class PoolLayer(CacheLayerMixin):
 
     ``DynamicCache`` concatenates every step, copying each layer's whole cache (8 rows x 2048 columns
     of SmolLM2-135M: ~0.75 GB copied per step, 3x the step's own time on CPU). Like transformers'
-    ``StaticLayer``, this layer writes the step's keys/values into columns ``start ..`` of buffers
-    sized ``capacity`` and returns the whole buffers (the columns not written yet are padding, hidden
-    by the mask), so shapes stay fixed between the pool's growths. Its buffers belong to the pool
-    (which merges, drops and packs rows), hence this small subclass instead of a ``StaticCache``.
+    ``StaticLayer``, this layer writes the step's keys/values into preallocated buffers and returns the
+    whole buffers (the columns not written yet are padding, hidden by the mask), so shapes stay fixed
+    between the pool's growths. Unlike it, each row writes at its own next column (``columns``, ``[rows,
+    step]``: row ``b``'s ``t``-th new token goes to ``columns[b, t]``), so a row's columns are the same
+    whether it runs alone or beside longer rows. Its buffers belong to the pool (which merges and drops
+    rows), hence this small subclass instead of a ``StaticCache``.
     """
 
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor):
         super().__init__()
         self.keys, self.values, self.is_initialized = keys, values, True
-        self.start = start  # the first column to write: a tensor (as StaticLayer's), so no recompile per step
+        self.rows, self.columns = rows, columns  # [rows, 1] and [rows, step]: where each new token is written
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise AssertionError("a pool layer is built over the pool's buffers")  # never called: is_initialized
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        columns = torch.arange(key_states.shape[-2], device=self.keys.device) + self.start
-        self.keys.index_copy_(2, columns, key_states)
-        self.values.index_copy_(2, columns, value_states)
+        # [rows, heads, step, dim] -> the buffers' [rows, (step), heads, dim] view at each row's own columns
+        self.keys[self.rows, :, self.columns] = key_states.transpose(1, 2)
+        self.values[self.rows, :, self.columns] = value_states.transpose(1, 2)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.keys.shape[2], 0
 
     def get_seq_length(self) -> int:
-        return int(self.start)
+        return int(self.columns.max()) + 1 if self.columns.numel() else 0
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -136,28 +141,41 @@ class RowPool:
     """Rows side by side in one batched cache, with each key column's virtual position and ids.
 
     ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, capacity, head_dim]``;
-    ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[rows, capacity]``. Columns
-    ``width ..`` are room for the next steps (padding until written); the capacity grows by
-    :data:`GROW_COLUMNS` at a time, so most steps write in place and keep every tensor's shape.
-    ``attention`` holds per row its own attention rule (``row_attention.py``; APE's merge) or ``None``.
+    ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[rows, capacity]``. Row ``b`` holds
+    its columns contiguously from column 0: ``lengths[b]`` of them (cached pieces, then every token it
+    was fed, in order); every column from ``lengths[b]`` on is padding. Each row writes its next tokens
+    at its own next column, never at a column shared with longer rows, so a row's keys sit at the same
+    columns and its attention reduces over the same blocks whether it runs alone or batched: with
+    capacities in whole :data:`GROW_COLUMNS` (the CPU attention kernel's key block), its logits are
+    bit for bit the same beside any neighbours, in bf16 as in fp32 (``tests/test_rows.py``). The
+    capacity grows by :data:`GROW_COLUMNS` at a time, so most steps write in place and keep every
+    tensor's shape. ``attention`` holds per row its own attention rule (``row_attention.py``; APE's
+    merge) or ``None``; ``next_positions`` per row the virtual position after its last fed token, and
+    ``fed`` how many of its columns were fed as tokens (after its pieces): what :meth:`rewind` may drop.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     positions: torch.Tensor
     contexts: torch.Tensor
     questions: torch.Tensor
-    width: int = -1  # columns in use; -1: all of them
+    lengths: list[int] = field(default_factory=list)
     forwards: int = field(default=0)
     documents: torch.Tensor | None = None  # None: no column marks a document
     attention: list[RowRule | None] | None = None  # None: no row has its own rule
+    next_positions: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.width < 0:
-            self.width = self.capacity
+        if not self.lengths:
+            self.lengths = [int(n) for n in (self.positions != PAD_POSITION).sum(1).tolist()]
         if self.documents is None:
             self.documents = torch.zeros_like(self.positions)
         if self.attention is None:
             self.attention = [None] * self.rows
+        if not self.next_positions:
+            self.next_positions = [0] * self.rows
+        if not self.fed:
+            self.fed = [0] * self.rows
 
     @property
     def rows(self) -> int:
@@ -167,19 +185,25 @@ class RowPool:
     def capacity(self) -> int:
         return self.positions.shape[1]
 
+    @property
+    def width(self) -> int:
+        """The columns the longest row uses (every column from there on is padding in every row)."""
+        return max(self.lengths, default=0)
+
     @classmethod
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
               dtype: torch.dtype, attention: list[RowRule | None] | None = None) -> RowPool:
-        """Lay out ``rows`` (each a list of pieces) in one right-padded buffer: one copy per piece.
+        """Lay out ``rows`` (each a list of pieces) from column 0, right-padded to whole :data:`GROW_COLUMNS`:
+        one copy per piece.
 
         ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
         ``attention``: per row, its own attention rule or ``None``.
         """
         layers, heads, dim = shape
         widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
-        width = max(widths, default=0)
-        buffer = torch.zeros(layers, 2, len(rows), heads, width, dim, device=device, dtype=dtype)
-        positions = torch.full((len(rows), width), PAD_POSITION, dtype=torch.long)
+        capacity = _room(max(widths, default=0))
+        buffer = torch.zeros(layers, 2, len(rows), heads, capacity, dim, device=device, dtype=dtype)
+        positions = torch.full((len(rows), capacity), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
         documents = torch.zeros_like(positions)
@@ -195,7 +219,7 @@ class RowPool:
                 documents[b, span] = piece.document
                 column += length
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
-                   questions.to(device), documents=documents.to(device),
+                   questions.to(device), lengths=widths, documents=documents.to(device),
                    attention=list(attention) if attention is not None else None)
 
     def merge(self, other: RowPool) -> None:
@@ -206,10 +230,12 @@ class RowPool:
         self.positions, self.contexts, self.questions, self.documents = (
             torch.cat(pair) for pair in zip(ids, other_ids))
         self.attention = self.attention + other.attention
-        self.width = max(self.width, other.width)
+        self.lengths = self.lengths + other.lengths
+        self.next_positions = self.next_positions + other.next_positions
+        self.fed = self.fed + other.fed
 
     def keep_rows(self, keep: list[int]) -> None:
-        """Drop every row not in ``keep`` (finished or cancelled requests), then left-pack what remains."""
+        """Drop every row not in ``keep`` (finished or cancelled requests), and the room no remaining row needs."""
         index = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
         self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
         self.positions = self.positions.index_select(0, index)
@@ -217,27 +243,38 @@ class RowPool:
         self.questions = self.questions.index_select(0, index)
         self.documents = self.documents.index_select(0, index)
         self.attention = [self.attention[row] for row in keep]
-        self.pack()
+        self.lengths = [self.lengths[row] for row in keep]
+        self.next_positions = [self.next_positions[row] for row in keep]
+        self.fed = [self.fed[row] for row in keep]
+        if self.capacity >= _room(self.width) + GROW_COLUMNS:  # a long row left: trim the room nobody needs
+            self.layers, self.positions, self.contexts, self.questions, self.documents = self._trimmed(
+                _room(self.width))
 
     @torch.inference_mode()
     def rewind(self, rows: dict[int, int]) -> None:
-        """Per row ``{row: position}``, drop the row's columns at virtual positions ``>= position`` (they become
-        padding; :meth:`pack` reclaims them). A speculative row's rejected drafts leave its cache this way.
+        """Per row ``{row: position}``, drop the row's fed tokens at virtual positions ``>= position``: its last
+        ``next_position - position`` columns become padding again (no copy; the next tokens overwrite them).
 
-        Keys are stored after RoPE, so a later token at one of those positions is written in a new column;
-        nothing else of the row moves. Only rows whose positions grow along their columns (one sequence, as
-        RAPID's target and drafter rows) may be rewound by position.
+        Keys are stored after RoPE, so a later token at one of those positions is written in a new column. Only
+        rows fed one sequence at consecutive positions (RAPID's target and drafter rows) may be rewound this way;
+        a rewind into a row's cached pieces is a caller's bug and raises.
         """
-        if not rows:
-            return
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.positions.device)
-        limit = torch.tensor(list(rows.values()), dtype=torch.long, device=self.positions.device)
-        used = self.positions[index, : self.width]
-        dropped = (used >= limit.unsqueeze(1)) & (used != PAD_POSITION)
-        self.positions[index, : self.width] = used.masked_fill(dropped, PAD_POSITION)
-        for ids in (self.contexts, self.questions):
-            ids[index, : self.width] = ids[index, : self.width].masked_fill(dropped, PAD_ID)
-        self.documents[index, : self.width] = self.documents[index, : self.width].masked_fill(dropped, 0)
+        for row, position in rows.items():
+            dropped = self.next_positions[row] - position
+            if dropped <= 0:
+                continue
+            if dropped > self.fed[row]:
+                raise AssertionError(f"row {row}: rewinding to position {position} would drop {dropped} columns, "
+                                     f"more than the {self.fed[row]} it was fed")
+            end = self.lengths[row]
+            span = slice(end - dropped, end)
+            self.positions[row, span] = PAD_POSITION
+            self.contexts[row, span] = PAD_ID
+            self.questions[row, span] = PAD_ID
+            self.documents[row, span] = 0
+            self.lengths[row] -= dropped
+            self.fed[row] -= dropped
+            self.next_positions[row] = position
 
     def select(self, rows: list[int]) -> RowPool:
         """A copy of some rows, same columns: to run a forward of their own (:meth:`take_columns` brings back
@@ -245,62 +282,34 @@ class RowPool:
         index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
         return RowPool([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers],
                        self.positions.index_select(0, index), self.contexts.index_select(0, index),
-                       self.questions.index_select(0, index), width=self.width,
-                       documents=self.documents.index_select(0, index), attention=[self.attention[r] for r in rows])
+                       self.questions.index_select(0, index), lengths=[self.lengths[r] for r in rows],
+                       documents=self.documents.index_select(0, index), attention=[self.attention[r] for r in rows],
+                       next_positions=[self.next_positions[r] for r in rows], fed=[self.fed[r] for r in rows])
 
     @torch.inference_mode()
     def take_columns(self, rows: list[int], selected: RowPool) -> None:
-        """Bring back the columns a :meth:`select` copy of ``rows`` appended past this pool's width; every other
-        row gets padding there (no compute, only columns that :meth:`pack` reclaims)."""
-        new = slice(self.width, selected.width)
-        self._reserve(selected.width - self.width)
+        """Bring back the columns a :meth:`select` copy of ``rows`` appended (each row's new columns follow its
+        old ones, as in the copy); the other rows are untouched."""
+        start = min(self.lengths[r] for r in rows)
+        end = max(selected.lengths)
+        self._reserve(end)
         index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+        new = slice(start, end)  # from the shortest row's old end: the others' older columns are the same in both
         for (keys, values), (their_keys, their_values) in zip(self.layers, selected.layers):
             keys[index, :, new] = their_keys[:, :, new]
             values[index, :, new] = their_values[:, :, new]
         for mine, theirs in ((self.positions, selected.positions), (self.contexts, selected.contexts),
                              (self.questions, selected.questions), (self.documents, selected.documents)):
-            mine[index, new] = theirs[:, new]  # the other rows' columns past the width are padding already
-        self.width = selected.width
-
-    def padding_share(self) -> float:
-        """The share of the columns in use that are padding (attention reads them for nothing)."""
-        used = self.positions[:, : self.width]
-        if used.numel() == 0:
-            return 0.0
-        return float((used == PAD_POSITION).float().mean())
-
-    def pack(self) -> None:
-        """Move each row's real columns to the left (order kept), cut the all-padding columns off the end and
-        shrink the room for next steps to less than :data:`GROW_COLUMNS`.
-
-        Rows that joined next to a much longer row, and rows that got padding while another row took
-        several tokens per step (IPPD), otherwise keep making every later step attend over padding.
-        """
-        real = self.positions[:, : self.width] != PAD_POSITION
-        counts = real.sum(1)
-        width = int(counts.max()) if counts.numel() else 0
-        packed = torch.arange(self.width, device=real.device) < counts.unsqueeze(1)
-        if width == self.width and torch.equal(real, packed) and self.capacity < _room(width) + GROW_COLUMNS:
-            return
-        # stable order: real columns first, in their order; then padding
-        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        self.positions = self.positions.gather(1, order)
-        self.contexts = self.contexts.gather(1, order)
-        self.questions = self.questions.gather(1, order)
-        self.documents = self.documents.gather(1, order)
-        gather = order[:, None, :, None]
-        self.layers = [(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
-                        v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in self.layers]
-        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(_room(width))
-        self.width = width
+            mine[index, new] = theirs[:, new]
+        for i, row in enumerate(rows):
+            self.lengths[row], self.next_positions[row], self.fed[row] = (
+                selected.lengths[i], selected.next_positions[i], selected.fed[i])
 
     def _reserve(self, columns: int) -> None:
-        """Make room for ``columns`` more columns, growing the capacity to a multiple of :data:`GROW_COLUMNS`."""
-        if self.width + columns <= self.capacity:
+        """Make room for ``columns`` columns in every row (the capacity grows to a multiple of :data:`GROW_COLUMNS`)."""
+        if columns <= self.capacity:
             return
-        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(
-            _room(self.width + columns))
+        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(_room(columns))
 
     def _padded(self, capacity: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
@@ -309,20 +318,30 @@ class RowPool:
                 _pad_ids(self.positions, capacity, PAD_POSITION), _pad_ids(self.contexts, capacity, PAD_ID),
                 _pad_ids(self.questions, capacity, PAD_ID), _pad_ids(self.documents, capacity, 0))
 
+    def _trimmed(self, capacity: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor]:
+        """The first ``capacity`` columns of everything, as new contiguous tensors (the rest is padding)."""
+        def cut(t: torch.Tensor, dim: int) -> torch.Tensor:
+            return t.narrow(dim, 0, capacity).contiguous()
+
+        return ([(cut(k, 2), cut(v, 2)) for k, v in self.layers], cut(self.positions, 1), cut(self.contexts, 1),
+                cut(self.questions, 1), cut(self.documents, 1))
+
     @torch.inference_mode()
     def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
                 kernel: str = "eager") -> list[torch.Tensor]:
         """Append every row's runs in ONE forward pass; return per row the logits after each run ([runs, V], fp32).
 
-        Rows are padded to the longest step; padding tokens have an infinite virtual position, so no
-        real token sees them, and only the columns that end a run are sent through the LM head.
-        ``kernel``: ``"eager"`` (boolean mask, the model's own attention) or ``"flex"`` (block mask,
-        FlexAttention; see :func:`visibility_block_mask`), as resolved by ``flex.resolve_kernel``. Rows with
-        their own attention rule (``attention``) read their row of the boolean mask (built for those rows only
-        on the flex kernel).
+        Rows are padded to the longest step; a row's padding tokens are written after its real ones with an
+        infinite virtual position (no real token sees them; the row's next tokens overwrite them), and only
+        the columns that end a run are sent through the LM head. ``kernel``: ``"eager"`` (boolean mask, the
+        model's own attention) or ``"flex"`` (block mask, FlexAttention; see :func:`visibility_block_mask`), as
+        resolved by ``flex.resolve_kernel``. Rows with their own attention rule (``attention``) read their row
+        of the boolean mask (built for those rows only on the flex kernel).
         """
         device = self.positions.device
-        step = max((sum(len(r.ids) for r in row) for row in runs), default=0)
+        fed = [sum(len(r.ids) for r in row) for row in runs]
+        step = max(fed, default=0)
         if step == 0:
             return [torch.empty(0) for _ in runs]
         ids = torch.full((self.rows, step), pad_token, dtype=torch.long)
@@ -340,11 +359,13 @@ class RowPool:
                 column += len(run.ids)
                 row_ends.append(column - 1)
             ends.append(row_ends)
-        ids, positions, contexts, questions = (t.to(device) for t in (ids, positions, contexts, questions))
-        self._reserve(step)
-        new = slice(self.width, self.width + step)
-        self.positions[:, new], self.contexts[:, new], self.questions[:, new] = positions, contexts, questions
-        self.documents[:, new] = 0
+        self._reserve(self.width + step)
+        columns = torch.tensor(self.lengths, dtype=torch.long).unsqueeze(1) + torch.arange(step)
+        ids, positions, contexts, questions, columns = (
+            t.to(device) for t in (ids, positions, contexts, questions, columns))
+        rows = torch.arange(self.rows, device=device).unsqueeze(1)
+        self.positions[rows, columns], self.contexts[rows, columns] = positions, contexts
+        self.questions[rows, columns], self.documents[rows, columns] = questions, 0
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
         rules = [(b, rule, ends[b][-1]) for b, rule in enumerate(self.attention) if rule is not None and ends[b]]
@@ -355,8 +376,7 @@ class RowPool:
             if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
                 extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
         keep = sorted({c for row in ends for c in row})
-        start = torch.tensor(self.width, device=device)  # one copy to the device per step, shared by the layers
-        cache = Cache(layers=[PoolLayer(k, v, start) for k, v in self.layers])
+        cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
         try:
@@ -367,17 +387,24 @@ class RowPool:
                             use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
                             **extra)
         except BaseException:
-            self.positions[:, new] = PAD_POSITION  # the columns stay unused: no row may see what was written
-            self.contexts[:, new] = self.questions[:, new] = PAD_ID
+            self.positions[rows, columns] = PAD_POSITION  # the columns stay unused: no row may see what was written
+            self.contexts[rows, columns] = self.questions[rows, columns] = PAD_ID
             raise
-        self.width += step
+        for b, row in enumerate(runs):
+            self.lengths[b] += fed[b]
+            self.fed[b] += fed[b]
+            if row:
+                self.next_positions[b] = row[-1].first_position + len(row[-1].ids)
         self.forwards += 1
         logits = out.logits.float()
         column_of = {c: i for i, c in enumerate(keep)}
         return [logits[b, [column_of[c] for c in row_ends]] for b, row_ends in enumerate(ends)]
 
 
-GROW_COLUMNS = 256  # the pool's capacity grows (and is trimmed) in steps of this many columns
+# The pool's capacity grows (and is trimmed) in steps of this many columns: the key block of torch's CPU flash
+# attention (its kv split is 512 columns from 512 keys on, the key count below that), so a row's keys fall
+# into the same blocks at every capacity and trailing padding only adds fully hidden blocks.
+GROW_COLUMNS = 512
 
 
 def _room(width: int) -> int:

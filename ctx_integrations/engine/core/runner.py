@@ -20,12 +20,6 @@ from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool, Run
 from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
 
-PACK_AT_PADDING = 0.5  # left-pack the batch when more than this share of its key columns is padding
-# A padding token costs a whole forward's work per token (~2 x parameters FLOPs), a copied column one token's
-# KV bytes: on a CPU thread one padding token of a 135M model costs about as much time as copying a few
-# hundred columns of a row, so rows taking several tokens run apart when that saves more.
-COPY_COLUMNS_PER_TOKEN = 256
-
 
 class ModelRunner:
     """One loaded model's batched forwards over the row pool (eager boolean mask or FlexAttention block mask)."""
@@ -43,16 +37,14 @@ class ModelRunner:
         return loaded
 
     def execute(self, step: ScheduledStep) -> StepOutput:
-        """Decode the running rows (one forward), then prefill the joining rows (one forward) and append them."""
+        """Decode the running rows, then prefill the joining rows and append them (a forward per token count each)."""
         out = StepOutput()
         if self.pool is not None and step.decode:
             self.pool.rewind(dict(step.rewind))
             try:
-                out.decoded = self._decode(self.pool, step.decode, out)
+                out.decoded = self._run(self.pool, step.decode, out)
             except Exception as error:  # noqa: BLE001 - the scheduler fails the requests this forward held
                 out.decode_error = error
-            if self.pool.padding_share() > PACK_AT_PADDING:
-                self.pool.pack()
         if step.joining:
             loaded = self.loaded
             shape = kv_shape(loaded.model.config)
@@ -60,7 +52,7 @@ class ModelRunner:
                 joining = RowPool.build([list(pieces) for pieces in step.joining],
                                         (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
                                         attention=list(step.joining_attention) or None)
-                out.joined = self._forward(joining, step.joining_runs, out)
+                out.joined = self._run(joining, step.joining_runs, out)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 out.join_error = error
             else:
@@ -76,21 +68,35 @@ class ModelRunner:
         elif self.pool is not None:
             self.pool.keep_rows(keep)
 
-    def _decode(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
-        """The running rows' forward. Rows taking several tokens (RAPID's verification, IPPD's stacks) while
-        the others take one run apart, on a copy of their rows, when the padding that saves outweighs the copy:
-        in one padded forward every other row would compute as many (padding) tokens as the longest row.
+    def _run(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
+        """The rows' forwards: one per distinct number of tokens the rows take this step (batch invariance).
+
+        A row's tokens always go through a forward whose query length is its own token count, never padded
+        to a longer row's: the attention kernels block the queries of a forward, and a row's last query
+        block computed beside padding rounds differently (one bf16 ulp in a layer, then a different greedy
+        token ~20 tokens on, measured on SmolLM2). With each row at its own columns (:class:`RowPool`) a
+        row's logits are then bit for bit those it gets alone. The group with the most rows runs in place
+        (the other rows take no token in that forward); every other group (RAPID's verifications, IPPD's
+        stacks, prompts of other lengths joining together) runs on a copy of its rows
+        (:meth:`RowPool.select`), whose new columns are brought back after.
         """
         tokens = [sum(len(run.ids) for run in row) for row in runs]
-        apart = [b for b, count in enumerate(tokens) if count > 1]
-        saved = (len(runs) - len(apart)) * (max(tokens, default=0) - 1)  # padding tokens the others skip
-        if not apart or saved * COPY_COLUMNS_PER_TOKEN <= len(apart) * pool.capacity:
+        groups: dict[int, list[int]] = {}
+        for b, count in enumerate(tokens):
+            if count:
+                groups.setdefault(count, []).append(b)
+        if len(groups) <= 1:
             return self._forward(pool, runs, out)
-        logits = self._forward(pool, [[] if count > 1 else list(row) for row, count in zip(runs, tokens)], out)
-        selected = pool.select(apart)
-        for b, row_logits in zip(apart, self._forward(selected, [runs[b] for b in apart], out)):
-            logits[b] = row_logits
-        pool.take_columns(apart, selected)
+        in_place = max(groups, key=lambda count: (len(groups[count]), -count))
+        logits = self._forward(pool, [list(row) if count == in_place else [] for row, count in zip(runs, tokens)],
+                               out)
+        for count, rows in groups.items():
+            if count == in_place:
+                continue
+            selected = pool.select(rows)
+            for b, row_logits in zip(rows, self._forward(selected, [runs[b] for b in rows], out)):
+                logits[b] = row_logits
+            pool.take_columns(rows, selected)
         return logits
 
     def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
