@@ -99,6 +99,15 @@ TARGETS = {
                            "-m", "not slow", "-k",
                            "test_speculative_step or test_rapid_eta or residual or tail or nucleus or verify or eta "
                            "or top_p or rule or draft_head")),
+    # ingestion: what is text (the encoding rules), and splitting into passages (limits, packing, linear work)
+    "reading": Target("ctx_integrations/retrieval/reading.py",
+                      ("x_decode_text*", "x__bom_codec*", "x__legacy*", "x__checked*", "x__is_pdf*"),
+                      ("tests/test_retrieval_reading.py",)),
+    "passages": Target("ctx_integrations/retrieval/ingest.py",
+                       ("x_split_passages*", "x__split*", "x__fits*", "x__pack*", "x__fill*", "x__last_fitting*"),
+                       ("tests/test_retrieval_ingest.py", "tests/test_attack_ingest.py", "-k",
+                        "split or short or packed or breaks or whitespace or exceed or too_small or linear or prefix "
+                        "or endings")),
 }
 
 
