@@ -1,0 +1,149 @@
+"""Retrieval priors (engine/modes/priors.py): values, invariants, and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ctx_integrations.engine.modes.priors import PRIORS, log_prior
+from ctx_integrations.errors import InvalidOptionError
+
+SCORES = [0.85, 0.76, 0.79, 0.71, 0.79, 0.65]
+
+
+def test_each_prior_by_hand():
+    torch.testing.assert_close(log_prior(SCORES, "paper"), torch.tensor(SCORES).log())
+    torch.testing.assert_close(log_prior(SCORES, "softmax", tau=0.05),
+                               torch.log_softmax(torch.tensor(SCORES) / 0.05, 0))
+    # rank: 1 for the best, ties share the better rank (0.79 twice: both 2nd), then 4th, 5th, 6th
+    torch.testing.assert_close(log_prior(SCORES, "rank"),
+                               -torch.tensor([1.0, 4.0, 2.0, 5.0, 2.0, 6.0]).log())
+    expected = [math.log(0.1 + 0.9 * (s - 0.65) / 0.2) for s in SCORES]
+    torch.testing.assert_close(log_prior(SCORES, "minmax", floor=0.1), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("prior", PRIORS)
+def test_priors_follow_the_scores_not_the_order(prior):
+    logs = log_prior(SCORES, prior)
+    assert bool((logs <= 1e-6).all()) and logs.dtype == torch.float32
+    for i in range(len(SCORES)):  # a higher score never gets a lower prior; an equal score the same one
+        for j in range(len(SCORES)):
+            if SCORES[i] > SCORES[j]:
+                assert logs[i] > logs[j]
+            if SCORES[i] == SCORES[j]:
+                assert logs[i] == logs[j]
+    order = [3, 0, 5, 1, 4, 2]
+    torch.testing.assert_close(log_prior([SCORES[i] for i in order], prior), logs[order])
+
+
+@pytest.mark.parametrize("prior", ["softmax", "rank", "minmax"])
+def test_calibrated_priors_are_flat_when_the_retriever_cannot_tell(prior):
+    logs = log_prior([0.7, 0.7, 0.7], prior)
+    assert torch.equal(logs, logs[:1].expand(3))
+
+
+def test_calibrated_priors_spread_a_narrow_band_of_cosines():
+    """The issue's case: r = 0.85 and 0.71 are 0.19 nats apart as log r; every calibration separates them by
+    more than 2 nats before gamma (softmax: 0.14 / tau; rank: log 8; minmax: -log floor)."""
+    scores = [0.85, 0.83, 0.8, 0.78, 0.76, 0.75, 0.73, 0.71]
+    paper = log_prior(scores, "paper")
+    assert float(paper[0] - paper[-1]) < 0.2
+    for prior in ("softmax", "rank", "minmax"):
+        logs = log_prior(scores, prior)
+        assert float(logs[0] - logs[-1]) > 2.0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prior="zipf"), "prior must be one of"),
+    (dict(prior="softmax", tau=0.0), "prior_tau"),
+    (dict(prior="softmax", tau=float("nan")), "prior_tau"),
+    (dict(prior="minmax", floor=0.0), "prior_floor"),
+    (dict(prior="minmax", floor=1.5), "prior_floor"),
+])
+def test_bad_prior_options_are_refused_by_name(bad, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        log_prior(SCORES, **bad)
+
+
+def test_no_scores_or_non_finite_scores_are_refused():
+    with pytest.raises(InvalidOptionError, match="at least one"):
+        log_prior([], "rank")
+    with pytest.raises(InvalidOptionError, match="finite"):
+        log_prior([0.5, float("nan")], "softmax")
+
+
+# -- the rules that use a prior ------------------------------------------------------------------------------------
+VOCAB = 12
+RIGHT, WRONG = 3, 7  # the answer's first token (in the top document) and a confident wrong name (in the eighth)
+ISSUE_SCORES = [0.85, 0.83, 0.80, 0.78, 0.76, 0.75, 0.73, 0.71]  # r = (cos + 1) / 2 of a MiniLM top 8
+
+
+def _logprobs(peaks: dict[int, float]) -> torch.Tensor:
+    """Log-probabilities over VOCAB tokens with ``peaks`` (token -> probability), the rest spread evenly."""
+    rest = (1 - sum(peaks.values())) / (VOCAB - len(peaks))
+    probs = torch.full((VOCAB,), rest)
+    for token, p in peaks.items():
+        probs[token] = p
+    return probs.log()
+
+
+def confident_distractor_step() -> torch.Tensor:
+    """The issue's loss, as one step of logits: the amateur (row 0) finds both names unlikely; the top-ranked
+    document's expert (row 1) says the right name with p = 0.6; the eighth's (row 8) a wrong name with p = 0.97;
+    the others spread their mass over function words."""
+    amateur = _logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01, WRONG: 0.01})
+    rows = [amateur, _logprobs({RIGHT: 0.6, 0: 0.2})]
+    rows += [_logprobs({0: 0.5, 1: 0.3}) for _ in range(6)]
+    rows.append(_logprobs({WRONG: 0.97}))
+    return torch.stack(rows)
+
+
+def test_soft_nbce_gamma_zero_is_the_papers_rule_and_a_prior_moves_the_weight():
+    from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion
+
+    logits = confident_distractor_step()
+    entropy = torch.tensor([1.0, 0.2, 2.0])
+    paper = SoftNBCEFusion()
+    assert torch.equal(SoftNBCEFusion(gamma=0.0, log_prior=[0.0, -1.0, -2.0]).chunk_weights(entropy),
+                       paper.chunk_weights(entropy))
+    logs = log_prior(ISSUE_SCORES, "rank")
+    with_prior = SoftNBCEFusion(gamma=10.0, log_prior=logs)
+    torch.testing.assert_close(with_prior.chunk_weights(torch.ones(8)), torch.softmax(10.0 * logs, 0))
+    # the paper's entropy routing gives the step to the confident eighth chunk; the prior gives it to the first
+    assert int(paper(logits).scores.argmax()) == WRONG
+    assert int(with_prior(logits).scores.argmax()) == RIGHT
+
+
+def test_soft_nbce_refuses_a_prior_it_cannot_match_to_its_chunks():
+    from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion
+
+    with pytest.raises(InvalidOptionError, match="needs each chunk's log-prior"):
+        SoftNBCEFusion(gamma=1.0)
+    with pytest.raises(InvalidOptionError, match="3 chunk streams for 2 priors"):
+        SoftNBCEFusion(gamma=1.0, log_prior=[0.0, -1.0])(torch.zeros(4, 5))
+    with pytest.raises(InvalidOptionError, match="gamma must be in"):
+        SoftNBCEFusion(gamma=-1.0, log_prior=[0.0])
+
+
+def test_soft_nbce_mode_gives_each_chunk_its_documents_prior(tiny_engine):
+    docs = [{"text": "The secret code is 48213.", "score": 0.9}, {"text": "The market opens at nine.", "score": 0.6}]
+    seen = []
+    from ctx_integrations.engine.modes import soft_nbce
+
+    original = soft_nbce.SoftNBCEFusion
+
+    class Recording(original):
+        def __init__(self, **options):
+            super().__init__(**options)
+            seen.append(options)
+
+    soft_nbce.SoftNBCEFusion = Recording
+    try:
+        answer = tiny_engine.generate("What is the code?", docs, mode="soft_nbce", gamma=3.0, prior="rank",
+                                      max_new_tokens=3)
+    finally:
+        soft_nbce.SoftNBCEFusion = original
+    assert answer.token_ids and seen[-1]["gamma"] == 3.0
+    torch.testing.assert_close(seen[-1]["log_prior"], torch.tensor([0.0, -math.log(2)]))
