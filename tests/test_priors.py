@@ -147,3 +147,63 @@ def test_soft_nbce_mode_gives_each_chunk_its_documents_prior(tiny_engine):
         soft_nbce.SoftNBCEFusion = original
     assert answer.token_ids and seen[-1]["gamma"] == 3.0
     torch.testing.assert_close(seen[-1]["log_prior"], torch.tensor([0.0, -math.log(2)]))
+
+
+def test_ape_bias_is_added_to_each_documents_tempered_scores_on_both_paths():
+    """APE's prior: every key of document k gets bias_k on its tempered score (s / T + b_k), on the exclusive
+    kernel and on APE's batch row alike; a zero bias is the paper's APE, and a very negative one removes a
+    document as if it were not there."""
+    from torch import nn
+
+    from ctx_integrations.engine.modes.ape import ApeLayout, ApeRowAttention, ape_attention
+    from tests.test_ape import reference_ape
+    from tests.test_row_attention import ENDS, PREFIX, Q_LEN, _ape_row_mask, _inputs
+
+    query, key, value, keys = _inputs(3, rows=1)
+    real = PREFIX + ENDS[-1] + Q_LEN
+    key, value = key[:, :, :real], value[:, :, :real]
+
+    def sequence(bias):
+        layout = ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.7, 0.9, document_ends=ENDS, document_bias=bias)
+        return ape_attention(nn.Module(), query, key, value, None, scaling=0.35, ape_layout=layout)[0]
+
+    plain = sequence(())
+    torch.testing.assert_close(sequence((0.0, 0.0)), plain)
+    assert not torch.allclose(sequence((0.0, -2.0)), plain, atol=1e-4)
+    # document 2 pushed out: APE over the prefix, document 1 and the queries only
+    keep = list(range(PREFIX + ENDS[0])) + list(range(PREFIX + ENDS[1], real))
+    expected = reference_ape(query, key[:, :, keep], value[:, :, keep], PREFIX, PREFIX + ENDS[0], 0.7, 0.9, 0.35)
+    torch.testing.assert_close(sequence((0.0, -1e4)).double(), expected, atol=1e-5, rtol=1e-5)
+    row_query, row_key, row_value, row_keys = _inputs(3, rows=1)
+    visible, documents = _ape_row_mask(row_keys)
+    row = ApeRowAttention(0.7, 0.9, len(ENDS), document_bias=(0.0, -2.0))
+    torch.testing.assert_close(row(row_query, row_key, row_value, visible, documents, 0.35, Q_LEN - 1),
+                               sequence((0.0, -2.0)), atol=1e-6, rtol=1e-5)
+    with pytest.raises(InvalidOptionError, match="1 document biases for 2 documents"):
+        ApeRowAttention(0.7, 0.9, 2, document_bias=(0.0,))
+
+
+def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
+    from ctx_integrations.engine.modes import ape
+
+    docs = [{"text": "The secret code is 48213.", "score": 0.9}, {"text": "The market opens at nine.", "score": 0.6},
+            {"text": "Rain fell on the bridge.", "score": 0.75}]
+    seen = []
+    original = ape.ApeRowAttention
+
+    def recording(*args, **kwargs):
+        rule = original(*args, **kwargs)
+        seen.append(rule.document_bias)
+        return rule
+
+    ape.ApeRowAttention = recording
+    try:
+        paper = tiny_engine.generate("What is the code?", docs, mode="ape", max_new_tokens=3)
+        tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank", max_new_tokens=3)
+    finally:
+        ape.ApeRowAttention = original
+    assert paper.token_ids and seen[0] == ()
+    assert seen[1] == pytest.approx((0.0, -2.0 * math.log(3), -2.0 * math.log(2)))
+    with pytest.raises(InvalidOptionError, match="needs the eager kernel"):
+        tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, attention_kernel="flex",
+                             max_new_tokens=2)
