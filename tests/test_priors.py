@@ -207,3 +207,32 @@ def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
     with pytest.raises(InvalidOptionError, match="needs the eager kernel"):
         tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, attention_kernel="flex",
                              max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prior", ["softmax", "rank", "minmax"])
+def test_a_calibrated_prior_keeps_a_low_ranked_experts_confident_wrong_name_out(prior):
+    """The issue's PCED loss as one step: the paper's prior (gamma log r on r in [0.71, 0.85]) lets the eighth
+    document's confident wrong name win; a calibrated prior keeps the top-ranked expert's right token."""
+    from ctx_integrations.engine.modes.pced import PCEDFusion
+
+    logits = confident_distractor_step()
+    paper = PCEDFusion(ISSUE_SCORES, prior="paper")(logits)
+    assert int(paper.scores.argmax()) == WRONG and int(paper.evidence[:, WRONG].argmax()) == 7
+    calibrated = PCEDFusion(ISSUE_SCORES, prior=prior)(logits)
+    assert int(calibrated.scores.argmax()) == RIGHT and int(calibrated.evidence[:, RIGHT].argmax()) == 0
+    shuffled = [7, 2, 0, 5, 1, 6, 3, 4]  # the same experts in another order: the same token, the same expert
+    moved = PCEDFusion([ISSUE_SCORES[i] for i in shuffled], prior=prior)(logits[[0] + [i + 1 for i in shuffled]])
+    assert int(moved.scores.argmax()) == RIGHT and shuffled[int(moved.evidence[:, RIGHT].argmax())] == 0
+
+
+@pytest.mark.parametrize("prior", ["softmax", "rank", "minmax"])
+def test_a_calibrated_prior_still_lets_a_lower_ranked_expert_answer_when_the_first_cannot(prior):
+    """The prior carries the ranking, not a veto: when the top document's expert has no answer (its mass on
+    function words) the third document's confident answer still wins, as in the paper's rule."""
+    from ctx_integrations.engine.modes.pced import PCEDFusion
+
+    amateur = _logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01})
+    rows = [amateur] + [_logprobs({0: 0.5, 1: 0.3}) for _ in range(8)]
+    rows[3] = _logprobs({RIGHT: 0.9})  # the third-ranked document holds the answer
+    step = PCEDFusion(ISSUE_SCORES, prior=prior)(torch.stack(rows))
+    assert int(step.scores.argmax()) == RIGHT and int(step.evidence[:, RIGHT].argmax()) == 2
