@@ -113,11 +113,9 @@ def process_content_hash(file: Path, *, rehash: bool = False) -> str:
         if known is not None and known[0] == FileStamp.of(file.stat()):
             return known[1]
     hashed, sha256, rememberable = _hash_version(file)
-    with _process_lock:
-        if rememberable:
+    if rememberable:  # else an older entry may stay: its stamp can never match this file again
+        with _process_lock:
             _process_hashes[path] = (hashed, sha256)
-        else:
-            _process_hashes.pop(path, None)
     return sha256
 
 

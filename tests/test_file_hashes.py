@@ -74,7 +74,7 @@ def test_a_file_changed_within_the_settling_time_is_hashed_on_every_call(tmp_pat
     assert content_hash(file) == content_hash(file)
     assert hashed == [file, file]
     assert not (cache / "models" / "gguf-hashes.json").exists()
-    assert file_hashes._process_hashes == {}
+    assert file_hashes._process_hashes == {}  # nothing remembered in either place
 
 
 def test_the_settling_rule_compares_the_ctime_with_the_start_of_hashing():
@@ -171,6 +171,16 @@ def test_rehash_reads_the_whole_file_again_though_its_stamp_holds(tmp_path, cach
     assert len(hashed) == 2
     process_content_hash(file)
     assert len(hashed) == 2  # the re-read version is remembered again
+
+
+@BOTH
+def test_each_file_is_remembered_on_its_own(tmp_path, cache, hashed, settled, content_hash):
+    first = _model(tmp_path)
+    second = tmp_path / "second.gguf"
+    second.write_bytes(b"GGUF" + b"\x03" * 10)
+    assert [content_hash(f) for f in (first, second, first, second)] == [_sha(first.read_bytes()),
+                                                                         _sha(second.read_bytes())] * 2
+    assert hashed == [first, second]
 
 
 @pytest.mark.parametrize("index", ["not json", "[1, 2]", '{"%s": {"sha256": 5}}', '{"%s": "x"}'])

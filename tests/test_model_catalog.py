@@ -485,3 +485,14 @@ def test_a_truncated_gguf_is_a_load_error_naming_the_file(tmp_path, monkeypatch)
                                               "or damaged"):
         model_module.load_model(truncated)
     assert not list((tmp_path / "cache" / "models").glob("truncated-*"))  # no half-converted folder
+
+
+def test_a_scratch_folder_that_cannot_be_removed_does_not_fail_a_stored_fetch(index, monkeypatch):
+    """e.g. NFS keeps a ``.nfs*`` file in it for a while: the verified file is in place, so the fetch succeeded."""
+    entry, _, download, _, joined = index
+
+    def busy(path, onerror=None, **kwargs):
+        onerror(os.rmdir, path, (OSError, OSError(errno.EBUSY, "Device or resource busy", path), None))
+
+    monkeypatch.setattr(model_catalog.tempfile._shutil, "rmtree", busy)
+    assert fetch(entry.alias, download=download, log=lambda _: None).read_bytes() == joined
