@@ -58,6 +58,7 @@ TARGETS = {
                             ("x_catalog_entry*", "x_pip_download*", "x__append_member*", "x_fetch*",
                              "x_verified_path*"),
                             ("tests/test_model_catalog.py",)),
+    "file_hashes": Target("ctx_integrations/file_hashes.py", ("*",), ("tests/test_file_hashes.py",)),
     "ippd": Target("ctx_integrations/engine/modes/ippd.py", ("*",), ("tests/test_ippd.py", "-m", "not slow")),
     # FlexAttention traces the block mask's mask_mod with dynamo, which cannot trace mutmut's trampolines (a
     # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
