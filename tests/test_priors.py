@@ -67,8 +67,25 @@ def test_bad_prior_options_are_refused_by_name(bad, message):
         log_prior(SCORES, **bad)
 
 
+def test_option_errors_say_what_the_option_is():
+    with pytest.raises(InvalidOptionError, match=r"^prior_tau must be in \[0.0001, 100\], got 100.5 \(softmax prior's "
+                                                 r"temperature, in units of r\)$"):
+        log_prior(SCORES, "softmax", tau=100.5)
+    with pytest.raises(InvalidOptionError, match=r"^prior_floor must be in \(0, 1\], got 0.0 \(minmax prior's value "
+                                                 r"for the lowest-scored document\)$"):
+        log_prior(SCORES, "minmax", floor=0.0)
+    assert torch.isfinite(log_prior(SCORES, "softmax", tau=100.0)).all()  # the bounds themselves are accepted
+    assert torch.equal(log_prior(SCORES, "minmax", floor=1.0), torch.zeros(len(SCORES)))
+
+
+def test_the_default_is_the_papers_log_r_in_float32():
+    logs = log_prior(torch.tensor(SCORES, dtype=torch.float64))
+    assert logs.dtype == torch.float32
+    torch.testing.assert_close(logs, torch.tensor(SCORES).log())
+
+
 def test_no_scores_or_non_finite_scores_are_refused():
-    with pytest.raises(InvalidOptionError, match="at least one"):
+    with pytest.raises(InvalidOptionError, match="^a retrieval prior needs at least one document score$"):
         log_prior([], "rank")
     with pytest.raises(InvalidOptionError, match="finite"):
         log_prior([0.5, float("nan")], "softmax")
