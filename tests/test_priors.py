@@ -221,9 +221,32 @@ def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
         ape.ApeRowAttention = original
     assert paper.token_ids and seen[0] == ()
     assert seen[1] == pytest.approx((0.0, -2.0 * math.log(3), -2.0 * math.log(2)))
-    with pytest.raises(InvalidOptionError, match="needs the eager kernel"):
-        tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, attention_kernel="flex",
-                             max_new_tokens=2)
+    eager = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
+                                 attention_kernel="eager", max_new_tokens=4)
+    flex = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
+                                attention_kernel="flex", max_new_tokens=4)
+    assert flex.token_ids == eager.token_ids
+
+
+def test_ape_flex_kernel_adds_the_same_bias_as_the_eager_one():
+    from torch import nn
+
+    from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
+    from ctx_integrations.engine.modes.ape_flex import ape_flex_attention
+
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, q_len, prefix, ends, dim = 4, 2, 3, 5, (6, 10, 19), 16
+    keys = prefix + ends[-1] + 2 + q_len  # two answer tokens already cached between the documents and the queries
+    query = torch.randn(2, heads, q_len, dim, generator=generator)
+    key, value = torch.randn(2, 2, kv_heads, keys, dim, generator=generator)
+    outputs = {}
+    for bias in ((), (0.0, -1.5, -4.0)):
+        layout = ApeLayout(prefix, prefix + ends[-1], 0.7, 0.9, document_ends=ends, document_bias=bias)
+        expected, _ = ape_attention(nn.Module(), query, key, value, None, scaling=dim ** -0.5, ape_layout=layout)
+        out, _ = ape_flex_attention(nn.Module(), query, key, value, None, scaling=dim ** -0.5, ape_layout=layout)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        outputs[bias] = out
+    assert not torch.allclose(outputs[()], outputs[(0.0, -1.5, -4.0)], atol=1e-3)
 
 
 @pytest.mark.parametrize("prior", ["softmax", "rank", "minmax"])
@@ -253,3 +276,18 @@ def test_a_calibrated_prior_still_lets_a_lower_ranked_expert_answer_when_the_fir
     rows[3] = _logprobs({RIGHT: 0.9})  # the third-ranked document holds the answer
     step = PCEDFusion(ISSUE_SCORES, prior=prior)(torch.stack(rows))
     assert int(step.scores.argmax()) == RIGHT and int(step.evidence[:, RIGHT].argmax()) == 2
+
+
+def test_pceds_default_prior_carries_the_ranking():
+    """The default rule (the mode's and the class's) is a calibrated prior: it keeps the issue's confident wrong
+    name of the eighth document out, where the paper's prior (still ``prior="paper"``) lets it win."""
+    import inspect
+
+    from ctx_integrations.engine.modes.pced import PCEDFusion, run_pced
+    from ctx_integrations.engine.modes.priors import DEFAULT_PRIOR
+
+    assert DEFAULT_PRIOR != "paper"
+    for function in (run_pced, PCEDFusion.__init__):
+        assert inspect.signature(function).parameters["prior"].default == DEFAULT_PRIOR
+    assert int(PCEDFusion(ISSUE_SCORES)(confident_distractor_step()).scores.argmax()) == RIGHT
+    assert int(PCEDFusion(ISSUE_SCORES, prior="paper")(confident_distractor_step()).scores.argmax()) == WRONG

@@ -58,12 +58,16 @@ def _compiled_flex() -> Callable[..., object]:
 
 
 def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
-             return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             return_lse: bool = False, score_mod: Callable[..., torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention with GQA (``query`` [B, H, q, d], ``key``/``value`` [B, Hkv, K, d]); (out, lse or None).
 
     Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log.
+    ``score_mod(score, b, h, q, k)``: FlexAttention's hook on each (already scaled) score.
     """
     options: dict[str, object] = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    if score_mod is not None:
+        options["score_mod"] = score_mod
     if return_lse:
         options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
     if query.device.type == "cuda":

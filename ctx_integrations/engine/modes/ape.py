@@ -37,7 +37,7 @@ from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -338,7 +338,7 @@ def attribution_plan(attribution: object, attention_kernel: str, device: object)
 @register_mode("ape")
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
             attention_kernel: str = "auto", attribution: bool | None = None, gamma: float = 0.0,
-            prior: str = "paper", prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> Job:
+            prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> Job:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
@@ -361,16 +361,13 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     tempered attention scores on every key of document k get gamma * (log_prior_k - max log_prior), so
     the top document's attention is unchanged and a low-ranked one's is scaled down by its prior.
     prior, prior_tau, prior_floor: how the scores become that log-prior, as PCED's (see :mod:`.priors`).
-    The FlexAttention kernel has no per-document bias: with gamma > 0 use attention_kernel "auto" or "eager".
+    Every kernel applies it (FlexAttention through a ``score_mod``).
     """
     check_knobs(attention_temperature, scale)
     bias = document_bias(ctx, gamma, prior, prior_tau, prior_floor)
     kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
     if attention_kernel in ("auto", "eager") and fits_a_row(ctx.engine.loaded.model.config):
         return _ape_row_job(ctx, attention_temperature, scale, attribution is not False, bias)
-    if bias and kernel == "flex":
-        raise InvalidOptionError("APE's retrieval prior (gamma > 0) needs the eager kernel: pass "
-                                 "attention_kernel='eager' (the FlexAttention kernel has no per-document bias)")
     return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note,
                                                         bias)))
 

@@ -17,7 +17,7 @@ from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.engine.core.word_pieces import WordPieces
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import InvalidOptionError
 
 SCORE_SPACES = ("logprobs", "logits")
@@ -70,7 +70,7 @@ class PCEDFusion:
 
     def __init__(self, relevance: Sequence[float], *, beta: float | None = None, gamma: float = 2.5,
                  score_space: str = "logprobs", aggregation: str = "max", switch: str = "token",
-                 word_pieces: WordPieces | None = None, prior: str = "paper", prior_tau: float = DEFAULT_TAU,
+                 word_pieces: WordPieces | None = None, prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
                  prior_floor: float = DEFAULT_FLOOR):
         if len(relevance) == 0:
             raise InvalidOptionError("PCED needs at least one expert")
@@ -132,8 +132,8 @@ class PCEDFusion:
 
 @register_mode("pced")
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.5, score_space: str = "logprobs",
-             aggregation: str = "max", switch: str = "token", prior: str = "paper", prior_tau: float = DEFAULT_TAU,
-             prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
+             aggregation: str = "max", switch: str = "token", prior: str = DEFAULT_PRIOR,
+             prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
     beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float in [0, 100].

@@ -29,7 +29,7 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import real_number
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -312,7 +312,7 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
 @register_mode("soft_nbce")
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9,
                   chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = 0.0,
-                  prior: str = "paper", prior_tau: float = DEFAULT_TAU,
+                  prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
                   prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
