@@ -215,12 +215,15 @@ def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
 
     ape.ApeRowAttention = recording
     try:
-        paper = tiny_engine.generate("What is the code?", docs, mode="ape", max_new_tokens=3)
+        paper = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=0.0, max_new_tokens=3)
         tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank", max_new_tokens=3)
+        tiny_engine.generate("What is the code?", docs, mode="ape", max_new_tokens=3)
     finally:
         ape.ApeRowAttention = original
     assert paper.token_ids and seen[0] == ()
     assert seen[1] == pytest.approx((0.0, -2.0 * math.log(3), -2.0 * math.log(2)))
+    # the default: gamma 1 on the softmax prior, (r_k - r_max) / 0.05
+    assert seen[2] == pytest.approx((0.0, (0.6 - 0.9) / 0.05, (0.75 - 0.9) / 0.05), abs=1e-4)
     eager = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
                                  attention_kernel="eager", max_new_tokens=4)
     flex = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
