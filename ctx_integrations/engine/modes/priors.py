@@ -30,7 +30,8 @@ from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.errors import InvalidOptionError
 
 PRIORS = ("paper", "softmax", "rank", "minmax")
-# The default of every mode that takes a prior: measured on NQ-open with real retrieval (docs/evaluation.md#nq-open).
+# The default of every mode that takes a prior, measured on NQ-open with real retrieval:
+# docs/evaluation.md#nq-open-with-real-retrieval-what-the-prior-needs
 DEFAULT_PRIOR = "softmax"
 TINY = torch.finfo(torch.float32).tiny
 DEFAULT_TAU = 0.05  # softmax's temperature, in units of r
