@@ -245,13 +245,14 @@ class Corpus:
 
 # -- what a case costs, for the budget ---------------------------------------------------------------
 # Reference seconds on one H200 with the Llama-3.1-8B shape in bf16, fitted to the first GPU run's logs
-# (docs/gpu-benchmark.md#the-first-run-h200): concat's prefill of T tokens ~ 4e-5 T + 7.5e-10 T^2 s (0.74 s at
-# 16k, 17.5 s at 131k); a decode step ~ 30 ms + 0.5 ms per row + 0.35 us per cached column of each row (concat
-# 37 tok/s at 8 x 2048; PCED warm at 64 x 2048: 69 ms per step over 65 rows); loading a cached document ~12 ms
-# (PCED warm TTFT 0.85 s at 64). One-off costs on CUDA: the first pooled forward compiles FlexAttention and
-# its block mask (the pced section took 152.5 s for 102 s of calls), each case ~10 s of recompiles at new
-# shapes, documents and setup (the ippd section: 37.5 s for 11 s of calls in 2 cases), APE's flex kernel ~30 s,
-# the static decode step ~25 s per batch shape (first call 22.8 s vs 0.42 s after). Other models scale.
+# (docs/gpu-benchmark.md#what-was-measured-and-on-what): concat's prefill of T tokens ~ 4e-5 T + 7.5e-10 T^2 s
+# (0.74 s at 16k, 17.5 s at 131k); a decode step ~ 30 ms + 0.5 ms per row + 0.35 us per cached column of each
+# row (concat 37 tok/s at 8 x 2048; PCED warm at 64 x 2048: 69 ms per step over 65 rows); loading a cached
+# document ~12 ms (PCED warm TTFT 0.85 s at 64). One-off costs on CUDA: the first pooled forward compiles
+# FlexAttention and its block mask (the pced section took 152.5 s for 102 s of calls), each case ~10 s of
+# recompiles at new shapes, documents and setup (the ippd section: 37.5 s for 11 s of calls in 2 cases), APE's
+# flex kernel ~30 s, the static decode step ~25 s per batch shape (first call 22.8 s vs 0.42 s after). Other
+# models scale (MODEL_SCALE). The fit errs long: 20.5 s for concat's 18.4 s at 64 x 2048, 3.5 s for PCED's 3.0.
 REF_TOKEN_S = 4.0e-5
 REF_TOKEN_PAIR_S = 7.5e-10
 REF_STEP_S = 0.03

@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,7 +264,8 @@ def test_roofline_fraction_and_step_bytes_with_known_numbers():
     # concat at 64 x 2048 on the 8B shape: 15.0 GB of weights read (no input embedding) + 131,135 tokens' KV
     step = roofline.decode_step_bytes(16_060_522_496 - 1_050_673_152, 131072, [131_135])
     assert step == 15_009_849_344 + 17_188_126_720 == 32_197_976_064
-    assert roofline.roofline_fraction(34.0, step, 4.8e12) == pytest.approx(0.228069, abs=1e-6)  # 34 x 32.2 GB / 4.8 TB/s
+    # 34 tok/s x 32.2 GB per step over 4.8 TB/s
+    assert roofline.roofline_fraction(34.0, step, 4.8e12) == pytest.approx(0.228069, abs=1e-6)
     with pytest.raises(ValueError):
         roofline.roofline_fraction(1.0, 1.0, 0.0)
     assert roofline.spec_bandwidth("NVIDIA H200") == 4.8e12
@@ -326,3 +328,13 @@ def test_the_summary_reads_the_headline_rows_with_their_ratios():
         "transformers generate, 8 x 2048": ("TTFT 0.567 s, total 2.662 s, 14.8 tok/s", ""),
         "memory bandwidth (NVIDIA H200)": ("4400 GB/s measured", "datasheet 4800 GB/s"),
     }
+
+
+def test_the_users_memory_table_is_the_computed_one():
+    """docs/gpu.md's table is :func:`roofline.memory_table`'s output, so a change of either shows here."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text(encoding="utf-8")
+    assert roofline.memory_table() in page
+    rows = {(r["model"], r["documents"]): r for r in roofline.memory_rows()}
+    eight = rows[("Llama-3.1-8B", 64)]  # 64 x 2048 x 128 KiB = 16 GiB; 65 rows x 2560 columns x 128 KiB
+    assert eight["kv_documents_gib"] == 16.0 and eight["kv_rows_gib"] == 65 * 2560 * 128 / 2**20
+    assert rows[("Llama-3.2-1B", 8)]["kv_documents_gib"] == 0.5 and eight["kv_per_token_kib"] == 128
