@@ -16,11 +16,11 @@ usual ~40-line ASGI wrapper around ``receive``. Headers that never finish are cl
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.serve.errors import error_bytes
 
 MIB = 1024 * 1024
 
@@ -59,8 +59,8 @@ class _BodyRefused(Exception):
         self.status = status
 
 
-def _error_response(status: int, message: str, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": "body", "code": status}}).encode()
+def _error_response(status: int, message: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = error_bytes(message, status, "body")
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
     return start, {"type": "http.response.body", "body": body}
@@ -84,11 +84,11 @@ class BodyLimitMiddleware:
         try:
             body = await asyncio.wait_for(self._read(scope, receive), self.limits.read_timeout_s)
         except _BodyRefused as refused:
-            await self._refuse(send, refused.status, str(refused), "request_too_large")
+            await self._refuse(send, refused.status, str(refused))
             return
         except TimeoutError:
             await self._refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
-                               "(read_timeout_s, --read-timeout): send the whole body at once", "request_timeout")
+                               "(read_timeout_s, --read-timeout): send the whole body at once")
             return
         if body is None:  # the client left while sending
             return
@@ -132,7 +132,7 @@ class BodyLimitMiddleware:
                 return b"".join(chunks)
 
     @staticmethod
-    async def _refuse(send: Any, status: int, message: str, kind: str) -> None:
-        start, body = _error_response(status, message, kind)
+    async def _refuse(send: Any, status: int, message: str) -> None:
+        start, body = _error_response(status, message)
         await send(start)
         await send(body)
