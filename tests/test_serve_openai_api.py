@@ -11,6 +11,7 @@ the non-streaming path. Over HTTP with the stock clients: tests/test_serve_opena
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from types import SimpleNamespace
@@ -93,6 +94,7 @@ def openai_error(response: httpx.Response) -> dict:
     ("DELETE", "/v1/models", {}, 405, "invalid_request_error"),
     ("POST", "/healthz", {"json": {}}, 405, "invalid_request_error"),
     ("POST", "/v1/chat/completions", {"json": {"messages": []}}, 422, "invalid_request_error"),
+    ("POST", "/v1/chat/completions", {"json": {"messages": ["hi", 5]}}, 422, "invalid_request_error"),
     ("POST", "/v1/answer", {"json": {"query": 5, "documents": ["d"]}}, 422, "invalid_request_error"),
     ("POST", "/v1/answer", {"content": b"{nope", "headers": {"content-type": "application/json"}}, 400,
      "invalid_request_error"),
@@ -121,6 +123,27 @@ def test_library_errors_and_bugs_are_typed_with_openais_kinds_not_class_names(fa
     assert response.status_code == status, response.text
     error = openai_error(response)
     assert error["type"] == kind and error["param"] == param and type(failure).__name__ not in error["type"]
+
+
+class FailingStream(FakeBackend):
+    """A stream that fails after its first token (the error then travels as an SSE ``error`` event)."""
+
+    async def stream(self, job: dict):
+        yield {"token": "an "}
+        raise self.fail
+
+
+@pytest.mark.parametrize(("failure", "status"), [(RequestTimeoutError("past its timeout"), 504),
+                                                 (RuntimeError("a bug"), 500)])
+def test_an_error_in_a_started_stream_has_openais_shape(failure, status):
+    """Bug caught: `type: "RequestTimeoutError"` / `"internal_error"` in the stream's error event."""
+    from tests.serve_support import sse_events
+
+    app = create_app(backend=FailingStream(fail=failure), model_name="fake")
+    events = sse_events(send(app, "POST", "/v1/answer", json={**ANSWER, "stream": True}).text.splitlines())
+    assert events[-1][0] == "error"
+    error = json.loads(events[-1][1])["error"]
+    assert error["type"] == "server_error" and error["code"] == status and type(failure).__name__ != error["type"]
 
 
 def test_errors_from_the_middlewares_have_openais_shape():
@@ -160,6 +183,7 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(key):
         error = openai_error(response)
         assert error["type"] == "invalid_request_error"
         assert error["param"] == key.replace("*", "0") and key.rsplit(".", 1)[-1] in error["message"]
+        assert REFUSED[key].reason in error["message"]  # what to do instead
     assert backend.jobs == []  # nothing reached the engine
 
 
@@ -176,6 +200,8 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(key):
     ({**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]}, "messages.0.role"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
+    ({**CHAT, "messages": [{"role": "user", "content": ["hi", {"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content.1.type"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}]},
      "messages.0.content.0.cache"),
     ({**CHAT, "messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages.0.extra"),
@@ -186,7 +212,15 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(key):
 def test_openai_requests_the_server_cannot_honour_are_refused_by_name(body, param):
     response = send(create_app(backend=FakeBackend(), model_name="fake"), "POST", "/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
-    assert openai_error(response)["param"] == param
+    error = openai_error(response)
+    assert error["param"] == param and error["message"].startswith(f"{param}: ")
+    field = param.rsplit(".", 1)[-1]
+    if field == "role":
+        assert "tool messages: tool calling is not implemented" in error["message"]
+    elif field == "type":
+        assert "content: this server reads and writes text only" in error["message"]
+    elif field not in REFUSED and field != "stream_options":
+        assert "unrecognized request field" in error["message"] and "remove it" in error["message"]
 
 
 def test_values_that_ask_for_nothing_are_accepted_and_honoured_fields_reach_the_engine():
@@ -198,13 +232,14 @@ def test_values_that_ask_for_nothing_are_accepted_and_honoured_fields_reach_the_
     honoured = {"max_completion_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["END"]}
     backend = FakeBackend()
     messages = [{"role": "developer", "content": "be brief", "name": None},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}], "tool_calls": []}]
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"text": "!"}], "tool_calls": []}]
     response = send(create_app(backend=backend, model_name="fake"), "POST", "/v1/chat/completions",
                     json={**CHAT, "messages": messages, **neutral, **honoured})
     assert response.status_code == 200, response.text
     assert backend.jobs[0]["sampling"] == {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3,
                                            "stop": ["END"]}
-    assert backend.jobs[0]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert backend.jobs[0]["messages"] == [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "hi!"}]
 
 
 def test_stream_options_include_usage_sends_openais_usage_chunk_once():
@@ -214,8 +249,6 @@ def test_stream_options_include_usage_sends_openais_usage_chunk_once():
     app = create_app(backend=FakeBackend(), model_name="fake")
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
     events = sse_events(send(app, "POST", "/v1/chat/completions", json=body).text.splitlines())
-    import json
-
     chunks = [json.loads(data) for _, data in events if data != "[DONE]"]
     assert events[-1][1] == "[DONE]"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
@@ -280,6 +313,9 @@ def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open():
             error = openai_error(response)
             assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
             assert response.headers["www-authenticate"] == "Bearer" and "first-key" not in response.text
+            assert response.headers["content-type"] == "application/json"
+            assert response.headers["content-length"] == str(len(response.content))
+            assert error["message"].startswith("missing or invalid API key") and "Bearer KEY" in error["message"]
     assert backend.jobs == []
     for key in ("first-key", "second-key"):
         assert send(app, "GET", "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
@@ -290,9 +326,14 @@ def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open():
         assert send(app, "GET", open_path).status_code == 200
     assert send(app, "OPTIONS", "/v1/models").status_code != 401  # a CORS preflight carries no key
     assert send(create_app(backend=backend, model_name="fake"), "GET", "/v1/models").status_code == 200  # no key set
-    for bad in ("", "has space", "caf\u00e9", ["ok", ""]):
-        with pytest.raises(InvalidOptionError):
+    for bad, why in [("", "got an empty key"), ("has space", "got a key with spaces or characters outside printable"),
+                     ("caf\u00e9", "outside printable ASCII"), (["ok", ""], "an empty key"), ([5], "got a int")]:
+        with pytest.raises(InvalidOptionError, match=why):
             create_app(backend=backend, model_name="fake", api_key=bad)
+    from ctx_integrations.serve.auth import ApiKeyMiddleware
+
+    with pytest.raises(InvalidOptionError, match="at least one key"):
+        ApiKeyMiddleware(app, [])
 
 
 def test_the_api_key_comes_from_the_flag_then_the_environment():

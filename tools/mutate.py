@@ -86,6 +86,10 @@ TARGETS = {
                          ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py", "-k",
                           "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
+    # the server's rules: which chat fields are refused, and whose requests carry the API key
+    "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
+                          ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),
+    "auth": Target("ctx_integrations/serve/auth.py", ("*",), ("tests/test_serve_openai_api.py", "-k", "api_key")),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the CLI's engine flags: sizes read from the command line, and which flags become engine options
     "cli_options": Target("ctx_integrations/cli.py", ("x_byte_count*", "x_engine_options*"),

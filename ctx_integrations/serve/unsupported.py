@@ -75,11 +75,10 @@ TEXT_PART_FIELDS = frozenset({"type", "text"})
 
 
 def _same(value: Any, neutral: Any) -> bool:
-    """JSON equality where ``true`` is not ``1`` (``n=true`` is not ``n=1``)."""
+    """JSON equality where ``true`` is not ``1`` (``n=true`` is not ``n=1``; no neutral value nests a number)."""
     if isinstance(value, bool) or isinstance(neutral, bool):
         return value is neutral
-    numbers = isinstance(value, (int, float)) and isinstance(neutral, (int, float))
-    return (numbers or type(value) is type(neutral)) and value == neutral
+    return value == neutral
 
 
 def _refuse(field: str, message: str) -> PydanticCustomError:
