@@ -2,8 +2,8 @@
 
 ``create_app(engine, store)`` serves one engine in this process; ``ray_app`` passes a backend that
 forwards jobs to Ray Serve replicas. This layer bounds what a request may ask (:class:`ServerLimits`:
-body size and read deadline in a middleware, field sizes in the schemas), checks the API key
-(:mod:`~ctx_integrations.serve.auth`), validates requests (pydantic, strictly typed, parsed on a
+header size, body size and read deadline in middlewares, field sizes in the schemas), checks
+the API key (:mod:`~ctx_integrations.serve.auth`), validates requests (pydantic, strictly typed, parsed on a
 worker thread so the event loop only moves bytes; OpenAI fields the server does not implement are
 refused by name, :mod:`~ctx_integrations.serve.unsupported`), retrieves documents from the store
 with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After, like the engine's
@@ -40,7 +40,7 @@ from ctx_integrations.serve.auth import ApiKeyMiddleware, api_keys
 from ctx_integrations.serve.backend import Backend, LocalBackend
 from ctx_integrations.serve.encoding import SafeJSONResponse, sse
 from ctx_integrations.serve.errors import ModelNotServedError, error_body, headers_of, status_of, validation_error
-from ctx_integrations.serve.limits import BodyLimitMiddleware, ServerLimits
+from ctx_integrations.serve.limits import BodyLimitMiddleware, HeaderLimitMiddleware, ServerLimits
 from ctx_integrations.serve.metrics import ServerMetrics
 from ctx_integrations.serve.model_names import model_id, served_model_names
 from ctx_integrations.serve.schemas import AnswerRequest, BatchRequest, ChatCompletionRequest, to_documents
@@ -542,10 +542,12 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
                   default_response_class=SafeJSONResponse, exception_handlers=_HANDLERS)
     app.state.server = ServerState(backend, store, retriever, max_in_flight, names, root, limits or ServerLimits())
     app.include_router(router)
-    # the last added runs first: the access log sees every request, then the key is checked before the body is read
+    # the last added runs first: the access log sees every request; the header size and then the key are checked
+    # before the body is read
     app.add_middleware(BodyLimitMiddleware, limits=app.state.server.limits)
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(HeaderLimitMiddleware, limits=app.state.server.limits)
     app.add_middleware(AccessLogMiddleware)
     app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
     return app
