@@ -716,8 +716,9 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
                         help="requests the engine queues beyond those it runs; more get 503 (default: the engine's)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before closing (default 30)")
-    from ctx_integrations.serve.cli import add_limit_arguments
+    from ctx_integrations.serve.cli import add_api_arguments, add_limit_arguments
 
+    add_api_arguments(parser)
     add_limit_arguments(parser)
     parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray (default 2)")

@@ -9,6 +9,7 @@ of all concurrent requests into one forward per step. ``generate`` blocks; ``age
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import time
@@ -400,10 +401,15 @@ class Engine:
                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                     stop: Sequence[str] | str = (), timeout: float | None = None,
                     sampling: SamplingParams | None = None) -> Answer:
-        """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request)."""
+        """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
+
+        The conversation is templated and tokenised on a worker thread, so a long one never stalls the
+        event loop (and every other request an async server runs on it).
+        """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handle = self._chat_request(messages, settings, None, timeout)
+        ids = await asyncio.to_thread(conversation_ids, self.layout, messages)
+        handle = self._chat_request(messages, settings, None, timeout, ids)
         return (await handle.wait())[0]
 
     def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
