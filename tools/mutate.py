@@ -81,6 +81,12 @@ TARGETS = {
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),
                                ("tests/test_speculative_rows.py", "-k",
                                 "common_prefix or held_a_longer or fed_again or runs_in_the_shared_batch")),
+    # RAPID's drafter row (the distribution each draft is drawn from and verified against) and the verdict's read
+    # back (the emitted tokens and their trace scores), through tiny-model decodes of about a second each
+    "rapid_rows": Target("ctx_integrations/engine/modes/speculative_rows.py",
+                         ("xǁDraftRowǁ*", "xǁRapidJobǁ_propose_verdict*"),
+                         ("tests/test_speculative_rows.py", "tests/test_rapid.py", "-k",
+                          "(test_speculative_rows and not cancelled and not cannot_run) or tail_rule_reaches")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the CLI's engine flags: sizes read from the command line, and which flags become engine options
