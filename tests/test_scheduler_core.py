@@ -219,6 +219,17 @@ def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler
     assert sched.stats.peak_rows >= 5  # the batch did hold several requests at once
 
 
+def test_a_joining_request_takes_its_first_token_from_its_prefill(scheduler):
+    # The joint prefill's logits are the joining rows' first ones: a job done after one token never reaches a decode
+    # step. A scheduler that did not hand them to the job would decode it once more (a real answer would lose the
+    # token its prompt predicts).
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    job = FakeJob(1, steps=1)
+    assert sched.submit(submission(job)).future.result(timeout=WAIT_S) is job
+    assert job.seen == [[100]] and [runner.log[i] for i in runner.steps_with(100)] == [([], [100])]
+
+
 def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=100)
