@@ -431,19 +431,27 @@ class Engine:
         return AnswerStream(start, lambda answers: answers[0])
 
     # -- caches, state -------------------------------------------------------------------------------
-    def warm(self, documents: Sequence[Any]) -> dict[str, int]:
+    def warm(self, documents: Sequence[Any], progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """Compute (or load) the KV cache of every document now, e.g. at ingestion; returns the lookup counts.
 
         Runs on the scheduler's thread like every use of the model (between other requests' steps).
+        ``progress(done, total)``: called on that thread after each batched forward, with how many of the
+        ``total`` documents have their cache; it must return at once (record the counts, print them from another
+        thread: :class:`~ctx_integrations.progress.Progress` does), since every other request waits meanwhile.
         """
+        if progress is not None and not callable(progress):
+            raise InvalidOptionError(f"progress must be a callable taking (done, total), got {type(progress).__name__}")
         docs = prepare_documents(documents)
         ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1))
 
         def steps() -> Generator[None, None, list[DecodeResult]]:
             # one step per batched forward of the store: other requests run (and time out) in between
             # instead of waiting for the whole corpus
-            yield from self.store.documents_in_steps(self.layout, [self.layout.context_ids(doc.text) for doc in docs],
-                                                     stats=ctx.cache)
+            for ready in self.store.documents_in_steps(self.layout, [self.layout.context_ids(d.text) for d in docs],
+                                                       stats=ctx.cache):
+                if progress is not None:
+                    progress(ready, len(docs))
+                yield
             return []
 
         counts = self._submit(lambda: ExclusiveJob([ctx], steps()), lambda job: ctx.cache.as_dict(),
