@@ -19,7 +19,7 @@ import torch
 
 from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.scheduler import RequestCancelledError, Scheduler, Submission
+from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, Scheduler
 from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepOutput
 from ctx_integrations.errors import EngineOverloadedError, RequestTimeoutError, RequestTooLargeError
 
@@ -159,8 +159,22 @@ class FakeExclusive(ExclusiveJob):
         return self.tokens
 
 
-def submission(job, **kwargs) -> Submission:
-    return Submission(lambda: job, lambda done: done, owner="tests", **kwargs)
+class JobRequest(Request):
+    """A request whose job is given (the engine's requests plan theirs from a mode); its result is the job."""
+
+    def __init__(self, job, **kwargs):
+        super().__init__("tests", **kwargs)
+        self.given = job
+
+    def plan(self):
+        return self.given
+
+    def finish(self, job):
+        return job
+
+
+def submission(job, **kwargs) -> Request:
+    return JobRequest(job, **kwargs)
 
 
 @pytest.fixture
@@ -367,7 +381,7 @@ def test_a_follow_up_that_cannot_run_fails_its_request_alone(scheduler, then, er
     assert sched.active() == (0, 0) and sched.queue_depth() == 0
 
 
-def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Submission]):
+def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Request]):
     """Queue ``submissions`` while a running request holds the step loop inside a paused step, so that the
     next step plans them all together; returns their handles and the running request's gate."""
     running, gate = start_gated(sched, 9, 1)

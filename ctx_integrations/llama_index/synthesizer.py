@@ -34,7 +34,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, prompt_tokens
+from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.engine import Engine
@@ -147,7 +147,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
 
     def _completion(self, engine: Engine, query: str, documents: list[Document], answer: Answer) -> CompletionResponse:
         """The answer as an LLM completion whose ``raw["usage"]`` is what ``TokenCountingHandler`` reads."""
-        prompt = prompt_tokens(engine, query, [doc.text for doc in answer.documents or documents])
+        prompt = answer.prompt_tokens
         completion = len(answer.token_ids)
         return CompletionResponse(text=answer.text, raw={
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},

@@ -196,8 +196,8 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
     for index, ctx in enumerate(contexts):
         texts = tuple(d.text for d in ctx.documents)
         if texts not in group_ids:
-            group_ids[texts] = [t for text in texts for t in layout.context_ids(text)]
-        suffix = layout.suffix_ids(ctx.query)
+            group_ids[texts] = [t for prepared in ctx.prepared for t in prepared.ids]
+        suffix = list(ctx.suffix_ids)
         ctx.check_window(prefix_len + len(group_ids[texts]) + len(suffix), f"question {index} with its documents")
         position = prefix_len + len(group_ids[texts]) + len(suffix)
         emitter = Emitter(loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
