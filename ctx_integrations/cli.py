@@ -1,8 +1,9 @@
 """``ctx-experts``: the command line, a user's first contact with the library.
 
 Built-in commands: ``demo`` (a small invented-city corpus answered with PCED and concatenation),
-``models`` (list or fetch the optional larger models, hash-verified), ``ingest`` (.txt / .md / .pdf
-files into a store as token-bounded passages, KV caches computed at ingestion), ``ask`` (answer from a
+``models`` (list or fetch the optional larger models, hash-verified), ``ingest`` (text and PDF files,
+recognised by content, into a store as token-bounded passages, KV caches computed at ingestion; every file
+not read is listed with its reason), ``ask`` (answer from a
 store, with sources, scores and timings), ``eval``, ``serve`` and ``distill`` (Consistency
 Distillation, a LoRA adapter for Soft-NBCE). A command is a function registered with
 :func:`register_command`; heavy or optional packages are imported inside it, so the parser stays
@@ -463,13 +464,18 @@ DEMO_LARGE_SEED = 0
 
 # -- ingest --------------------------------------------------------------------------------------------
 def _configure_ingest(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH", help=".txt, .md or .pdf files, or folders (recursive)")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="files or folders (recursive): every text file (by content, whatever its name) and PDF "
+                             "is read; hidden, binary and unreadable entries are skipped and listed with the reason")
     parser.add_argument("--store", default=str(_default_store()), help="store folder (made if missing) or Chroma URL")
     parser.add_argument("--chunk-tokens", type=int, default=512,
                         help="longest passage in tokens of the LLM's tokenizer (default 512)")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not compute KV caches now (ask computes missing ones on first use)")
     parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
+    parser.add_argument("--follow-symlinks", action="store_true",
+                        help="follow symbolic links whose target is outside the folder given (by default they are "
+                             "skipped and listed: a link to a file elsewhere would be stored as passages)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: only when stderr is a terminal)")
@@ -477,15 +483,16 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
 
 
-@register_command("ingest", help="add .txt/.md/.pdf files to a store as passages, KV caches computed now",
+@register_command("ingest", help="add text and PDF files to a store as passages, KV caches computed now",
                   configure=_configure_ingest, builds_engine=True)
 def run_ingest(args: argparse.Namespace) -> int:
-    from ctx_integrations.retrieval.ingest import MIN_TOKENS, find_files, ingest, token_counter
+    from ctx_integrations.retrieval.corpus import check_paths, display_path
+    from ctx_integrations.retrieval.ingest import MIN_TOKENS, ingest, token_counter
 
     started = time.perf_counter()
     if args.chunk_tokens < MIN_TOKENS:
         raise InvalidOptionError(f"--chunk-tokens must be >= {MIN_TOKENS}")
-    find_files(args.paths)  # refuse a wrong path before importing torch or loading any model
+    check_paths(args.paths)  # refuse a wrong path before importing torch or loading any model
     from ctx_integrations.engine.core.model import load_tokenizer
 
     store = _open_store(args, must_exist=False)
@@ -494,23 +501,24 @@ def run_ingest(args: argparse.Namespace) -> int:
     else:
         tokenizer = store.open_engine(args.model, device=args.device, **engine_options(args)).loaded.tokenizer
     report = ingest(store, args.paths, token_counter(tokenizer), args.chunk_tokens, warm=not args.no_cache,
-                    progress=args.progress)
+                    progress=args.progress, follow_symlinks=args.follow_symlinks)
     elapsed = time.perf_counter() - started
     for path, reason in report.skipped:
-        print(f"skipped {path}: {reason}", file=sys.stderr)
+        print(f"skipped {display_path(path)}: {reason}", file=sys.stderr)
     if args.json:
         print(json.dumps({**report.as_dict(), "store": str(store.location), "kv_dir": str(store.kv_dir),
                           "seconds": elapsed}, indent=1))
     else:
         caches = "skipped (--no-cache)" if args.no_cache else f"{report.cache_misses} computed in {store.kv_dir}"
-        skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
+        skipped = f", {len(report.skipped)} skipped (listed on stderr)" if report.skipped else ""
+        kept = f", {report.kept} kept (not read this time)" if report.kept else ""
         print(f"ingested {report.files} files{skipped} into {store.location}: {report.passages} passages "
               f"({report.added} added, {report.updated} updated, {report.unchanged} unchanged, {report.removed} "
-              f"removed); KV caches: {caches}; {elapsed:.1f} s")
+              f"removed{kept}); KV caches: {caches}; {elapsed:.1f} s")
     if report.passages == 0:
         raise EmptyDocumentsError(f"nothing was ingested from {', '.join(args.paths)}: "
                                   + ("every file was skipped (see above)" if report.skipped else
-                                     "no .txt, .md or .pdf file with text was found"))
+                                     "no file with text was found"))
     return 0
 
 

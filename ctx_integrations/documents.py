@@ -45,6 +45,11 @@ class Document:
     scores: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # refused here, naming the argument, instead of as a TypeError from dict() when the document is used
+        self.scores = _mapping(self.scores, "scores")
+        self.metadata = _mapping(self.metadata, "metadata")
+
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "text": self.text, "score": self.score, "scores": dict(self.scores),
                 "metadata": dict(self.metadata)}
@@ -52,9 +57,8 @@ class Document:
 
 def as_document(item: Any) -> Document:
     """Accept a str, a :class:`Document`, a mapping, or any object with ``text``/``score`` attributes."""
-    if isinstance(item, Document):
-        return Document(user_text(item.text, "a Document's text"), item.id, item.score, dict(item.scores),
-                        dict(item.metadata))
+    if isinstance(item, Document):  # scores and metadata checked again: they may have been reassigned since
+        return Document(user_text(item.text, "a Document's text"), item.id, item.score, item.scores, item.metadata)
     if isinstance(item, str):
         return Document(user_text(item, "a document"))
     if isinstance(item, Mapping):
@@ -71,11 +75,18 @@ def as_document(item: Any) -> Document:
                     _mapping(getattr(item, "metadata", None), "metadata"))
 
 
+_MAPPING_HINTS = {"scores": ": the parts of its relevance by name, e.g. {'dense': 0.8, 'rerank': 0.6} (the fused "
+                           "relevance r in [0, 1] is score=)",
+                 "metadata": ", e.g. {'source': 'a.txt'}"}
+
+
 def _mapping(value: Any, name: str) -> dict[str, Any]:
+    """A copy of a document's ``scores`` / ``metadata`` mapping (``None``: empty); anything else is refused by name."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise InvalidDocumentError(f"a document's {name} must be a mapping, got {type(value).__name__}")
+        raise InvalidDocumentError(f"a document's {name} (Document({name}=...)) must be a mapping"
+                                   f"{_MAPPING_HINTS[name]}; got {type(value).__name__} {value!r:.60}")
     return dict(value)
 
 

@@ -48,6 +48,15 @@ class CorruptCacheWarning(UserWarning):
     """A KV cache file failed its checks; it was discarded and recomputed."""
 
 
+class UndecodedContextWarning(UserWarning):
+    """Retrieved context reached the model as plain prompt text, not as documents the decoder can recover.
+
+    It is answered as plain chat: no per-document KV caches, relevance priors or citations. Raised by the
+    LangChain chat model (a chained prompt that speaks of context but carries no documents) and by the
+    LlamaIndex LLM (a stock response synthesizer stuffing nodes into its prompt), once per model.
+    """
+
+
 def missing_dependency(package: str, extra: str | None = None, pip_name: str | None = None) -> MissingDependencyError:
     """Build the error for a missing optional package, naming the exact install command."""
     how = f"pip install 'ctx-integrations[{extra}]'" if extra else f"pip install {pip_name or package}"

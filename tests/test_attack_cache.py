@@ -71,7 +71,8 @@ def forged(change: Callable[[dict], dict], sign: bool = False, keep_checksum: bo
         if not keep_checksum:
             metadata["checksum"] = checksum({k: v for k, v in tensors.items() if k in ("kv", "token_ids")})
         if sign:
-            metadata["signature"] = signature(b"another key", metadata["key"], tensors)
+            metadata["signature"] = signature(b"another key", metadata["key"], tensors,
+                                              metadata.get("kv_format", "native"))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
 
     return attack
@@ -331,3 +332,35 @@ def test_an_os_error_while_reading_is_a_miss(loaded, layout, reference, tmp_path
     _patch(monkeypatch, target, failure)
     reader = KVCacheStore(loaded, tmp_path)
     assert outcome(lambda: _twice(reader, layout), reference, tmp_path) == "handled"
+
+
+# -- reliability issue, items 6 and 8: entries of another format (the bug: a native engine served the int8 / fp16 /
+#    bf16 entry copied into its folder, signed or not; the signature covered the key and tensors, not the format)
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("kv_format", ["fp16", "bf16", "int8"])
+def test_an_entry_of_another_format_copied_into_the_folder_is_never_served(loaded, layout, reference, tmp_path,
+                                                                           monkeypatch, kv_format, signed):
+    if signed:
+        monkeypatch.setenv("CTX_CACHE_KEY", KEY)
+    lossy = KVCacheStore(loaded, tmp_path / "lossy", disk_format=kv_format)
+    entry = lossy.document(layout, DOC)
+    exact = KVCacheStore(loaded, tmp_path / "exact")
+    exact.disk.path(entry.key).parent.mkdir(parents=True, exist_ok=True)
+    exact.disk.path(entry.key).write_bytes(lossy.disk.path(entry.key).read_bytes())
+    assert outcome(lambda: _twice(exact, layout), reference, tmp_path) == "handled"
+
+
+def test_a_signed_entry_relabelled_as_another_format_fails_its_signature(loaded, layout, tmp_path, monkeypatch):
+    """An fp16 tier also reads "native" entries (those fp16 cannot hold), so a signed fp16 entry relabelled native
+    passes the format check: only a signature that covers the format refuses it first."""
+    monkeypatch.setenv("CTX_CACHE_KEY", KEY)
+    store = KVCacheStore(loaded, tmp_path, disk_format="fp16")
+    entry = store.document(layout, DOC)
+    path = store.disk.path(entry.key)
+    metadata_edit(lambda m: m.update(kv_format="native"))(path, Context(entry.key, entry.token_ids, path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.disk.load(entry.key, entry.token_ids) is None
+    assert [w for w in caught if "signature mismatch" in str(w.message)], [str(w.message) for w in caught]
+    tensors = {"kv": entry.kv.half(), "token_ids": torch.tensor(entry.token_ids)}
+    assert len({signature(KEY.encode(), entry.key, tensors, kv_format) for kv_format in ("native", "fp16")}) == 2

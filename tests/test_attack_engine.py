@@ -12,6 +12,7 @@ when it fails, so a regression names its family. The bugs they catch are in each
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -419,3 +420,46 @@ def test_the_deadline_watcher_exits_when_no_request_has_a_deadline():
     while engine.scheduler._watcher is not None and time.perf_counter() < deadline:
         time.sleep(0.01)
     assert engine.scheduler._watcher is None
+
+
+# -- on_token of the wrong arity (the bug: accepted, then a TypeError from inside decoding.py on the scheduler's
+#    thread, mid-answer); refused at submission, in the caller's thread, naming on_token
+def _keyword_only(*, piece: str) -> None:
+    return None
+
+
+ARITY = [("no-argument", lambda: None), ("two-arguments", lambda piece, more: None),
+         ("keyword-only", _keyword_only)]
+
+
+@pytest.mark.parametrize("request_kind", ["generate", "chat"])
+@pytest.mark.parametrize("callback", [c for _, c in ARITY], ids=[i for i, _ in ARITY])
+def test_an_on_token_of_the_wrong_arity_is_refused_naming_it(engine, callback, request_kind):
+    def call() -> Any:
+        if request_kind == "chat":
+            return engine.chat([{"role": "user", "content": "hi"}], on_token=callback, max_new_tokens=2)
+        return engine.generate(QUESTION, DOCS, on_token=callback, max_new_tokens=2)
+
+    outcome = attempt(call, expect="typed")
+    check(outcome, "typed")
+    assert isinstance(outcome.value, InvalidOptionError) and "on_token" in str(outcome.value), outcome.message()
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def __call__(self, piece: str) -> None:
+        self.pieces.append(piece)
+
+
+GOOD_CALLBACKS = [("lambda", lambda piece: None), ("varargs", lambda *pieces: None),
+                  ("with-default", lambda piece, end="": None), ("callable-object", _Collector()),
+                  ("bound-method", _Collector().pieces.append), ("builtin", print),
+                  ("partial", functools.partial(lambda prefix, piece: None, "x"))]
+
+
+@pytest.mark.parametrize("callback", [c for _, c in GOOD_CALLBACKS], ids=[i for i, _ in GOOD_CALLBACKS])
+def test_an_on_token_taking_one_piece_is_accepted(engine, callback, capsys):
+    check(attempt(lambda: engine.generate(QUESTION, DOCS, on_token=callback, max_new_tokens=2), expect="answer"),
+          "answer")

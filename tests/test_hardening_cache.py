@@ -271,15 +271,28 @@ def test_bad_disk_budget_is_a_typed_error(loaded, tmp_path, budget):
         KVCacheStore(loaded, tmp_path, disk_bytes=budget)
 
 
-def test_orphan_temp_files_older_than_a_minute_are_removed_at_open(loaded, tmp_path):
-    shard = tmp_path / "ab"
-    shard.mkdir(parents=True)
-    old, fresh = shard / ".tmp-old.safetensors", shard / ".tmp-fresh.safetensors"
-    old.write_bytes(b"half an entry")
-    fresh.write_bytes(b"being written right now")
-    os.utime(old, (time.time() - 120, time.time() - 120))
-    DiskTier(tmp_path, loaded)
-    assert not old.exists() and fresh.exists()
+def _aged(path, age_s: float):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"half an entry")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_orphan_temp_files_older_than_an_hour_are_removed_when_an_engine_starts(loaded, tmp_path):
+    """The bug: orphans at the top of the model's folder and in the legacy layout's folders (``<root>/<key[:2]>/``,
+    where engines before per-model folders wrote) were never removed; and one a minute old could still be written.
+    """
+    folder = disk_module.model_directory(tmp_path, loaded)
+    orphans = [_aged(folder / "ab" / ".tmp-shard.safetensors", 7200), _aged(folder / ".tmp-top.safetensors", 7200),
+               _aged(tmp_path / "ab" / ".tmp-legacy.safetensors", 7200)]
+    kept = [_aged(folder / "ab" / ".tmp-ten-minutes.safetensors", 600),  # perhaps a slow writer: not an hour yet
+            _aged(folder / "ab" / ".tmp-just-under-an-hour.safetensors", 3500),
+            _aged(tmp_path / "ab" / "not-a-temp-file.txt", 7200),  # not ours to judge
+            _aged(tmp_path / "notes" / ".tmp-not-a-shard.safetensors", 7200),  # a folder the layout never made
+            _aged(tmp_path / "other-model-0123456789abcdef" / "ab" / ".tmp-x.safetensors", 7200)]  # its own engine's
+    Engine(loaded, cache_dir=tmp_path)
+    assert [p for p in orphans if p.exists()] == []
+    assert [p for p in kept if not p.exists()] == []
 
 
 @pytest.mark.parametrize("attached", [True, False])
@@ -439,3 +452,36 @@ def test_a_forged_entry_record_cannot_delete_files_outside_the_kv_root(tmp_path,
     assert "ctx_kv_entries" not in store.get(["d0"])[0].metadata  # never shown to readers
     store.delete(["d0"])
     assert victim.read_text() == "not an entry of this store"
+
+
+# -- reliability issue, item 6: an entry is served only by a tier of its own format --------------------------------
+FORMATS = ("native", "fp16", "bf16", "int8")
+COPIES = [(reader, writer) for reader in FORMATS for writer in FORMATS if reader != writer]
+
+
+@pytest.mark.parametrize(("reader", "writer"), COPIES, ids=[f"{w}-entry-in-a-{r}-folder" for r, w in COPIES])
+def test_an_entry_of_another_format_is_a_miss(loaded, layout, tmp_path, reader, writer):
+    """The bug: a native (exact) engine served int8 / fp16 / bf16 entries copied into its folder, their rounded values
+    as if exact. The one exception: an fp16 tier writes (and so reads) native entries fp16 cannot hold."""
+    written = KVCacheStore(loaded, tmp_path / "w", disk_format=writer)
+    entry = written.document(layout, DOC)
+    store = KVCacheStore(loaded, tmp_path / "r", disk_format=reader)
+    store.disk.path(entry.key).parent.mkdir(parents=True, exist_ok=True)
+    store.disk.path(entry.key).write_bytes(written.disk.path(entry.key).read_bytes())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served = store.disk.load(entry.key, entry.token_ids)
+    if (reader, writer) == ("fp16", "native"):
+        assert served is not None and torch.equal(served, entry.kv) and not caught
+    else:
+        assert served is None and store.stats.corrupt == 1 and not store.disk.contains(entry.key)
+        assert [str(w.message) for w in caught if f"stored as {writer!r}" in str(w.message)], caught
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_an_entry_of_its_own_format_is_served(loaded, layout, tmp_path, kv_format):
+    store = KVCacheStore(loaded, tmp_path, disk_format=kv_format)
+    entry = store.document(layout, DOC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCacheWarning)
+        assert store.disk.load(entry.key, entry.token_ids) is not None and store.stats.corrupt == 0

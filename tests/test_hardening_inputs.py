@@ -7,6 +7,7 @@ int; ``1.5 >= 1``), and then decoded forever, gave garbage or crashed inside tor
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -207,3 +208,102 @@ def test_a_retrieval_query_with_a_lone_surrogate_is_a_typed_error(tmp_path):
     store.add(["Marrowgate is the capital of Veloria."], warm=False)
     with pytest.raises(InvalidDocumentError, match="lone surrogate"):
         ScoredRetriever(store).retrieve("Who rules \ud800?", top_k=1)
+
+
+# -- reliability issue, item 6: every budget is validated, and binds every kind of request ---------------------------
+BUDGETS = ["memory_bytes", "host_bytes", "disk_bytes", "max_request_bytes", "max_batch_bytes", "max_queued_requests"]
+BAD_BUDGETS = [1.5, -1, True, "1", NAN, INF, [1]]
+
+
+@pytest.mark.parametrize("with_folder", [False, True], ids=["no-cache-dir", "cache-dir"])
+@pytest.mark.parametrize("value", BAD_BUDGETS, ids=[repr(v) for v in BAD_BUDGETS])
+@pytest.mark.parametrize("name", BUDGETS)
+def test_a_bad_budget_is_a_typed_error_naming_it(loaded, tmp_path, name, value, with_folder):
+    """The bug: ``Engine(disk_bytes=1.5)`` (or ``-1``, ``"1"``) was accepted whenever there was no cache folder."""
+    folder = tmp_path / "kv" if with_folder else None
+    with pytest.raises(InvalidOptionError, match=name) as caught:
+        Engine(loaded, cache_dir=folder, **{name: value})
+    _typed(caught.value)
+
+
+@pytest.mark.parametrize("name", BUDGETS)
+def test_a_budget_below_its_minimum_is_refused_and_the_minimum_accepted(loaded, name):
+    minimum = 0 if name in ("memory_bytes", "host_bytes", "disk_bytes") else 1
+    with pytest.raises(InvalidOptionError, match=name):
+        Engine(loaded, **{name: minimum - 1})
+    if name != "max_batch_bytes":  # the model's scheduler keeps the budget it was built with
+        Engine(loaded, **{name: minimum})
+
+
+CHAT = [{"role": "user", "content": "Where does the river Ost run?"}]
+
+
+def _chat_bytes(engine: Engine, max_new_tokens: int) -> int:
+    from ctx_integrations.engine.core.chat import conversation_ids
+    from ctx_integrations.engine.core.registry import kv_bytes_per_token
+
+    return kv_bytes_per_token(engine.loaded) * (len(conversation_ids(engine.layout, CHAT)) + max_new_tokens)
+
+
+async def _astream_chat(engine: Engine) -> str:
+    return "".join([piece async for piece in engine.astream_chat(CHAT, max_new_tokens=4)])
+
+
+CHAT_CALLS = {
+    "chat": lambda engine: engine.chat(CHAT, max_new_tokens=4),
+    "achat": lambda engine: asyncio.run(engine.achat(CHAT, max_new_tokens=4)),
+    "stream_chat": lambda engine: "".join(engine.stream_chat(CHAT, max_new_tokens=4)),
+    "astream_chat": lambda engine: asyncio.run(_astream_chat(engine)),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CHAT_CALLS))
+def test_a_conversation_over_max_request_bytes_is_refused(loaded, call):
+    """The bug: chat never checked the per-request budget (``max_request_bytes=1`` still answered a chat)."""
+    engine = Engine(loaded, max_request_bytes=1)
+    with pytest.raises(RequestTooLargeError, match="max_request_bytes") as caught:
+        CHAT_CALLS[call](engine)
+    _typed(caught.value)
+    assert "the conversation" in str(caught.value) and "Drop earlier turns" in str(caught.value)
+
+
+def test_a_conversation_exactly_at_max_request_bytes_is_answered_and_one_byte_less_refused(loaded):
+    """The boundary: prompt + max_new_tokens tokens of KV fit a budget of exactly their bytes."""
+    needed = _chat_bytes(Engine(loaded), 4)
+    assert Engine(loaded, max_request_bytes=needed).chat(CHAT, max_new_tokens=4).token_ids
+    with pytest.raises(RequestTooLargeError):
+        Engine(loaded, max_request_bytes=needed - 1).chat(CHAT, max_new_tokens=4)
+
+
+def test_a_conversation_over_max_batch_bytes_alone_is_refused():
+    """The batch budget binds chat too (a fresh model: its scheduler keeps the first engine's budget)."""
+    engine = Engine(tiny_loaded("llama", seed=5), max_batch_bytes=1)
+    with pytest.raises(RequestTooLargeError, match="max_batch_bytes"):
+        engine.chat(CHAT, max_new_tokens=4)
+
+
+# -- reliability issue, item 7: the untyped API errors ----------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value"), [("metadata", 1), ("metadata", ["a"]), ("scores", [0.5]),
+                                              ("scores", 1), ("scores", "0.5")])
+def test_a_document_with_scores_or_metadata_that_are_not_a_mapping_is_refused_naming_them(field, value):
+    """The bug: ``Document(metadata=1)`` was built, then failed inside ``as_document`` with ``TypeError: 'int'
+    object is not iterable``, naming nothing."""
+    with pytest.raises(InvalidDocumentError, match=rf"Document\({field}=") as caught:
+        Document("Velden lies on the Ost.", **{field: value})
+    _typed(caught.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("metadata", 1), ("scores", [0.5]), ("scores", 1)])
+def test_a_document_whose_scores_or_metadata_were_reassigned_is_refused_by_the_engine(tiny_engine, field, value):
+    document = Document("Velden lies on the Ost.")
+    setattr(document, field, value)
+    with pytest.raises(InvalidDocumentError, match=rf"document 0: .*Document\({field}=") as caught:
+        tiny_engine.generate("Where is Velden?", [document], mode="concat", max_new_tokens=2)
+    _typed(caught.value)
+
+
+def test_a_document_without_scores_or_metadata_gets_empty_ones():
+    document = Document("Velden lies on the Ost.", scores=None, metadata=None)
+    assert document.scores == {} and document.metadata == {}
+    scores = {"dense": 0.5}
+    assert Document("x", scores=scores).scores == scores

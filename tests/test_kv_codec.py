@@ -250,8 +250,8 @@ def _stored(**changes):
     ({"key_scale": lambda t: torch.full_like(t, torch.inf)}, "not positive and finite"),
 ])
 def test_check_stored_names_each_malformation(changes, message):
-    assert kv_codec.check_stored(_stored(), "int8") is None
-    problem = kv_codec.check_stored(_stored(**changes), "int8")
+    assert kv_codec.check_stored(_stored(), "int8", torch.float32) is None
+    problem = kv_codec.check_stored(_stored(**changes), "int8", torch.float32)
     assert problem is not None and re.search(message, problem), problem
 
 
@@ -271,3 +271,28 @@ def test_an_entry_fp16_cannot_hold_is_stored_exact_instead_of_as_inf(loaded, lay
     assert back is not None and torch.equal(back, big) and store.stats.corrupt == 0
     assert kv_codec.storable_format(big, "fp16") == "native"
     assert kv_codec.storable_format(big, "bf16") == "bf16" and kv_codec.storable_format(big / 2, "fp16") == "fp16"
+
+
+def test_a_tier_reads_its_own_format_and_fp16_also_its_native_fallback():
+    assert kv_codec.readable_formats("fp16") == ("fp16", "native")
+    assert [kv_codec.readable_formats(f) for f in ("native", "bf16", "int8")] == [("native",), ("bf16",), ("int8",)]
+
+
+def test_each_format_stores_its_own_dtype():
+    assert kv_codec.stored_dtype("native", torch.bfloat16) == torch.bfloat16
+    assert kv_codec.stored_dtype("native", torch.float32) == torch.float32
+    assert kv_codec.stored_dtype("fp16", torch.float32) == torch.float16
+    assert kv_codec.stored_dtype("bf16", torch.float32) == torch.bfloat16
+    assert kv_codec.stored_dtype("int8", torch.float32) is None
+
+
+@pytest.mark.parametrize("kv_format", ["native", "fp16", "bf16"])
+def test_check_stored_refuses_a_kv_tensor_of_another_formats_dtype(kv_format):
+    """An fp32 ``kv`` labelled fp16 (or a bf16 one labelled native) is not that format's entry, whatever its label."""
+    stored = kv_codec.encode(_entry(), kv_format)
+    assert kv_codec.check_stored(stored, kv_format, torch.float32) is None
+    for other in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        wanted = kv_codec.stored_dtype(kv_format, torch.float32)
+        problem = kv_codec.check_stored({"kv": stored["kv"].to(other)}, kv_format, torch.float32)
+        expected = None if other == wanted else f"kv of dtype {other}, but a {kv_format!r} entry stores {wanted}"
+        assert problem == expected

@@ -18,7 +18,12 @@ from llama_index.core.callbacks.schema import EventPayload
 
 from ctx_integrations import Engine
 from ctx_integrations.errors import InvalidOptionError
-from ctx_integrations.llama_index import EmbedderEmbedding, ExpertDecoderLLM, default_embedding
+from ctx_integrations.llama_index import (
+    EmbedderEmbedding,
+    ExpertDecoderLLM,
+    UndecodedContextWarning,
+    default_embedding,
+)
 from ctx_integrations.retrieval.embedders import default_embedder
 from tests.helpers import tiny_loaded
 from tests.llama_index_support import QUESTION, memory_index
@@ -103,7 +108,8 @@ def test_settings_llm_serves_a_stock_query_engine(llm):
     try:
         Settings.llm = llm
         Settings.callback_manager = CallbackManager([debug])
-        response = memory_index().as_query_engine(similarity_top_k=2).query(QUESTION)
+        with pytest.warns(UndecodedContextWarning):  # it works, and says what it cannot do that way
+            response = memory_index().as_query_engine(similarity_top_k=2).query(QUESTION)
     finally:
         Settings._llm, Settings._callback_manager = saved_llm, saved_callbacks
     calls = debug.get_event_pairs(CBEventType.LLM)

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 from llama_index.core import Settings, StorageContext, load_index_from_storage
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.base.response.schema import Response, StreamingResponse
 from llama_index.core.callbacks import (
     CallbackManager,
@@ -21,6 +22,7 @@ from llama_index.core.callbacks import (
 )
 from llama_index.core.chat_engine.condense_question import DEFAULT_PROMPT
 from llama_index.core.llms import MockLLM
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
@@ -34,6 +36,7 @@ from ctx_integrations.llama_index import (
     ExpertDecoderLLM,
     KVCacheWarmer,
     MissingScoreWarning,
+    UndecodedContextWarning,
     default_embedding,
     node_text,
 )
@@ -245,6 +248,77 @@ def test_nodes_without_scores_warn_once_naming_the_fix(engine, llm):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         synthesizer.synthesize(QUESTION, nodes)  # once per synthesizer
+
+
+# -- 7. Settings.llm under a stock engine without the synthesizer ---------------------------------------------------
+async def _astream_query(index) -> str:
+    response = await index.as_query_engine(similarity_top_k=2, streaming=True).aquery(QUESTION)
+    return "".join([piece async for piece in response.async_response_gen()])
+
+
+STOCK_ENGINES = {  # LlamaIndex's own engines, as its tutorials build them with Settings.llm = ExpertDecoderLLM()
+    "as_query_engine": lambda index: index.as_query_engine(similarity_top_k=2).query(QUESTION),
+    "streaming": lambda index: "".join(index.as_query_engine(similarity_top_k=2, streaming=True)
+                                       .query(QUESTION).response_gen),
+    "aquery": lambda index: asyncio.run(index.as_query_engine(similarity_top_k=2).aquery(QUESTION)),
+    "astream": lambda index: asyncio.run(_astream_query(index)),
+    "tree_summarize": lambda index: index.as_query_engine(similarity_top_k=2, response_mode="tree_summarize")
+    .query(QUESTION),
+    "refine": lambda index: index.as_query_engine(similarity_top_k=3, response_mode="refine").query(QUESTION),
+    "as_chat_engine": lambda index: index.as_chat_engine(similarity_top_k=2).chat(QUESTION),  # condense + context
+    "context_chat": lambda index: index.as_chat_engine(chat_mode="context", similarity_top_k=2).chat(QUESTION),
+}
+
+
+def _undecoded(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, UndecodedContextWarning)]
+
+
+@pytest.mark.parametrize("use", list(STOCK_ENGINES))
+def test_a_stock_engine_stuffing_nodes_into_the_prompt_warns_once_per_llm(monkeypatch, engine, index, use):
+    """The stock synthesizers join the nodes into the prompt text: the answer is plain chat, and the LLM says so
+    once (per LLM), naming the one-line fix, instead of losing per-document decoding and citations silently."""
+    first = ExpertDecoderLLM(engine=engine, max_new_tokens=2)
+    monkeypatch.setattr(Settings, "_llm", first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # count every warning: "once" is the LLM's doing, not Python's registry
+        STOCK_ENGINES[use](index)
+        STOCK_ENGINES[use](index)
+        monkeypatch.setattr(Settings, "_llm", ExpertDecoderLLM(engine=engine, max_new_tokens=2))
+        STOCK_ENGINES[use](index)  # another LLM warns again
+    messages = _undecoded(caught)
+    assert len(messages) == 2
+    assert "plain chat" in messages[0] and "ContextOfExpertsQueryEngine.from_index(index)" in messages[0]
+    assert "response_synthesizer=ContextOfExpertsSynthesizer(retrieval_score_kind=infer_score_kind(index))" in (
+        messages[0])
+
+
+def test_plain_chat_and_the_decoding_engines_never_warn(monkeypatch, engine, index):
+    """No retrieved context in the prompt, or the nodes reach the decoder as documents: nothing to warn about,
+    even when the text speaks of context or documents."""
+    llm = ExpertDecoderLLM(engine=engine, max_new_tokens=2)
+    monkeypatch.setattr(Settings, "_llm", llm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UndecodedContextWarning)
+        llm.complete("Summarise the context of the French revolution.")
+        llm.chat([ChatMessage(role=MessageRole.USER, content="Which documents do I need for a passport?")])
+        llm.predict(PromptTemplate("Name a {thing}."), thing="colour")
+        list(llm.stream(PromptTemplate("Name a {thing}."), thing="colour"))
+        asyncio.run(llm.apredict(PromptTemplate("Explain the {context_str} of this."), context_str=" "))  # empty
+        ContextOfExpertsQueryEngine.from_index(index, similarity_top_k=2).query(QUESTION)
+        index.as_query_engine(similarity_top_k=2, response_synthesizer=ContextOfExpertsSynthesizer()).query(QUESTION)
+        chat = ContextOfExpertsChatEngine.from_index(index, similarity_top_k=2)
+        chat.chat(QUESTION)
+        chat.chat("And what is the capital of France?")  # condensed with the history by the same LLM
+        index.as_chat_engine(chat_mode="condense_question", similarity_top_k=2,
+                             response_synthesizer=ContextOfExpertsSynthesizer()).chat(QUESTION)
+
+
+def test_the_warning_is_the_langchain_adapters_class():
+    pytest.importorskip("langchain_core")
+    from ctx_integrations.langchain import UndecodedContextWarning as LangChainWarning
+
+    assert LangChainWarning is UndecodedContextWarning and issubclass(UndecodedContextWarning, UserWarning)
 
 
 _PROCESS = """

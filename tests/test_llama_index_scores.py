@@ -15,8 +15,10 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import VectorStoreQueryMode
 
+from ctx_integrations import Engine
 from ctx_integrations.errors import InvalidOptionError, InvalidScoresError
 from ctx_integrations.llama_index import (
+    ContextOfExpertsSynthesizer,
     RerankerScoreFusion,
     ScoreKeepingRetriever,
     default_embedding,
@@ -25,6 +27,7 @@ from ctx_integrations.llama_index import (
 from ctx_integrations.llama_index.score_keeping import keep_retrieval_score
 from ctx_integrations.llama_index.scores import score_parts
 from ctx_integrations.retrieval.scores import UPPER
+from tests.helpers import tiny_loaded
 from tests.llama_index_support import (
     QUESTION,
     TEXTS,
@@ -117,6 +120,69 @@ def test_chroma_exp_minus_distance_is_turned_back_into_the_cosine(tmp_path, spac
         assert raw[node_id] != pytest.approx(expected[node_id], abs=1e-3)  # ... which is not the cosine
         assert scores["dense"] == pytest.approx(expected[node_id], abs=1e-4)
         assert item.node.metadata["score"] == pytest.approx((expected[node_id] + 1) / 2, abs=1e-4)
+
+
+@pytest.mark.parametrize("space", ["l2", "cosine"])
+def test_a_stock_engine_over_chroma_reads_the_collection_space_from_the_index(tmp_path, space):
+    """``index.as_query_engine(response_synthesizer=...)`` gives the synthesizer bare nodes; the kind read from the
+    index (its Chroma collection's space) turns exp(-distance) back into the cosine, not read as one."""
+    index = chroma_index(tmp_path, space=space)
+    kind = infer_score_kind(index)
+    assert kind == infer_score_kind(index.vector_store) == f"chroma_{space}"
+    synthesizer = ContextOfExpertsSynthesizer(engine=Engine(tiny_loaded("llama")), retrieval_score_kind=kind,
+                                              max_new_tokens=2)
+    response = index.as_query_engine(llm=synthesizer.llm, similarity_top_k=3,
+                                     response_synthesizer=synthesizer).query(QUESTION)
+    expected = cosines(QUESTION)
+    assert len(response.source_nodes) == 3
+    for item in response.source_nodes:
+        node_id, scores = item.node.node_id, item.node.metadata["scores"]
+        assert scores["dense"] == pytest.approx(expected[node_id], abs=1e-4)
+        assert item.score == pytest.approx((expected[node_id] + 1) / 2, abs=1e-4)
+        assert scores[kind] != pytest.approx(expected[node_id], abs=1e-3)  # Chroma's number is not the cosine
+
+
+@pytest.mark.parametrize(("space", "distance"), [("l2", lambda cos: 2 - 2 * cos), ("cosine", lambda cos: 1 - cos),
+                                                 ("ip", lambda cos: 1 - cos)])
+def test_a_collection_made_with_hnsw_space_metadata_is_read_too(tmp_path, space, distance):
+    """LlamaIndex's Chroma examples set the space as collection metadata (``hnsw:space``): same kinds, and
+    the documented formulas hold against Chroma's own distances (unit-length MiniLM vectors)."""
+    import chromadb
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+
+    collection = chromadb.PersistentClient(path=str(tmp_path)).get_or_create_collection(
+        "nodes", embedding_function=None, metadata={"hnsw:space": space})
+    store = ChromaVectorStore(chroma_collection=collection)
+    index = VectorStoreIndex(make_nodes(), storage_context=StorageContext.from_defaults(vector_store=store),
+                             embed_model=default_embedding())
+    assert infer_score_kind(store) == infer_score_kind(index) == f"chroma_{space}"
+    expected = cosines(QUESTION)
+    for item in index.as_retriever(similarity_top_k=3).retrieve(QUESTION):
+        cos = expected[item.node.node_id]
+        assert item.score == pytest.approx(math.exp(-distance(cos)), abs=1e-4)  # what Chroma's store returns
+        parts, r = score_parts(f"chroma_{space}", item.score)
+        assert parts["dense"] == pytest.approx(cos, abs=1e-4) and r == pytest.approx((cos + 1) / 2, abs=1e-4)
+
+
+def test_a_chroma_space_this_library_does_not_know_is_refused_not_read_as_cosine(tmp_path):
+    index = chroma_index(tmp_path, space="cosine")
+    collection = index.vector_store.client
+    configuration = dict(collection._model.configuration_json)  # a space a future Chroma might add
+    configuration["hnsw"] = {**configuration["hnsw"], "space": "hamming"}
+    collection._model.configuration_json = configuration
+    for source in (index, index.vector_store, index.as_retriever()):
+        with pytest.raises(InvalidOptionError, match="space 'hamming' is not one of l2, cosine, ip"):
+            infer_score_kind(source)
+    collection._model.configuration_json = {**configuration, "hnsw": None, "spann": None}
+    with pytest.raises(InvalidOptionError, match="cannot read the Chroma collection's distance space"):
+        infer_score_kind(index)
+
+
+def test_what_is_not_a_known_index_or_store_needs_an_explicit_kind():
+    with pytest.raises(InvalidOptionError, match="cannot tell what node.score str returns"):
+        infer_score_kind("chroma")
+    assert infer_score_kind(memory_index()) == infer_score_kind(memory_index().vector_store) == "dense"
 
 
 class FixedRetriever(BaseRetriever):

@@ -1,9 +1,12 @@
-"""Ingestion: reading .txt/.md/.pdf, token-bounded passages, stable ids, syncing a store, and the CLI."""
+"""Ingestion: walking folders, reading text and PDFs, token-bounded passages in linear time, stable ids, syncing a
+store, and the CLI."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import sys
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 
 from ctx_integrations.errors import InvalidOptionError, MissingDependencyError
 from ctx_integrations.retrieval import DocumentStore
+from ctx_integrations.retrieval.corpus import HIDDEN, FileListing
 from ctx_integrations.retrieval.embedders import default_embedder
 from ctx_integrations.retrieval.ingest import (
     file_passages,
@@ -76,6 +80,26 @@ def test_a_long_paragraph_breaks_at_sentences_then_lines_then_words():
 
 def test_text_without_whitespace_is_cut_by_characters():
     assert split_passages("x" * 25, len, 10) == ["x" * 10, "x" * 10, "x" * 5]
+    assert split_passages("x" * 513, len) == ["x" * 512, "x"]  # 512 tokens by default
+
+
+def test_a_paragraph_too_long_breaks_at_its_sentences_before_its_lines():
+    text = "One two three four. Five six seven eight\nnine ten eleven twelve.\n\nThirteen."
+    assert split_passages(text, words, 8) == ["One two three four.", "Five six seven eight\nnine ten eleven twelve.",
+                                              "Thirteen."]
+    assert split_passages("AAAA\n\n\n\n\nBBBB", len, 10) == ["AAAA\n\nBBBB"]  # two paragraphs joined as such
+
+
+def test_a_prefix_at_the_limit_does_not_decide_that_a_text_is_over_it():
+    """Counting doubling prefixes first must not refuse a text whose prefix (cut inside a word) already counts
+    as many tokens as the limit: the whole text may count no more (and is then kept as it is: its double space
+    would not survive a split and a repacking)."""
+    text = "a  b c d e f g " + "h" * 19
+    assert split_passages(text, words, 8) == [text]
+
+
+def test_line_endings_become_newlines():
+    assert split_passages("a b\r\nc d\re f", words, 8) == ["a b\nc d\ne f"]
 
 
 def test_passages_never_exceed_the_limit_with_the_llm_tokenizer():
@@ -89,6 +113,33 @@ def test_passages_never_exceed_the_limit_with_the_llm_tokenizer():
         assert "".join("".join(p.split()) for p in passages) == "".join(text.split())  # nothing lost or added
         assert len(passages) > 1
     assert split_passages(text, count, 64)[0].startswith("# Title\n\nSentence 0.0")  # whole paragraphs packed
+
+
+def test_a_long_line_without_whitespace_costs_linear_work_with_the_llm_tokenizer():
+    """Bug caught: a line without whitespace was cut by bisecting the whole remaining text for each passage
+    (quadratic: over 600 s for 2 MB). With the LLM's tokenizer, 100 KB of letters: passages full to the limit,
+    nothing lost, and the tokenizer asked to count at most 5 times the text (about 3 counts a passage)."""
+    tokens = token_counter(embedded_tokenizer())
+    text, counted = "".join(random.Random(0).choices(string.ascii_letters, k=100_000)), [0]
+
+    def count(piece: str) -> int:
+        counted[0] += len(piece)
+        assert counted[0] <= 5 * len(text), "not linear: counted more than 5 times the text"
+        return tokens(piece)
+
+    passages = split_passages(text, calls_counted(count, calls := []), 256)
+    assert "".join(passages) == text and all(tokens(p) <= 256 for p in passages)
+    assert sum(tokens(p) == 256 for p in passages) >= len(passages) - 1  # full, but for the last
+    assert len(calls) <= 3.5 * len(passages)  # each passage's end found in about 3 counts (2.98 here)
+
+
+def calls_counted(count, calls: list):
+    """``count``, recording the length of each text it is asked to count in ``calls``."""
+    def counting(piece: str) -> int:
+        calls.append(len(piece))
+        return count(piece)
+
+    return counting
 
 
 def test_too_small_a_limit_is_refused():
@@ -111,11 +162,13 @@ def corpus(tmp_path) -> Path:
 
 
 def test_find_files_walks_folders_and_checks_paths(corpus, tmp_path):
-    expected = [corpus / "guide.md", corpus / "notes.txt", corpus / "sub" / "paper.pdf"]
-    assert find_files([corpus]) == expected
-    assert find_files([corpus / "notes.txt", corpus, str(corpus / "guide.md")]) == expected  # unique, sorted
-    with pytest.raises(InvalidOptionError, match="not a .txt, .md, .pdf file"):
-        find_files([corpus / "data.csv"])
+    expected = [corpus / "data.csv", corpus / "guide.md", corpus / "notes.txt", corpus / "sub" / "paper.pdf"]
+    assert find_files([corpus]) == FileListing(expected, [(corpus / ".hidden", HIDDEN)])  # any name; hidden listed
+    listing = find_files([corpus / "notes.txt", corpus, str(corpus / "guide.md")])
+    assert listing.files == expected  # unique, sorted
+    assert find_files([corpus / "data.csv"]).files == [corpus / "data.csv"]
+    named = find_files([corpus / ".hidden" / "secret.txt", corpus])  # a hidden file named on its own is read
+    assert corpus / ".hidden" / "secret.txt" in named.files and named.skipped == [(corpus / ".hidden", HIDDEN)]
     with pytest.raises(InvalidOptionError, match="does not exist"):
         find_files([tmp_path / "absent"])
 
@@ -176,22 +229,23 @@ def test_ingest_syncs_files_with_the_store(corpus, tmp_path):
     assert ingest(store, [other], words, 8).added == 1
 
     first = ingest(store, [corpus], len, 20)
-    assert (first.files, first.added, first.updated, first.unchanged, first.removed) == (3, first.passages, 0, 0, 0)
-    assert first.passages == 7 and embedder.embedded == 8  # notes 2, guide 3 (heading alone), pdf 2
+    assert (first.files, first.added, first.updated, first.unchanged, first.removed) == (4, first.passages, 0, 0, 0)
+    assert first.passages == 8 and embedder.embedded == 9  # notes 2, guide 3 (heading alone), pdf 2, csv 1
 
     again = ingest(store, [corpus], len, 20)
-    assert (again.added, again.updated, again.unchanged, again.removed) == (0, 0, 7, 0) and embedder.embedded == 8
+    assert (again.added, again.updated, again.unchanged, again.removed) == (0, 0, 8, 0) and embedder.embedded == 9
 
     (corpus / "notes.txt").write_text("Changed notes.")  # passage 0 changes, passage 1 disappears
     (corpus / "guide.md").unlink()
     (corpus / "sub" / "paper.pdf").write_bytes(b"%PDF-1.4\ndamaged\n")
     edited = ingest(store, [corpus], len, 20)
-    assert (edited.added, edited.updated, edited.unchanged, edited.removed) == (0, 1, 0, 4)
-    assert [path for path, _ in edited.skipped] == [corpus / "sub" / "paper.pdf"]
-    assert edited.skipped[0][1].startswith("Pdf")  # pypdf's own error, named
-    assert embedder.embedded == 9
+    assert (edited.added, edited.updated, edited.unchanged, edited.removed, edited.kept) == (0, 1, 1, 4, 2)
+    assert [path for path, _ in edited.skipped] == [corpus / ".hidden", corpus / "sub" / "paper.pdf"]
+    assert edited.skipped[1][1].startswith("Pdf")  # pypdf's own error, named
+    assert embedder.embedded == 10
     sources = sorted({d.metadata["source"] for d in store.all_documents()})
-    assert sources == sorted([str(other), str(corpus / "notes.txt"), str(corpus / "sub" / "paper.pdf")])
+    assert sources == sorted([str(other), str(corpus / "data.csv"), str(corpus / "notes.txt"),
+                              str(corpus / "sub" / "paper.pdf")])
     assert len(store.where({"source": str(corpus / "sub" / "paper.pdf")})) == 2  # unreadable now: kept as it was
     assert store.get([passage_id(corpus / "notes.txt", 0)])[0].text == "Changed notes."
 

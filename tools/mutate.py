@@ -87,6 +87,8 @@ TARGETS = {
                           "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
+    # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
+    "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),
     # the CLI's engine flags: sizes read from the command line, and which flags become engine options
     "cli_options": Target("ctx_integrations/cli.py", ("x_byte_count*", "x_engine_options*"),
                           ("tests/test_engine_options.py", "tests/test_cli_fast.py")),
@@ -97,6 +99,15 @@ TARGETS = {
                            "-m", "not slow", "-k",
                            "test_speculative_step or test_rapid_eta or residual or tail or nucleus or verify or eta "
                            "or top_p or rule or draft_head")),
+    # ingestion: what is text (the encoding rules), and splitting into passages (limits, packing, linear work)
+    "reading": Target("ctx_integrations/retrieval/reading.py",
+                      ("x_decode_text*", "x__bom_codec*", "x__legacy*", "x__checked*", "x__is_pdf*"),
+                      ("tests/test_retrieval_reading.py",)),
+    "passages": Target("ctx_integrations/retrieval/ingest.py",
+                       ("x_split_passages*", "x__split*", "x__fits*", "x__pack*", "x__fill*", "x__last_fitting*"),
+                       ("tests/test_retrieval_ingest.py", "tests/test_attack_ingest.py", "-k",
+                        "split or short or packed or breaks or whitespace or exceed or too_small or linear or prefix "
+                        "or endings")),
 }
 
 

@@ -41,7 +41,7 @@ from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.token_stream import AnswerStream
-from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.langchain.convert import (
     from_langchain_documents,
     response_metadata,
@@ -54,13 +54,6 @@ _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 _MENTIONS_CONTEXT = re.compile(r"\b(context|documents?)\b", re.IGNORECASE)
 _CALL_OPTIONS = frozenset({"documents", "mode", "mode_options", "model", "max_tokens", "max_new_tokens", "temperature",
                            "top_p", "seed", "stream"})
-
-
-class UndecodedContextWarning(UserWarning):
-    """A chained prompt speaks of retrieved context but carries no document the decoder can recover.
-
-    It is answered as plain chat: no per-document KV caches, relevance priors or citations.
-    """
 
 
 UNDECODED_CONTEXT_MESSAGE = (

@@ -5,7 +5,7 @@ store integration). Nothing in ``ctx_integrations.engine`` imports LlamaIndex; t
 scores, responses and callbacks onto :class:`ctx_integrations.Engine` and back.
 """
 
-from ctx_integrations.errors import missing_dependency
+from ctx_integrations.errors import UndecodedContextWarning, missing_dependency
 
 try:
     import llama_index.core  # noqa: F401
@@ -33,6 +33,7 @@ __all__ = [
     "MissingScoreWarning",
     "RerankerScoreFusion",
     "ScoreKeepingRetriever",
+    "UndecodedContextWarning",
     "default_embedding",
     "infer_score_kind",
     "node_text",

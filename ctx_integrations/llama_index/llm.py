@@ -6,6 +6,17 @@ answers the prompt as one user turn of that template, because an instruction-tun
 SmolLM2 included) answers raw text poorly. Retrieval-augmented answers with per-document KV caches and
 the decoding modes are :class:`~ctx_integrations.llama_index.ContextOfExpertsQueryEngine`'s job; this
 class serves everything else an app asks an LLM (summaries, query rewriting, chat engines, ...).
+
+Those classes decode through this LLM too (:meth:`ExpertDecoderLLM.decode` and its stream / async / batch
+versions), so an answer over documents is a span of this LLM with LlamaIndex's standard completion events,
+as every LlamaIndex LLM call is, and tracing tools show it as one.
+
+Set as ``Settings.llm`` under a *stock* LlamaIndex query or chat engine, it gets the retrieved nodes already
+joined into its prompt text by a stock response synthesizer (the ``context_str`` / ``context_msg`` template
+arguments of LlamaIndex's QA, refine and context-chat prompts): they cannot be split back into documents, so
+it answers as plain chat, and it says so once (:class:`~ctx_integrations.errors.UndecodedContextWarning`)
+with the one-line fix. Plain chat and prompts without retrieved context (condensing a question, summaries)
+never warn.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any
 
+import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -28,21 +40,44 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.settings import Settings
 
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, UserCacheDir, check_engine, resolve_engine
+from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.token_stream import AnswerStream
-from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
+from ctx_integrations.llama_index.events import CompletionReport
+
+dispatcher = instrument.get_dispatcher(__name__)
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 _CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+# The template arguments LlamaIndex's stock response synthesizers fill with the retrieved nodes' joined text
+# (QA / summary prompts: context_str; refine prompts: context_msg), in every prompt of llama-index-core 0.14.
+_STUFFED_CONTEXT_ARGS = ("context_str", "context_msg")
+
+UNDECODED_CONTEXT_MESSAGE = (
+    "ExpertDecoderLLM got retrieved nodes already joined into its prompt by a stock LlamaIndex response "
+    "synthesizer (e.g. index.as_query_engine() or index.as_chat_engine() with Settings.llm = ExpertDecoderLLM()), "
+    "so it answers as plain chat: no per-document KV caches, relevance priors or citations. One-line fix: "
+    "query_engine = ContextOfExpertsQueryEngine.from_index(index) (or ContextOfExpertsChatEngine.from_index(index) "
+    "for chat); to keep the stock engine, pass it response_synthesizer=ContextOfExpertsSynthesizer("
+    "retrieval_score_kind=infer_score_kind(index)) (see docs/llama_index.md). Warned once per LLM.")
+
+
+def _stuffs_context(prompt: BasePromptTemplate, prompt_args: Mapping[str, Any]) -> bool:
+    """Whether a prompt template call carries retrieved text joined into one string (a stock synthesizer's)."""
+    given = {**getattr(prompt, "kwargs", {}), **prompt_args}
+    return any(isinstance(given.get(name), str) and given[name].strip() for name in _STUFFED_CONTEXT_ARGS)
 
 
 def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
@@ -92,6 +127,11 @@ class ExpertDecoderLLM(CustomLLM):
     chat engine) decodes with its engine: one model for the whole app. ``cache_dir``: where the default
     engine keeps document KV caches (left out: the user cache dir, ``$CTX_CACHE_DIR``; ``None``: memory
     only); give either ``engine`` or ``cache_dir``.
+
+    Those classes answer over documents through :meth:`decode` (``adecode``, ``stream_decode``,
+    ``astream_decode``, ``decode_many``, ``adecode_many``): spans of this LLM with LlamaIndex's standard
+    completion events, like ``complete``. A stock synthesizer's prompt with the nodes joined into it is
+    answered as plain chat and warned about once (:class:`~ctx_integrations.errors.UndecodedContextWarning`).
     """
 
     engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
@@ -103,6 +143,7 @@ class ExpertDecoderLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")
     stop: list[str] = Field(default_factory=list, description="stop sequences")
+    _warned_undecoded: bool = PrivateAttr(default=False)
 
     def __init__(self, **data: Any):
         if "max_tokens" in data:  # the name most LlamaIndex LLMs use
@@ -209,6 +250,136 @@ class ExpertDecoderLLM(CustomLLM):
         request = await self._arequest(to_chat_messages(messages), kwargs)
         return _achat_chunks(_acompletion_chunks(request))
 
+    # ----------------------------------------------------------------- prompt templates (stock synthesizers)
+
+    def _log_template_data(self, prompt: BasePromptTemplate, **prompt_args: Any) -> None:
+        """Warn once when a stock synthesizer stuffs retrieved nodes into the prompt, then log as LlamaIndex does.
+
+        LlamaIndex's ``predict`` / ``stream`` / ``apredict`` / ``astream`` (how every stock response synthesizer
+        calls an LLM) pass the template and its arguments through this one method before formatting them, so
+        it is where the stuffed ``context_str`` / ``context_msg`` can still be seen; overriding the four public
+        methods instead would put a second span around each call.
+        """
+        if not self._warned_undecoded and _stuffs_context(prompt, prompt_args):
+            self._warned_undecoded = True
+            warnings.warn(UNDECODED_CONTEXT_MESSAGE, UndecodedContextWarning, stacklevel=3)
+        super()._log_template_data(prompt, **prompt_args)
+
+    # ----------------------------------------------------------------- answers from documents (the synthesizer's)
+
+    def _report(self, engine: Engine, question: str, documents: Sequence[Document], mode: str,
+                options: Mapping[str, Any], callback_manager: CallbackManager | None) -> CompletionReport:
+        return CompletionReport(engine, question, documents, model=self.to_payload(), options={"mode": mode, **options},
+                                callback_manager=callback_manager or self.callback_manager)
+
+    @dispatcher.span
+    def decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+               sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+               **options: Any) -> Answer:
+        """Answer ``question`` from ``documents`` with ``mode`` in one ``Engine.generate`` call, as an LLM call.
+
+        :class:`~ctx_integrations.llama_index.ContextOfExpertsSynthesizer` decodes through it. The call is a
+        span of this LLM and is reported as LlamaIndex's LLMs report ``complete``: ``LLMCompletionStartEvent``
+        / ``LLMCompletionEndEvent`` (the prompt as the decoder reads it: the documents, then the question; the
+        answer with its token usage) and a legacy ``CBEventType.LLM`` event on ``callback_manager`` (default:
+        this LLM's). ``sampling``: default this LLM's settings; ``options``: the mode's.
+        """
+        engine = self.resolved_engine
+        report = self._report(engine, question, documents, mode, options, callback_manager)
+        try:
+            answer = engine.generate(question, documents, mode=mode, sampling=sampling or self.sampling_params(),
+                                     **options)
+        except Exception as error:
+            report.fail(error)
+            raise
+        report.end(answer)
+        return answer
+
+    @dispatcher.span
+    async def adecode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+                      sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+                      **options: Any) -> Answer:
+        """:meth:`decode` through ``Engine.agenerate``: the event loop keeps running."""
+        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir)  # may load the model
+        report = self._report(engine, question, documents, mode, options, callback_manager)
+        try:
+            answer = await engine.agenerate(question, documents, mode=mode,
+                                            sampling=sampling or self.sampling_params(), **options)
+        except Exception as error:
+            report.fail(error)
+            raise
+        report.end(answer)
+        return answer
+
+    @dispatcher.span
+    def stream_decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+                      sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+                      **options: Any) -> Generator[str, None, Answer]:
+        """:meth:`decode`, streamed: text pieces as decoded (each an ``LLMCompletionInProgressEvent``); the
+        generator's return value is the :class:`~ctx_integrations.Answer`.
+
+        As with LlamaIndex's own ``stream_complete``, the span is the call that starts the stream and the
+        stream's events carry its id. Closing the generator early cancels the decode.
+        """
+        engine = self.resolved_engine
+        pieces = engine.stream(question, documents, mode=mode, sampling=sampling or self.sampling_params(), **options)
+        return _reported_pieces(pieces, self._report(engine, question, documents, mode, options, callback_manager))
+
+    @dispatcher.span
+    async def astream_decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+                             sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+                             **options: Any) -> ReportedAnswerStream:
+        """:meth:`stream_decode` for async callers (``Engine.astream``); after the loop, the stream's ``answer``."""
+        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir)  # may load the model
+        stream = engine.astream(question, documents, mode=mode, sampling=sampling or self.sampling_params(),
+                                **options)  # checks the request now: a bad one raises in this span, nothing started
+        return ReportedAnswerStream(stream, self._report(engine, question, documents, mode, options, callback_manager))
+
+    def _many_reports(self, engine: Engine, questions: Sequence[str], documents: Sequence[Any], mode: str,
+                      options: Mapping[str, Any], callback_manager: CallbackManager | None) -> list[CompletionReport]:
+        """One report per question; ``documents`` as ``Engine.generate_many`` takes them (shared or one list each)."""
+        per_question = (documents if documents and all(isinstance(docs, (list, tuple)) for docs in documents)
+                        else [documents] * len(questions))
+        return [self._report(engine, question, docs, mode, options, callback_manager)
+                for question, docs in zip(questions, per_question)]
+
+    @dispatcher.span
+    def decode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = "ippd",
+                    sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+                    **options: Any) -> list[Answer]:
+        """Every question in one ``Engine.generate_many`` call (``documents``: one list shared by all questions,
+        or one list per question), in one span of this LLM with one completion report per question."""
+        engine = self.resolved_engine
+        reports = self._many_reports(engine, questions, documents, mode, options, callback_manager)
+        try:
+            answers = engine.generate_many(questions, documents, mode=mode, sampling=sampling or self.sampling_params(),
+                                           **options)
+        except Exception as error:
+            for report in reports:
+                report.fail(error)
+            raise
+        for report, answer in zip(reports, answers):
+            report.end(answer)
+        return answers
+
+    @dispatcher.span
+    async def adecode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = "ippd",
+                           sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
+                           **options: Any) -> list[Answer]:
+        """:meth:`decode_many` through ``Engine.agenerate_many``."""
+        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir)  # may load the model
+        reports = self._many_reports(engine, questions, documents, mode, options, callback_manager)
+        try:
+            answers = await engine.agenerate_many(questions, documents, mode=mode,
+                                                  sampling=sampling or self.sampling_params(), **options)
+        except Exception as error:
+            for report in reports:
+                report.fail(error)
+            raise
+        for report, answer in zip(reports, answers):
+            report.end(answer)
+        return answers
+
 
 def _completion_chunks(request: _Request) -> Iterator[CompletionResponse]:
     """One response per decoded piece (``text`` so far, ``delta``), then an empty delta carrying ``raw``."""
@@ -236,6 +407,54 @@ async def _acompletion_chunks(request: _Request) -> AsyncIterator[CompletionResp
     finally:
         await stream.aclose()  # a consumer that stopped early cancels the request
     yield CompletionResponse(text=text, delta="", raw=request.raw(stream.answer))
+
+
+def _reported_pieces(pieces: Generator[str, None, Answer], report: CompletionReport) -> Generator[str, None, Answer]:
+    """The engine's stream, each piece and the end (or an error) reported; returns the answer."""
+    try:
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as finished:
+                report.end(finished.value)
+                return finished.value
+            report.piece(piece)
+            yield piece
+    except Exception as error:
+        report.fail(error)
+        raise
+    finally:
+        pieces.close()  # a consumer that stopped early cancels the request
+
+
+class ReportedAnswerStream:
+    """An engine :class:`~ctx_integrations.engine.core.token_stream.AnswerStream` whose pieces and end (or error)
+    are reported; ``answer`` is the stream's once it is read to the end, ``aclose()`` cancels it."""
+
+    def __init__(self, stream: AnswerStream, report: CompletionReport):
+        self._stream, self._report = stream, report
+
+    @property
+    def answer(self) -> Answer | None:
+        return self._stream.answer
+
+    def __aiter__(self) -> ReportedAnswerStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            piece = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._report.end(self._stream.answer)
+            raise
+        except Exception as error:
+            self._report.fail(error)
+            raise
+        self._report.piece(piece)
+        return piece
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def _chat_response(chunk: CompletionResponse) -> ChatResponse:

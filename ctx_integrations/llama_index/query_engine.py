@@ -257,7 +257,8 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
 
     @dispatcher.span
     def query_many(self, questions: Sequence[str], nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
-        """Answer every question, in order, in one ``Engine.generate_many`` call.
+        """Answer every question, in order, in one ``Engine.generate_many`` call (a span of the LLM, one
+        completion report per question: :meth:`ExpertDecoderLLM.decode_many`).
 
         ``nodes``: answer all questions over these nodes. Otherwise each question is retrieved (and
         postprocessed) on its own; with ``batch_mode`` set, questions whose node sets are identical get
@@ -270,7 +271,8 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
         else:
             per_question, shared = [self.retrieve(q) for q in questions], False
         mode, per_question, documents, options = self._batch(questions, per_question, shared)
-        answers = self.engine.generate_many(questions, documents, mode=mode, **options)
+        answers = self.llm.decode_many(questions, documents, mode=mode, callback_manager=self.callback_manager,
+                                       **options)
         return self._responses(questions, answers, per_question)
 
     @dispatcher.span
@@ -278,13 +280,14 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
                           nodes: Sequence[NodeWithScore] | None = None) -> list[Response]:
         """Like :meth:`query_many`: retrieval through the async path, decoding with ``Engine.agenerate_many``."""
         questions = _questions(questions)
-        engine = await asyncio.to_thread(lambda: self.engine)  # may load the model: not on the loop
+        await asyncio.to_thread(lambda: self.engine)  # may load the model: not on the loop
         if nodes is not None:
             per_question, shared = [self.synthesizer.scored_nodes(nodes)] * len(questions), True
         else:
             per_question, shared = list(await asyncio.gather(*(self.aretrieve(q) for q in questions))), False
         mode, per_question, documents, options = self._batch(questions, per_question, shared)
-        answers = await engine.agenerate_many(questions, documents, mode=mode, **options)
+        answers = await self.llm.adecode_many(questions, documents, mode=mode, callback_manager=self.callback_manager,
+                                              **options)
         return self._responses(questions, answers, per_question)
 
 

@@ -90,33 +90,56 @@ def score_parts(kind: str, raw: Any) -> tuple[dict[str, float], float]:
     return {kind: value, f"{kind}_norm": r}, r
 
 
-def infer_score_kind(retriever: Any) -> str:
-    """The kind of ``node.score`` a retriever returns, for the stores whose score we know (see module doc).
+def infer_score_kind(source: Any) -> str:
+    """The kind of ``node.score`` that ``source`` gives, for the stores whose score we know (see module doc).
 
-    Raises :class:`InvalidOptionError` for anything else: a wrong guess would silently skew every prior.
+    ``source``: a ``VectorStoreIndex`` retriever (its store and query mode), a ``VectorStoreIndex`` (its store,
+    as ``index.as_retriever()`` queries it) or a vector store itself. For Chroma the kind follows the
+    collection's distance space, read from the collection (``chroma_l2``, ``chroma_cosine``, ``chroma_ip``), so
+    a stock engine's synthesizer gets it with ``ContextOfExpertsSynthesizer(retrieval_score_kind=
+    infer_score_kind(index))``. Raises :class:`InvalidOptionError` for anything else: a wrong guess would
+    silently skew every prior.
     """
+    from llama_index.core.indices.vector_store.base import VectorStoreIndex
     from llama_index.core.indices.vector_store.retrievers import VectorIndexRetriever
+    from llama_index.core.vector_stores.types import BasePydanticVectorStore, VectorStoreQueryMode
+
+    name = type(source).__name__
+    if isinstance(source, VectorIndexRetriever):
+        store = source._vector_store  # no public accessor in llama-index-core 0.14
+        mode = source._vector_store_query_mode
+    elif isinstance(source, VectorStoreIndex):
+        store, mode = source.vector_store, VectorStoreQueryMode.DEFAULT
+    elif isinstance(source, BasePydanticVectorStore):
+        store, mode = source, VectorStoreQueryMode.DEFAULT
+    else:
+        raise _unknown(name)
+    kind = _store_kind(store, mode)
+    if kind is None:
+        raise _unknown(name if store is source else f"{name} over {type(store).__name__}")
+    return kind
+
+
+def _unknown(name: str) -> InvalidOptionError:
+    return InvalidOptionError(
+        f"cannot tell what node.score {name} returns: pass retrieval_score_kind= one of {', '.join(SCORE_KINDS)} "
+        "(a cosine similarity is 'dense', a score already in [0, 1] is 'relevance')")
+
+
+def _store_kind(store: Any, mode: Any) -> str | None:
+    """The score kind of a vector store queried in ``mode``, or ``None`` for a store we do not know."""
     from llama_index.core.vector_stores.simple import SimpleVectorStore
     from llama_index.core.vector_stores.types import VectorStoreQueryMode
 
-    name = type(retriever).__name__
-    if isinstance(retriever, VectorIndexRetriever):
-        store = retriever._vector_store  # no public accessor in llama-index-core 0.14
-        mode = retriever._vector_store_query_mode
-        if isinstance(store, SimpleVectorStore):
-            if mode != VectorStoreQueryMode.DEFAULT:
-                raise InvalidOptionError(
-                    f"SimpleVectorStore in query mode {mode.value!r} returns scores that are not cosine similarities "
-                    "(MMR mixes in redundancy): pass retrieval_score_kind= explicitly, e.g. 'dense' to treat them "
-                    "as similarities anyway")
-            return "dense"
-        space = _chroma_space(store)
-        if space is not None:
-            return f"chroma_{space}"
-        name = f"{name} over {type(store).__name__}"
-    raise InvalidOptionError(
-        f"cannot tell what node.score {name} returns: pass retrieval_score_kind= one of {', '.join(SCORE_KINDS)} "
-        "(a cosine similarity is 'dense', a score already in [0, 1] is 'relevance')")
+    if isinstance(store, SimpleVectorStore):
+        if mode != VectorStoreQueryMode.DEFAULT:
+            raise InvalidOptionError(
+                f"SimpleVectorStore in query mode {mode.value!r} returns scores that are not cosine similarities "
+                "(MMR mixes in redundancy): pass retrieval_score_kind= explicitly, e.g. 'dense' to treat them "
+                "as similarities anyway")
+        return "dense"
+    space = _chroma_space(store)
+    return None if space is None else f"chroma_{space}"
 
 
 def _chroma_space(store: Any) -> str | None:

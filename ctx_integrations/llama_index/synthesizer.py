@@ -11,20 +11,26 @@ mode): each node is an expert with its own KV cache (reused across queries and p
 relevance prior r from its score; the ``Response`` carries every score on its ``source_nodes`` and the
 per-token trace, the cited nodes, timings and cache hits in its ``metadata``.
 
-Callbacks: the standard ``SynthesizeStartEvent`` / ``SynthesizeEndEvent`` and ``CBEventType.SYNTHESIZE``,
-a legacy ``CBEventType.LLM`` event with the prompt and completion token counts (``TokenCountingHandler``
-and ``LlamaDebugHandler`` read it), and this package's ``KVCacheLookupEvent`` / ``DecodingEndEvent``.
+Callbacks: the standard ``SynthesizeStartEvent`` / ``SynthesizeEndEvent`` and ``CBEventType.SYNTHESIZE``;
+the decode is a call of the :class:`ExpertDecoderLLM` (``ExpertDecoderLLM.decode`` and its stream / async
+versions), so it is an LLM span inside the ``synthesize`` span with LlamaIndex's standard
+``LLMCompletionStartEvent`` / ``LLMCompletionInProgressEvent`` / ``LLMCompletionEndEvent`` and a legacy
+``CBEventType.LLM`` event with the prompt and completion token counts (``TokenCountingHandler`` and
+``LlamaDebugHandler`` read it); then this package's ``KVCacheLookupEvent`` / ``DecodingEndEvent``.
+
+A node's score becomes its prior as ``retrieval_score_kind`` says; a stock engine's retriever gives no hint,
+so over Chroma pass the kind the index's store gives (``infer_score_kind(index)`` reads the collection's
+distance space): ``ContextOfExpertsSynthesizer(retrieval_score_kind=infer_score_kind(index))``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
-from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
@@ -42,7 +48,7 @@ from ctx_integrations.engine.core.registry import check_options, resolve_mode
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index.convert import response_metadata, to_document
 from ctx_integrations.llama_index.events import emit_answer_events
-from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
+from ctx_integrations.llama_index.llm import ExpertDecoderLLM, ReportedAnswerStream, resolve_llm
 from ctx_integrations.llama_index.score_keeping import (
     SCORES_KEY,
     finalize,
@@ -140,44 +146,21 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
     def _options(self, mode: str) -> dict[str, Any]:
         return self.mode_options.get(mode, {})
 
-    def _llm_payload(self, engine: Engine, query: str, documents: list[Document]) -> dict[str, Any]:
-        """The legacy LLM event's start payload: the prompt as the decoder reads it (documents, then the question)."""
-        prompt = "\n\n".join([*(doc.text for doc in documents), query])
-        return {EventPayload.PROMPT: prompt, EventPayload.SERIALIZED: self._llm.to_dict()}
-
-    def _completion(self, engine: Engine, query: str, documents: list[Document], answer: Answer) -> CompletionResponse:
-        """The answer as an LLM completion whose ``raw["usage"]`` is what ``TokenCountingHandler`` reads."""
-        prompt = answer.prompt_tokens
-        completion = len(answer.token_ids)
-        return CompletionResponse(text=answer.text, raw={
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-            "model": engine.loaded.name, "mode": answer.mode, "timings": dict(answer.timings)})
-
-    def _end_llm_event(self, event_id: str, payload: dict[str, Any], engine: Engine, query: str,
-                       documents: list[Document], answer: Answer) -> None:
-        completion = self._completion(engine, query, documents, answer)
-        self.callback_manager.on_event_end(CBEventType.LLM, payload={
-            EventPayload.PROMPT: payload[EventPayload.PROMPT], EventPayload.COMPLETION: completion}, event_id=event_id)
+    def _documents(self, nodes: Sequence[NodeWithScore]) -> list[Document]:
+        return [to_document(item) for item in nodes]
 
     # ----------------------------------------------------------------- one answer
 
     def answer(self, query: str, nodes: list[NodeWithScore]) -> Answer:
-        """Decode one answer over ``nodes`` (already scored), inside a legacy LLM callback event."""
-        engine, documents = self.engine, [to_document(item) for item in nodes]
-        payload = self._llm_payload(engine, query, documents)
-        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = engine.generate(query, documents, mode=self.mode, sampling=self.sampling, **self._options(self.mode))
-        self._end_llm_event(event_id, payload, engine, query, documents, answer)
-        return answer
+        """Decode one answer over ``nodes`` (already scored) as a call of the LLM (:meth:`ExpertDecoderLLM.decode`:
+        its span, LlamaIndex's completion events and a legacy ``CBEventType.LLM`` event on this synthesizer's
+        callback manager)."""
+        return self._llm.decode(query, self._documents(nodes), mode=self.mode, sampling=self.sampling,
+                                callback_manager=self.callback_manager, **self._options(self.mode))
 
     async def aanswer(self, query: str, nodes: list[NodeWithScore]) -> Answer:
-        engine, documents = self.engine, [to_document(item) for item in nodes]
-        payload = self._llm_payload(engine, query, documents)
-        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = await engine.agenerate(query, documents, mode=self.mode, sampling=self.sampling,
-                                        **self._options(self.mode))
-        self._end_llm_event(event_id, payload, engine, query, documents, answer)
-        return answer
+        return await self._llm.adecode(query, self._documents(nodes), mode=self.mode, sampling=self.sampling,
+                                       callback_manager=self.callback_manager, **self._options(self.mode))
 
     def response(self, query: str, answer: Answer, nodes: list[NodeWithScore]) -> Response:
         """The ``Response`` of a decoded answer (its cache and decoding events are sent on the way)."""
@@ -188,26 +171,33 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
         return response_metadata(answer, nodes, self.engine.loaded.name)
 
     def _stream(self, query: str, nodes: list[NodeWithScore], metadata: dict[str, Any]) -> Iterator[str]:
-        """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled."""
-        engine, documents = self.engine, [to_document(item) for item in nodes]
-        payload = self._llm_payload(engine, query, documents)
-        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        answer = yield from engine.stream(query, documents, mode=self.mode, sampling=self.sampling,
-                                          **self._options(self.mode))
-        self._end_llm_event(event_id, payload, engine, query, documents, answer)
+        """Text pieces as decoded; when the answer is complete, ``metadata`` (the response's own dict) is filled.
+
+        The LLM's stream is started now (its span and start event belong to the caller's span, e.g.
+        ``synthesize``); decoding starts when the pieces are read.
+        """
+        pieces = self._llm.stream_decode(query, self._documents(nodes), mode=self.mode, sampling=self.sampling,
+                                         callback_manager=self.callback_manager, **self._options(self.mode))
+        return self._finish(pieces, query, nodes, metadata)
+
+    def _finish(self, pieces: Generator[str, None, Answer], query: str, nodes: list[NodeWithScore],
+                metadata: dict[str, Any]) -> Iterator[str]:
+        answer = yield from pieces
         metadata.update(self.answer_metadata(query, answer, nodes))
 
     async def _astream(self, query: str, nodes: list[NodeWithScore], metadata: dict[str, Any]) -> AsyncIterator[str]:
-        engine, documents = self.engine, [to_document(item) for item in nodes]
-        payload = self._llm_payload(engine, query, documents)
-        event_id = self.callback_manager.on_event_start(CBEventType.LLM, payload=payload)
-        stream = engine.astream(query, documents, mode=self.mode, sampling=self.sampling, **self._options(self.mode))
+        """Like :meth:`_stream`, awaited (the stream is started in the caller's span), yielding async pieces."""
+        stream = await self._llm.astream_decode(query, self._documents(nodes), mode=self.mode, sampling=self.sampling,
+                                                callback_manager=self.callback_manager, **self._options(self.mode))
+        return self._afinish(stream, query, nodes, metadata)
+
+    async def _afinish(self, stream: ReportedAnswerStream, query: str, nodes: list[NodeWithScore],
+                       metadata: dict[str, Any]) -> AsyncIterator[str]:
         try:
             async for piece in stream:
                 yield piece
         finally:
             await stream.aclose()  # a consumer that stopped early cancels the request
-        self._end_llm_event(event_id, payload, engine, query, documents, stream.answer)
         metadata.update(self.answer_metadata(query, stream.answer, nodes))
 
     # ----------------------------------------------------------------- BaseSynthesizer
@@ -266,7 +256,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
             if self._streaming:
                 metadata: dict[str, Any] = {}
                 response: RESPONSE_TYPE = AsyncStreamingResponse(
-                    response_gen=self._astream(bundle.query_str, nodes, metadata), source_nodes=sources,
+                    response_gen=await self._astream(bundle.query_str, nodes, metadata), source_nodes=sources,
                     metadata=metadata)
             else:
                 answer = await self.aanswer(bundle.query_str, nodes)
@@ -287,7 +277,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
                             **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
         nodes = [NodeWithScore(node=_text_node(text), score=None) for text in text_chunks]
         if self._streaming:
-            return self._astream(query_str, self.scored_nodes(nodes), {})
+            return await self._astream(query_str, self.scored_nodes(nodes), {})
         return (await self.aanswer(query_str, self.scored_nodes(nodes))).text
 
 

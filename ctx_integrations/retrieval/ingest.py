@@ -1,39 +1,43 @@
-"""Files into a :class:`DocumentStore`: read .txt / .md / .pdf, split into passages, sync by stable ids.
+"""Files into a :class:`DocumentStore`: every text file and PDF, split into passages, synced by stable ids.
 
-Why it works this way:
+Which files are read and which are left out (hidden, unreadable, symbolic links leaving the corpus) is
+:mod:`ctx_integrations.retrieval.corpus`'s job; what is text (by content, whatever the name) is
+:mod:`ctx_integrations.retrieval.reading`'s. Why this module works the way it does:
 
 - A passage is at most ``max_tokens`` tokens of the *LLM's* tokenizer, because each passage becomes
   one KV cache and one expert stream: its length is what decoding pays for.
 - Passages break at paragraph boundaries where possible, then sentences, then lines, then words
   (a single over-long "word" is cut by characters), so they read well; the limit is never exceeded.
+- Splitting costs time linear in the text: no text is counted whole unless it fits; a passage's end is found by
+  counting candidate passages near its size (estimated from the tokens per character seen so far), so a
+  2 MB line without whitespace costs about as many counted characters as a few copies of it (a search over
+  the whole remaining text, as before, made it quadratic: over 600 s for 2 MB).
 - Ids are stable per (file, passage index): re-ingesting an unchanged folder changes nothing
   (no re-embedding, no new caches), editing a file re-embeds only the passages whose text changed,
   and stored passages of an ingested file or folder that no longer exist are removed with their caches.
+- Nothing is removed because it could not be read: the stored passages of every file or folder the walk or
+  the reader skipped (unreadable, binary, a link not followed) are kept, and counted as ``kept``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ctx_integrations.documents import Document
-from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, missing_dependency
+from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.retrieval.corpus import display_path, find_files
+from ctx_integrations.retrieval.reading import read_document
 
-
-class BinaryFileError(EmptyDocumentsError):
-    """A .txt / .md file whose content is binary: ingesting it would store garbage passages."""
-
-SUFFIXES = (".txt", ".md", ".pdf")
 MIN_TOKENS = 8  # room for a few words, and for any single character of a byte-level BPE (<= 4 tokens)
 
 TokenCounter = Callable[[str], int]
-_SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a binary file (git's rule)
 
 # (where to split, how to join) from the coarsest boundary to the finest
 _LEVELS = (
@@ -42,60 +46,11 @@ _LEVELS = (
     (re.compile(r"\n"), "\n"),  # lines
     (re.compile(r"\s+"), " "),  # words
 )
-_MD_TITLE = re.compile(r"^#[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 
 
 def token_counter(tokenizer: Any) -> TokenCounter:
     """Count tokens of a text with ``tokenizer`` as a document is cached: without special tokens."""
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-# -- files -----------------------------------------------------------------------------------------------------
-def find_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """The supported files named in ``paths`` or found under its folders (hidden entries skipped), sorted."""
-    found: set[Path] = set()
-    for given in paths:
-        path = Path(given).expanduser().resolve()
-        if path.is_dir():
-            found.update(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
-                         and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        elif path.is_file():
-            if path.suffix.lower() not in SUFFIXES:
-                raise InvalidOptionError(f"{path} is not a {', '.join(SUFFIXES)} file: give such files or folders")
-            found.add(path)
-        else:
-            raise InvalidOptionError(f"{given} does not exist: give existing files or folders")
-    return sorted(found)
-
-
-def read_document(path: Path) -> tuple[str, str]:
-    """The text and title of a file: a Markdown file's first ``# `` heading, a PDF's title, else the file name."""
-    if path.suffix.lower() == ".pdf":
-        return _read_pdf(path)
-    raw = path.read_bytes()
-    if b"\x00" in raw[:_SNIFF_BYTES]:
-        raise BinaryFileError(f"{path} has binary content (NUL bytes), not {path.suffix} text: convert it to text or "
-                              "leave it out")
-    text = raw.decode("utf-8-sig", errors="replace")
-    heading = _MD_TITLE.search(text) if path.suffix.lower() == ".md" else None
-    return text, heading.group(1).strip() if heading else path.stem
-
-
-def _read_pdf(path: Path) -> tuple[str, str]:
-    try:
-        from pypdf import PdfReader
-    except ImportError as error:
-        raise missing_dependency("pypdf", extra="retrieval") from error
-    pypdf_log = logging.getLogger("pypdf")
-    level = pypdf_log.level
-    pypdf_log.setLevel(logging.ERROR)  # pypdf logs every repaired xref as a warning: noise in a CLI transcript
-    try:
-        reader = PdfReader(path)
-        text = "\n\n".join((page.extract_text() or "").strip() for page in reader.pages)
-        title = reader.metadata.title if reader.metadata is not None else None
-    finally:
-        pypdf_log.setLevel(level)
-    return text, str(title).strip() if title and str(title).strip() else path.stem
 
 
 # -- passages --------------------------------------------------------------------------------------------------
@@ -112,10 +67,10 @@ def split_passages(text: str, count: TokenCounter, max_tokens: int = 512) -> lis
 
 
 def _split(text: str, count: TokenCounter, limit: int, level: int) -> list[str]:
-    if count(text) <= limit:
+    if _fits(text, count, limit):
         return [text]
-    if level == len(_LEVELS):
-        return _cut(text, count, limit)
+    if level == len(_LEVELS):  # no whitespace left: cut by characters
+        return _fill(text, range(len(text)), range(1, len(text) + 1), count, limit)
     pattern, joiner = _LEVELS[level]
     pieces = [piece.strip() for piece in pattern.split(text) if piece.strip()]
     if len(pieces) < 2:
@@ -123,54 +78,106 @@ def _split(text: str, count: TokenCounter, limit: int, level: int) -> list[str]:
     return _pack([part for piece in pieces for part in _split(piece, count, limit, level + 1)], joiner, count, limit)
 
 
+def _fits(text: str, count: TokenCounter, limit: int) -> bool:
+    """Whether ``text`` has at most ``limit`` tokens, counting prefixes of doubling length first.
+
+    A prefix over the limit settles it, so a long text costs about the characters of one passage, not its
+    length. (A prefix can count a token more than the whole when the cut splits a merged token; the text is
+    then split one level finer than needed, never past the limit.)
+    """
+    size = limit
+    while size < len(text):
+        if count(text[:size]) > limit:
+            return False
+        size *= 2
+    return count(text) <= limit
+
+
 def _pack(parts: list[str], joiner: str, count: TokenCounter, limit: int) -> list[str]:
-    passages, current = [], parts[0]
-    for part in parts[1:]:
-        candidate = f"{current}{joiner}{part}"
-        if count(candidate) <= limit:
-            current = candidate
+    """Join neighbouring parts (each within the limit) into the fewest passages that fit, in order."""
+    text = joiner.join(parts)
+    starts, ends, offset = [], [], 0
+    for part in parts:
+        starts.append(offset)
+        ends.append(offset + len(part))
+        offset += len(part) + len(joiner)
+    return _fill(text, starts, ends, count, limit)
+
+
+def _fill(text: str, starts: Sequence[int], ends: Sequence[int], count: TokenCounter, limit: int) -> list[str]:
+    """Passages of ``text`` made of whole parts (part ``i`` is ``text[starts[i]:ends[i]]``), greedily from the first.
+
+    Each passage runs from a part's start to the end of the last part that keeps it within ``limit``
+    (:func:`_last_fitting`); its length in characters is the next passage's first guess.
+    """
+    passages, first, guess = [], 0, limit
+    while first < len(starts):
+        last = _last_fitting(text, starts[first], ends, first, count, limit, guess)
+        passages.append(text[starts[first]:ends[last]])
+        guess = ends[last] - starts[first]
+        first = last + 1
+    return passages
+
+
+def _last_fitting(text: str, start: int, ends: Sequence[int], first: int, count: TokenCounter, limit: int,
+                  guess: int) -> int:
+    """The last part index whose end keeps ``text[start:ends[index]]`` within ``limit`` tokens (at least ``first``).
+
+    A search over the part boundaries that counts only candidates near the passage's size: each probe is where
+    the limit would fall at the tokens per character of the previous probe (a count of exactly ``limit``
+    ends the search: the passage is full), alternated with bisection whenever a probe did not halve the
+    interval, and never past 4 times the characters known to fit (or the first guess). So a passage
+    costs a few counts of about its own length, and splitting stays linear in the text (a bisection over the
+    whole remaining text is quadratic). Hand-written: tokenizers have no "longest prefix within n tokens" call.
+    """
+    low, high = first, len(ends)  # ends[low] fits (a part fits on its own); ends[high] and beyond do not
+    target, bisect_next = start + guess, False
+    while high - low > 1:
+        if bisect_next and high < len(ends):
+            probe = (low + high) // 2
         else:
-            passages.append(current)
-            current = part
-    return [*passages, current]
-
-
-def _cut(text: str, count: TokenCounter, limit: int) -> list[str]:
-    """Cut text without any whitespace into the longest prefixes that fit (binary search on length)."""
-    pieces = []
-    while text:
-        low, high = 1, len(text)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if count(text[:middle]) <= limit:
-                low = middle
-            else:
-                high = middle - 1
-        pieces.append(text[:low])
-        text = text[low:]
-    return pieces
+            reach = max(4 * (ends[low] - start), guess)
+            probe = bisect_right(ends, min(target, start + reach), low + 1, high) - 1
+            probe = min(max(probe, low + 1), high - 1)
+        width = high - low
+        tokens = count(text[start:ends[probe]])
+        if tokens <= limit:
+            low = probe
+            if tokens == limit:
+                break
+        else:
+            high = probe
+        target = start + (ends[probe] - start) * limit // max(tokens, 1)
+        bisect_next = not bisect_next and 2 * (high - low) > width
+    return low
 
 
 def passage_id(path: Path, index: int) -> str:
-    """Stable id of passage ``index`` of the file at ``path``: readable stem, short path hash, index."""
-    digest = hashlib.sha256(str(path).encode("utf-8")).hexdigest()[:8]
-    return f"{path.stem[:40]}-{digest}#{index}"
+    """Stable id of passage ``index`` of the file at ``path``: readable stem, short hash of the path's bytes, index.
+
+    The hash is over the name's bytes, so two names that differ only in bytes that are not UTF-8 get two ids
+    (a UTF-8 name hashes as it always did: its bytes are its UTF-8 encoding).
+    """
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
+    return f"{Path(display_path(path)).stem[:40]}-{digest}#{index}"
 
 
 def file_passages(path: Path, count: TokenCounter, max_tokens: int = 512) -> list[Document]:
     """A file's passages as documents with stable ids and ``source`` / ``title`` / ``chunk`` metadata."""
     text, title = read_document(path)
-    return [Document(passage, id=passage_id(path, index), metadata={"source": str(path), "title": title,
-                                                                    "chunk": index})
+    source = display_path(path)
+    return [Document(passage, id=passage_id(path, index), metadata={"source": source, "title": title, "chunk": index})
             for index, passage in enumerate(split_passages(text, count, max_tokens))]
 
 
 # -- ingestion -------------------------------------------------------------------------------------------------
 @dataclass
 class IngestReport:
-    """What :func:`ingest` did: files read, passages now stored for them, what changed, and files skipped.
+    """What :func:`ingest` did: files read, passages now stored for them, what changed, and what was not read.
 
-    ``files`` counts the files read; a file that could not be read is in ``skipped`` (path, reason) only.
+    ``files`` counts the files read. ``skipped`` lists every file or folder not read, with the reason (hidden,
+    binary, unreadable, a symbolic link not followed, ...); ``kept`` counts the stored passages of those,
+    left as they were instead of removed.
     """
 
     files: int = 0
@@ -179,45 +186,60 @@ class IngestReport:
     updated: int = 0
     unchanged: int = 0
     removed: int = 0
+    kept: int = 0
     cache_misses: int = 0
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
-
     def as_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready data (``ingest --json``)."""
+        """The report as JSON-ready data (``ingest --json``); paths as :func:`~.corpus.display_path` shows them."""
         counts = {name: getattr(self, name) for name in ("files", "passages", "added", "updated", "unchanged",
-                                                         "removed", "cache_misses")}
-        return {**counts, "skipped": [{"path": str(path), "reason": reason} for path, reason in self.skipped]}
+                                                         "removed", "kept", "cache_misses")}
+        return {**counts, "skipped": [{"path": display_path(path), "reason": reason} for path, reason in self.skipped]}
 
 
 def ingest(store: Any, paths: Sequence[str | os.PathLike], count: TokenCounter, max_tokens: int = 512, *,
-           warm: bool = True, progress: bool | None = None) -> IngestReport:
+           warm: bool = True, progress: bool | None = None, follow_symlinks: bool = False) -> IngestReport:
     """Sync ``store`` with the files under ``paths``; with ``warm`` and an engine on the store, cache them.
 
-    A file that cannot be read (a damaged or encrypted PDF, binary content in a .txt / .md) is skipped
-    and listed in the report; one without text (a scanned PDF) simply has no passages. ``progress``
-    shows tqdm bars on stderr over files and embedded passages (``None``: only when stderr is a terminal).
+    Every text file (recognised by content, whatever its name) and PDF is read. Whatever is not read is listed
+    in the report's ``skipped`` with the reason, and its stored passages are kept: hidden entries, binary files,
+    damaged or encrypted PDFs, files and folders that cannot be read, symbolic links leaving a folder given
+    (followed only with ``follow_symlinks``). A file without text (a scanned PDF) simply has no passages.
+    ``progress`` shows tqdm bars on stderr over files and embedded passages (``None``: only when stderr is a
+    terminal).
     """
     from tqdm.auto import tqdm
 
-    files = find_files(paths)
-    report, documents = IngestReport(), []
+    if max_tokens < MIN_TOKENS:
+        raise InvalidOptionError(f"passages need at least {MIN_TOKENS} tokens (got {max_tokens})")
+    listing = find_files(paths, follow_symlinks=follow_symlinks)
+    report, documents = IngestReport(skipped=list(listing.skipped)), []
     disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a TTY
-    for path in tqdm(files, desc="reading", unit="file", disable=disable, leave=False):
+    for path in tqdm(listing.files, desc="reading", unit="file", disable=disable, leave=False):
         try:
             documents.extend(file_passages(path, count, max_tokens))
         except _unreadable() as error:
             report.skipped.append((path, f"{type(error).__name__}: {error}"))
         else:
             report.files += 1
+    report.skipped.sort()
     with tqdm(total=len(documents), desc="embedding", unit="passage", disable=disable, leave=False) as bar:
         added = store.add(documents, warm=warm, progress=bar.update)
     report.passages, report.cache_misses = len(documents), added.cache_misses
     report.added, report.updated, report.unchanged = added.added, added.updated, added.unchanged
-    keep = {doc.id for doc in documents} | {_id for path, _ in report.skipped for _id in _ids_of(store, path)}
-    scope = [Path(p).expanduser().resolve() for p in paths]
-    report.removed = store.delete([doc.id for doc in store.all_documents()
-                                   if doc.id not in keep and _within(doc.metadata.get("source"), scope)])
+    read = {doc.id for doc in documents}
+    scope = {display_path(Path(p).expanduser().resolve()) for p in paths}
+    held = {display_path(path) for path, _ in report.skipped}
+    stale = []
+    for doc in store.all_documents():
+        source = doc.metadata.get("source")
+        if doc.id in read or not _within(source, scope):
+            continue
+        if _within(source, held):
+            report.kept += 1  # its file or folder could not be read this time: kept as it was
+        else:
+            stale.append(doc.id)
+    report.removed = store.delete(stale)
     return report
 
 
@@ -230,13 +252,9 @@ def _unreadable() -> tuple[type[Exception], ...]:
     return (PyPdfError, OSError, ValueError)
 
 
-def _ids_of(store: Any, path: Path) -> list[str]:
-    """Stored passages of a file that could not be read this time: kept as they were."""
-    return [doc.id for doc in store.where({"source": str(path)})]
-
-
-def _within(source: Any, scope: list[Path]) -> bool:
+def _within(source: Any, roots: set[str]) -> bool:
+    """Whether the path ``source`` is one of ``roots`` or lies under one (paths as :func:`display_path` shows them)."""
     if not isinstance(source, str) or not source:
         return False
     path = Path(source)
-    return any(path == root or root in path.parents for root in scope)
+    return any(str(folder) in roots for folder in (path, *path.parents))

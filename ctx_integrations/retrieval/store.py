@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ctx_integrations.documents import Document, as_document
+from ctx_integrations.documents import Document, as_document, user_text
 from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, StoreConnectionError
 from ctx_integrations.paths import cache_root, kv_root
 from ctx_integrations.retrieval.embedders import Embedder
@@ -218,6 +218,9 @@ class DocumentStore:
 
     def where(self, metadata: dict[str, Any]) -> list[Document]:
         """Documents whose metadata has every given key/value (e.g. ``{"source": path}``)."""
+        for key, value in metadata.items():
+            if isinstance(value, str):
+                user_text(value, f"where()'s value for {key!r}")  # Chroma's own error for it is untyped
         if self._collection is None:
             return []
         clause = metadata if len(metadata) == 1 else {"$and": [{k: v} for k, v in metadata.items()]}
@@ -317,11 +320,15 @@ class DocumentStore:
             doc = as_document(item)
             if not doc.text.strip():
                 raise EmptyDocumentsError(f"document {doc.id!r} has empty text: nothing was stored; drop it and retry")
-            doc.id = str(doc.id) if doc.id is not None else content_hash(doc.text)[:32]
+            doc.id = user_text(str(doc.id), "a document id") if doc.id is not None else content_hash(doc.text)[:32]
             if doc.id in seen:
                 raise InvalidOptionError(f"document id {doc.id!r} appears twice in one add(): ids must be unique")
             seen.add(doc.id)
             doc.metadata = clean_metadata({**doc.metadata, "content_hash": content_hash(doc.text)})
+            for key, value in doc.metadata.items():  # Chroma refuses these with an untyped error, mid-batch
+                user_text(key, f"a metadata key of document {doc.id!r}")
+                if isinstance(value, str):
+                    user_text(value, f"metadata {key!r} of document {doc.id!r}")
             docs.append(doc)
         return docs
 

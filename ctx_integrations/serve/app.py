@@ -2,7 +2,7 @@
 
 ``create_app(engine, store)`` serves one engine in this process; ``ray_app`` passes a backend that
 forwards jobs to Ray Serve replicas. This layer bounds what a request may ask (:class:`ServerLimits`:
-body size and read deadline in a middleware, field sizes in the schemas), validates requests
+header size, body size and read deadline in middlewares, field sizes in the schemas), validates requests
 (pydantic, strictly typed, parsed on a worker thread so the event loop only moves bytes), retrieves documents
 from the store with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After,
 like the engine's own ``EngineOverloadedError``), streams server-sent events, cancels work whose
@@ -29,7 +29,7 @@ from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError,
 from ctx_integrations.serve.backend import Backend, LocalBackend
 from ctx_integrations.serve.encoding import SafeJSONResponse, sse
 from ctx_integrations.serve.errors import error_body, headers_of, status_of, validation_error_response
-from ctx_integrations.serve.limits import BodyLimitMiddleware, ServerLimits
+from ctx_integrations.serve.limits import BodyLimitMiddleware, HeaderLimitMiddleware, ServerLimits
 from ctx_integrations.serve.metrics import ServerMetrics
 from ctx_integrations.serve.schemas import AnswerRequest, BatchRequest, ChatCompletionRequest, to_documents
 
@@ -313,6 +313,7 @@ def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None
     app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.server = server
     app.add_middleware(BodyLimitMiddleware, limits=server.limits)
+    app.add_middleware(HeaderLimitMiddleware, limits=server.limits)  # added last: runs first, before the body is read
 
     @app.exception_handler(CtxIntegrationsError)
     async def library_error(_: Request, error: CtxIntegrationsError) -> SafeJSONResponse:

@@ -23,6 +23,7 @@ _LIMIT_HELP = {
     "max_document_chars": "characters of one document or chat message; more is refused with 413",
     "max_messages": "messages of one chat request; more is refused with 413",
     "read_timeout_s": "seconds a client has to send its headers and body; then 408 / the connection is closed",
+    "max_header_bytes": "bytes of a request's line and headers together; more is refused with 431",
 }
 
 

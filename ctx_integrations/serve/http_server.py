@@ -1,14 +1,17 @@
 """Run an app from :func:`~ctx_integrations.serve.app.create_app` on uvicorn with its read limits applied.
 
 uvicorn closes idle keep-alive connections (``timeout_keep_alive``) and bounds the header size
-(``h11_max_incomplete_event_size``), but it has no deadline for a request that is being sent: a
-client that sends half its headers, or half its body, and then waits holds the connection forever.
+(``h11_max_incomplete_event_size``, refused with a plain-text 400), but it has no deadline for a request
+that is being sent: a client that sends half its headers, or half its body, and then waits holds the
+connection forever.
 :class:`ReadDeadlineProtocol` is uvicorn's h11 protocol with that deadline: a connection whose
 request has not fully arrived ``read_timeout_s`` after the connection opened (or after the previous
 response) is closed. The app's own 408 (:class:`~ctx_integrations.serve.limits.BodyLimitMiddleware`)
 answers a slow body politely; this closes what the app never sees (unfinished headers, the rest of
 a refused body). A body still arriving when the deadline passes gets one more period, so that the
-app's 408 is sent before the connection is closed.
+app's 408 is sent before the connection is closed. Headers that pass ``max_header_bytes`` while they
+arrive (h11 refuses them, suggesting 431) are answered 431 with an OpenAI-shaped body, as the app's own
+:class:`~ctx_integrations.serve.limits.HeaderLimitMiddleware` answers headers that arrived whole.
 """
 
 from __future__ import annotations
@@ -19,15 +22,47 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ctx_integrations.serve.limits import ServerLimits
+from ctx_integrations.serve.limits import ServerLimits, error_json, headers_too_large
 
-MAX_HEADER_BYTES = 64 * 1024  # h11's incomplete-event limit: headers beyond it are refused with 400
+_TOO_LARGE = 431
+
+
+class _Connection(h11.Connection):
+    """h11's connection, remembering the status h11 suggests for the request it refused (431: headers too large)."""
+
+    refused_status = 400
+
+    def next_event(self) -> Any:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as error:
+            self.refused_status = error.error_status_hint
+            raise
 
 
 class ReadDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose request is not received within ``read_timeout_s``."""
+    """uvicorn's h11 protocol, closing connections whose request is not received within ``read_timeout_s``, and
+    answering headers over ``max_header_bytes`` with 431 in OpenAI's error shape (uvicorn's is a plain-text 400)."""
 
     read_timeout_s = ServerLimits.read_timeout_s
+    max_header_bytes = ServerLimits.max_header_bytes
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.conn = _Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 refused: kept for malformed requests, 431 for oversized headers."""
+        if self.conn.refused_status != _TOO_LARGE:
+            super().send_400_response(msg)
+            return
+        body = error_json(_TOO_LARGE, headers_too_large(self.max_header_bytes), "request_too_large", "headers")
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=_TOO_LARGE, headers=headers, reason=b"Request Header Fields Too Large"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -67,8 +102,10 @@ class ReadDeadlineProtocol(H11Protocol):
 
 
 def protocol_for(limits: ServerLimits) -> type[H11Protocol]:
-    """A :class:`ReadDeadlineProtocol` subclass with ``limits.read_timeout_s`` (uvicorn builds one per connection)."""
-    return type("ReadDeadlineProtocol", (ReadDeadlineProtocol,), {"read_timeout_s": limits.read_timeout_s})
+    """A :class:`ReadDeadlineProtocol` subclass with ``limits.read_timeout_s`` and ``limits.max_header_bytes``
+    (uvicorn builds one per connection)."""
+    return type("ReadDeadlineProtocol", (ReadDeadlineProtocol,),
+                {"read_timeout_s": limits.read_timeout_s, "max_header_bytes": limits.max_header_bytes})
 
 
 def run(app: Any, *, host: str, port: int, drain_timeout: float | None = 30.0, log_level: str = "warning") -> None:
@@ -85,4 +122,4 @@ def run(app: Any, *, host: str, port: int, drain_timeout: float | None = 30.0, l
     sys.setswitchinterval(0.001)
     limits: ServerLimits = getattr(getattr(app.state, "server", None), "limits", None) or ServerLimits()
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout,
-                http=protocol_for(limits), h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                http=protocol_for(limits), h11_max_incomplete_event_size=limits.max_header_bytes)

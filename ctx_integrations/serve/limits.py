@@ -1,16 +1,17 @@
-"""The server's resource limits, and the ASGI middleware that enforces the body size and read deadline.
+"""The server's resource limits, and the ASGI middlewares that enforce the header size, body size and read deadline.
 
 Every limit is checked before any tokenisation, so one oversized or slow request cannot stall the
-event loop or keep memory: the body is refused from its ``Content-Length`` before a byte is read
-(413), a chunked body is counted while it is read and dropped the moment it passes the limit, and a
-body that does not arrive within ``read_timeout_s`` is answered 408. The per-field limits (query,
-documents, messages) are pydantic validators in :mod:`ctx_integrations.serve.schemas` that read
-these values from the validation context.
+event loop or keep memory: headers over ``max_header_bytes`` are answered 431, the body is refused
+from its ``Content-Length`` before a byte is read (413), a chunked body is counted while it is read
+and dropped the moment it passes the limit, and a body that does not arrive within ``read_timeout_s``
+is answered 408. The per-field limits (query, documents, messages) are pydantic validators in
+:mod:`ctx_integrations.serve.schemas` that read these values from the validation context.
 
-Why a hand-written middleware: Starlette and FastAPI have no body-size or body-deadline setting,
-and uvicorn has none either (only ``h11_max_incomplete_event_size`` for headers); this is the
-usual ~40-line ASGI wrapper around ``receive``. Headers that never finish are closed by
-:mod:`ctx_integrations.serve.http_server`, which owns the uvicorn side.
+Why hand-written middlewares: Starlette and FastAPI have no header-size, body-size or body-deadline
+setting, and uvicorn bounds only headers that arrive in pieces (``h11_max_incomplete_event_size``:
+headers that reach the server in one read are parsed whatever their size); these are the usual
+ASGI wrappers around ``receive``. Headers that never finish, or pass the limit while they arrive, are
+handled by :mod:`ctx_integrations.serve.http_server`, which owns the uvicorn side (431 in the same shape).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from ctx_integrations.errors import InvalidOptionError
 
 MIB = 1024 * 1024
+KIB = 1024
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class ServerLimits:
     question. ``max_documents``: inline documents and ``top_k``. ``max_document_chars``: one document's
     text, and one chat message's text. ``max_messages``: messages of one chat request.
     ``read_timeout_s``: seconds a client has to send its headers and its body; a connection still
-    sending after it is answered 408 (body) or closed (headers).
+    sending after it is answered 408 (body) or closed (headers). ``max_header_bytes``: the request line and
+    header fields together (431 beyond it).
     """
 
     max_body_bytes: int = 16 * MIB
@@ -42,9 +45,11 @@ class ServerLimits:
     max_document_chars: int = 131_072
     max_messages: int = 256
     read_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * KIB
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_query_chars", "max_documents", "max_document_chars", "max_messages"):
+        for name in ("max_body_bytes", "max_query_chars", "max_documents", "max_document_chars", "max_messages",
+                     "max_header_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidOptionError(f"{name} must be an int >= 1, got {value!r}")
@@ -59,11 +64,51 @@ class _BodyRefused(Exception):
         self.status = status
 
 
-def _error_response(status: int, message: str, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": "body", "code": status}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-    return start, {"type": "http.response.body", "body": body}
+def error_json(status: int, message: str, kind: str, param: str) -> bytes:
+    """An error body in OpenAI's shape (``serve.errors.error_body``), for the layers below FastAPI."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+async def refuse(send: Any, status: int, message: str, kind: str, param: str) -> None:
+    """Answer a request with an OpenAI-shaped error, from an ASGI middleware."""
+    body = error_json(status, message, kind, param)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def header_bytes(scope: dict[str, Any]) -> int:
+    """Bytes of the request line and header fields as HTTP/1.1 sends them (``name: value\\r\\n`` each)."""
+    query = scope.get("query_string") or b""
+    line = (len(scope.get("method", "")) + 1 + len(scope.get("raw_path") or b"") + (1 + len(query) if query else 0)
+            + len(" HTTP/") + len(scope.get("http_version", "1.1")) + 2)
+    return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or ())
+
+
+def headers_too_large(limit: int, size: int | None = None) -> str:
+    """The 431 message: ``size`` measured, or ``None`` when the headers grew past the limit while arriving."""
+    measured = f"are {size} bytes, more than" if size is not None else "grew past"
+    return (f"the request line and headers {measured} this server's limit of {limit} bytes (max_header_bytes, "
+            "--max-header-bytes): send fewer or shorter headers (cookies, tokens)")
+
+
+class HeaderLimitMiddleware:
+    """Answer 431 to a request whose request line and headers exceed ``limits.max_header_bytes``.
+
+    uvicorn refuses headers over the limit only while they are still arriving; headers that reached it
+    in one read are parsed whatever their size, and are measured here, before the app sees them.
+    """
+
+    def __init__(self, app: Any, limits: ServerLimits):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size, limit = header_bytes(scope), self.limits.max_header_bytes
+            if size > limit:
+                await refuse(send, 431, headers_too_large(limit, size), "request_too_large", "headers")
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -84,11 +129,11 @@ class BodyLimitMiddleware:
         try:
             body = await asyncio.wait_for(self._read(scope, receive), self.limits.read_timeout_s)
         except _BodyRefused as refused:
-            await self._refuse(send, refused.status, str(refused), "request_too_large")
+            await refuse(send, refused.status, str(refused), "request_too_large", "body")
             return
         except TimeoutError:
-            await self._refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
-                               "(read_timeout_s, --read-timeout): send the whole body at once", "request_timeout")
+            await refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
+                         "(read_timeout_s, --read-timeout): send the whole body at once", "request_timeout", "body")
             return
         if body is None:  # the client left while sending
             return
@@ -130,9 +175,3 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-    @staticmethod
-    async def _refuse(send: Any, status: int, message: str, kind: str) -> None:
-        start, body = _error_response(status, message, kind)
-        await send(start)
-        await send(body)

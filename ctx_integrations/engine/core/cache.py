@@ -32,6 +32,7 @@ from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.prepared import PreparedText
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
+from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
 from ctx_integrations.errors import InvalidOptionError
 
 
@@ -118,13 +119,13 @@ class KVCacheStore:
     host_format: str = "native"
 
     def __post_init__(self) -> None:
-        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
-            raise InvalidOptionError(f"memory_bytes must be an int >= 0 (0: no memory tier), got {self.memory_bytes!r}")
+        # every budget is a whole number of bytes, checked here whether or not its tier exists (a disk budget
+        # without a folder is still a mistake worth naming)
+        self.memory_bytes = whole_number("memory_bytes", self.memory_bytes, minimum=0, hint=" (0: no memory tier)")
         if self.host_bytes is None:
             self.host_bytes = DEFAULT_HOST_BYTES if self.loaded.device.type == "cuda" else 0
-        if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes < 0:
-            raise InvalidOptionError(f"host_bytes must be an int >= 0 (0: no host tier) or None, got "
-                                     f"{self.host_bytes!r}")
+        self.host_bytes = whole_number("host_bytes", self.host_bytes, minimum=0, hint=" (0: no host tier; or None)")
+        self.disk_bytes = optional_whole_number("disk_bytes", self.disk_bytes, minimum=0, hint=" (None = no limit)")
         self.disk_format = check_format(self.disk_format)
         self.host_format = check_format(self.host_format)
         if self.half_on_disk:

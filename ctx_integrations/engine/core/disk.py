@@ -5,17 +5,19 @@ file in the same folder and are renamed into place (``os.replace``), so a reader
 entry. A file that fails any check on load is reported with :class:`CorruptCacheWarning`, deleted and
 treated as a miss, so the store recomputes it. transformers has no on-disk cache format, hence this module.
 
-Checks on load: format, key, checksum, token ids, and the tensor against the model (floating dtype,
-layer count, KV heads, head dim, token count, finite and not all-zero values), so an entry from another
-model, a damaged one or a hand-made one is never served.
+Checks on load: format, key, checksum, token ids, the stored format against the tier's (an int8, fp16 or bf16
+entry copied into a native folder is a miss, never served: ``kv_codec.readable_formats``), the dtype that format
+stores, and the tensor against the model (layer count, KV heads, head dim, token count, finite and not all-zero
+values), so an entry from another model or another format, a damaged one or a hand-made one is never served.
 
 Threat model. The checksum only catches accidents (truncation, bit rot, a copy from another model); anyone
 who can write the cache folder can also recompute it, and a forged entry steers every answer that uses
 that document. For a folder shared between users or machines, set a signing key outside the folder
 (``CTX_CACHE_KEY``, or the file ``cache-signing.key`` in the user config directory): every entry then
-carries an HMAC-SHA256 over its key, token ids and tensor bytes, and an entry whose signature is missing
-or wrong is discarded and recomputed. Signing does not hide the cached text, and a writer who holds the
-key is trusted.
+carries an HMAC-SHA256 over its key, its stored format, token ids and tensor bytes, and an entry whose
+signature is missing or wrong (a signed entry re-labelled as another format included) is discarded and
+recomputed. Signing does not hide the cached text, and a writer who holds the key is trusted. (Entries
+signed before the stored format was covered fail once and are recomputed.)
 
 Layout: one folder per model under a cache root (:func:`model_directory`: ``<root>/<model name>-<hash of the
 model's identity and dtype>``), so every store, collection, framework adapter and process that points at the
@@ -27,7 +29,8 @@ bytes per token at the widest accepted dtype) is refused from its ``stat`` alone
 place of an entry never makes the reader allocate its size.
 
 Resources: ``disk_bytes`` bounds the folder (least recently used entries, by mtime, are evicted first; a
-load touches the entry), orphan ``.tmp-*`` files older than a minute are removed when the tier opens, and
+load touches the entry), orphan ``.tmp-*`` files older than an hour (left by a writer killed mid-write; none is
+written for that long) are removed when the tier opens, in the model's folder and in the legacy layout's, and
 a folder that cannot be written (read-only, full, a directory where an entry belongs) makes the tier keep
 entries in memory only, with one :class:`~ctx_integrations.errors.CacheStoreWarning`. A failed write
 (``OSError`` or safetensors' own ``SafetensorError``, e.g. "No space left on device") never leaves its temp
@@ -57,6 +60,7 @@ from ctx_integrations.engine.core.kv_codec import (
     decode,
     encode,
     is_lossy,
+    readable_formats,
     storable_format,
     stored_names,
 )
@@ -68,7 +72,7 @@ from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptC
 FORMAT_VERSION = "ctx-kv-1"
 SIGNING_KEY_ENV = "CTX_CACHE_KEY"
 SIGNING_KEY_FILE = "cache-signing.key"
-ORPHAN_AGE_S = 60.0
+ORPHAN_AGE_S = 3600.0
 # Errors after which no write to the folder can succeed: stop trying, keep entries in memory.
 _FOLDER_UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -76,6 +80,7 @@ _WIDEST_DTYPE = max(_CACHE_DTYPES, key=lambda dtype: dtype.itemsize)
 # A safetensors header: 8 bytes of length, then JSON naming two tensors and our metadata (format, key, checksum,
 # signature): a few hundred bytes. Anything past this bound is not one of our entries.
 _HEADER_BYTES = 16 << 10
+_LEGACY_SHARD = re.compile(r"[0-9a-f]{2}")  # the legacy layout's folders: an entry key's first two hex digits
 # safetensors reports write failures as its own SafetensorError, with the OS message as text: map it back.
 _UNWRITABLE_MESSAGES = {"no space left on device": errno.ENOSPC, "read-only file system": errno.EROFS,
                         "permission denied": errno.EACCES, "disk quota exceeded": errno.ENOSPC}
@@ -187,9 +192,14 @@ class DiskTier:
         self._remove_orphans()
 
     def _remove_orphans(self) -> None:
-        """Delete ``.tmp-*`` files left by writers killed mid-write (older than a minute: not being written now)."""
+        """Delete ``.tmp-*`` files left by writers killed mid-write (older than ``ORPHAN_AGE_S``: not being written
+        now), in this folder, its shards, and the legacy layout's shards (``<root>/<key[:2]>/``)."""
         cutoff = time.time() - ORPHAN_AGE_S
-        for tmp in self.directory.glob("*/.tmp-*"):
+        found = [*self.directory.glob(".tmp-*"), *self.directory.glob("*/.tmp-*")]
+        if self.legacy_directory is not None:
+            found += [tmp for tmp in Path(self.legacy_directory).glob("*/.tmp-*")
+                      if _LEGACY_SHARD.fullmatch(tmp.parent.name)]
+        for tmp in found:
             try:
                 if tmp.is_file() and tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
@@ -262,7 +272,7 @@ class DiskTier:
         tensors = {**encode(kv, kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
         metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": kv_format, "checksum": checksum(tensors)}
         if self.signing_key is not None:
-            metadata["signature"] = signature(self.signing_key, key, tensors)
+            metadata["signature"] = signature(self.signing_key, key, tensors, kv_format)
         path, tmp = self.path(key), None
         try:
             if self.disk_bytes is not None and not self._make_room(sum(t.nbytes for t in tensors.values())):
@@ -382,17 +392,20 @@ class DiskTier:
             return "wrong format or key"
         if metadata.get("checksum") != checksum(tensors):
             return "checksum mismatch"
+        kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
         if self.signing_key is not None:
             if "signature" not in metadata:
                 return "unsigned (a signing key is set)"
-            if not hmac.compare_digest(str(metadata["signature"]), signature(self.signing_key, key, tensors)):
+            expected = signature(self.signing_key, key, tensors, kv_format)
+            if not hmac.compare_digest(str(metadata["signature"]), expected):
                 return "signature mismatch"
         ids = tensors["token_ids"]
         if ids.dtype != torch.int64 or ids.dim() != 1 or tuple(ids.tolist()) != token_ids:
             return "token ids differ from the document's"
-        if "kv" in tensors and tensors["kv"].dtype not in _CACHE_DTYPES:
-            return f"dtype {tensors['kv'].dtype} is not a floating KV cache dtype"
-        return check_stored(tensors, metadata.get("kv_format", "native"))
+        if kv_format not in readable_formats(self.kv_format):
+            return (f"stored as {kv_format!r}, but this folder's entries are {self.kv_format!r} (an entry copied from "
+                    "another format's folder is not served)")
+        return check_stored(tensors, kv_format, self.loaded.dtype)
 
     def _check_kv(self, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
         """Why the decoded entry does not fit this model and document (``None`` when it does)."""
@@ -408,10 +421,11 @@ class DiskTier:
         return None
 
 
-def signature(key: bytes, entry_key: str, tensors: dict[str, torch.Tensor]) -> str:
-    """HMAC-SHA256 over the format, the entry's key and every tensor's name, dtype, shape and bytes."""
+def signature(key: bytes, entry_key: str, tensors: dict[str, torch.Tensor], kv_format: str) -> str:
+    """HMAC-SHA256 over the file format, the entry's key, its stored ``kv_format`` and every tensor's name, dtype,
+    shape and bytes (the stored format is covered, so a signed entry re-labelled as another format fails)."""
     mac = hmac.new(key, digestmod=hashlib.sha256)
-    mac.update(f"{FORMAT_VERSION}\x1f{entry_key}".encode())
+    mac.update(f"{FORMAT_VERSION}\x1f{entry_key}\x1f{kv_format}".encode())
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         mac.update(f"\x1f{name}:{tensor.dtype}:{tuple(tensor.shape)}\x1f".encode())

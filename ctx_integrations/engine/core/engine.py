@@ -9,6 +9,7 @@ of all concurrent requests into one forward per step. ``generate`` blocks; ``age
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -69,10 +70,26 @@ def _check_timeout(timeout: float | None) -> float | None:
 
 
 def _check_callback(on_token: Any) -> Callable[[str], None] | None:
-    """Refuse a non-callable ``on_token`` now, in the caller's thread (it would fail on the scheduler's, mid-answer)."""
-    if on_token is not None and not callable(on_token):
+    """Refuse an ``on_token`` that is not callable with one positional str now, in the caller's thread: it would
+    fail on the scheduler's, mid-answer, with a ``TypeError`` from inside the decode loop.
+
+    A callable whose signature Python cannot read (some builtins) is taken as it is.
+    """
+    if on_token is None:
+        return None
+    if not callable(on_token):
         raise InvalidOptionError(f"on_token must be a callable taking one str (or None), got "
                                  f"{type(on_token).__name__}")
+    try:
+        signature = inspect.signature(on_token)
+    except (TypeError, ValueError):
+        return on_token
+    try:
+        signature.bind("piece")
+    except TypeError as error:
+        raise InvalidOptionError(f"on_token must take one positional argument (each new piece of text), but "
+                                 f"{getattr(on_token, '__qualname__', type(on_token).__name__)}{signature} cannot be "
+                                 f"called with one ({error})") from None
     return on_token
 
 
@@ -312,6 +329,9 @@ class Engine:
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
         ctx = DecodeContext(self, "", [], sampling.sampler(), sampling.stop_criteria(self.loaded.eos_token_ids),
                             _check_callback(on_token))
+        # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
+        ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
+                          "Drop earlier turns or lower max_new_tokens")
         return self._submit(ChatRequest(self, ctx, ids, timeout=self._timeout(timeout)))
 
     def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,

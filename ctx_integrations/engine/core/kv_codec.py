@@ -78,6 +78,19 @@ def storable_format(kv: torch.Tensor, kv_format: str) -> str:
     return kv_format
 
 
+def readable_formats(kv_format: str) -> tuple[str, ...]:
+    """The formats an entry written for ``kv_format`` may be stored in: ``kv_format``, and ``"native"`` for fp16
+    (:func:`storable_format`'s fallback). A store serves no other: an entry in another format is a miss."""
+    return (kv_format, "native") if kv_format == "fp16" else (kv_format,)
+
+
+def stored_dtype(kv_format: str, native: torch.dtype) -> torch.dtype | None:
+    """The dtype of a ``kv_format`` entry's ``kv`` tensor (``native``: the model's dtype); ``None`` for int8 (codes)."""
+    if kv_format == "int8":
+        return None
+    return _HALF.get(kv_format, native)
+
+
 def stored_names(kv_format: str) -> tuple[str, ...]:
     """The tensor names an entry of ``kv_format`` holds (besides its token ids)."""
     if kv_format == "int8":
@@ -85,10 +98,14 @@ def stored_names(kv_format: str) -> tuple[str, ...]:
     return ("kv",)
 
 
-def check_stored(tensors: dict[str, torch.Tensor], kv_format: str) -> str | None:
-    """Why ``tensors`` are not a well-formed ``kv_format`` entry (``None`` when they are); shapes against each other."""
-    if kv_format != "int8":
-        return None
+def check_stored(tensors: dict[str, torch.Tensor], kv_format: str, native: torch.dtype) -> str | None:
+    """Why ``tensors`` are not a well-formed ``kv_format`` entry of a ``native``-dtype model (``None`` when they are):
+    the dtype its format stores (an fp32 ``kv`` labelled fp16, a bf16 one labelled native, are refused), and the
+    int8 tensors' shapes against each other."""
+    wanted = stored_dtype(kv_format, native)
+    if wanted is not None:
+        dtype = tensors["kv"].dtype
+        return None if dtype == wanted else f"kv of dtype {dtype}, but a {kv_format!r} entry stores {wanted}"
     codes = tensors["kv_codes"]
     if codes.dtype != torch.uint8 or codes.dim() != 5 or codes.shape[1] != 2:
         return (f"int8 codes of dtype {codes.dtype} and shape {tuple(codes.shape)}, "

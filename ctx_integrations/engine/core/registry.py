@@ -185,11 +185,14 @@ class DecodeContext:
         longest = max((p.tokens for p in contexts), default=0)
         return len(self.engine.layout.prefix_ids) + longest + len(self.suffix_ids) + self.stop.max_new_tokens
 
-    def check_streams(self, streams: int, tokens_per_stream: int, what: str) -> None:
+    def check_streams(self, streams: int, tokens_per_stream: int, what: str,
+                      advice: str = "Retrieve fewer documents (top_k), split the question into several "
+                                    "requests") -> None:
         """Refuse, before anything is allocated, a request whose KV caches would exceed the per-request budget.
 
         The budget is ``engine.max_request_bytes`` (bytes; default 2 GiB on CPU, half the GPU's memory on CUDA);
         the request needs layers x 2 x kv_heads x head_dim x dtype bytes x tokens_per_stream x streams.
+        ``advice``: what the caller can lower (the error adds raising the budget).
         """
         loaded = self.engine.loaded
         budget = getattr(self.engine, "max_request_bytes", None) or default_request_bytes(loaded)
@@ -199,6 +202,5 @@ class DecodeContext:
         if needed > budget:
             raise RequestTooLargeError(
                 f"{what}: {streams} stream(s) of up to {tokens_per_stream} tokens need {needed / 2**20:.1f} MiB of KV "
-                f"cache, more than this engine's per-request budget of {budget / 2**20:.1f} MiB. Retrieve fewer "
-                "documents (top_k), split the question into several requests, or raise Engine(max_request_bytes=...) "
-                "(--max-request-bytes on the command line).")
+                f"cache, more than this engine's per-request budget of {budget / 2**20:.1f} MiB. {advice}, or raise "
+                "Engine(max_request_bytes=...) (--max-request-bytes on the command line).")
