@@ -117,7 +117,10 @@ class Engine:
     model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``. ``threads``: torch's CPU
     threads for the model's forwards, set on the engine's own step thread (``None``: torch's count in the
     thread that builds the engine, capped at the physical cores this process may use, affinity mask and
-    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). Every answer's
+    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). ``compile_mode``: the row pool's
+    decode step under ``torch.compile`` (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"``
+    (``"reduce-overhead"``, CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere),
+    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
@@ -132,13 +135,15 @@ class Engine:
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
                  context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, compile_mode: str | None = "auto"):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template_text(question_template),
                                    context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
+        self.layout.context_ids("")  # builds the user-text tokenizer copy now (~0.5 s), not in a first caller's
+        # thread (an async caller's would hold its event loop): documents are tokenised where requests are made
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None,
                                   half_on_disk=half_on_disk, disk_format=disk_format, memory_bytes=memory_bytes,
                                   disk_bytes=disk_bytes, host_bytes=host_bytes, host_format=host_format)
@@ -148,7 +153,7 @@ class Engine:
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded, attention_kernel,
                                        optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
-                                       optional_whole_number("threads", threads, minimum=1))
+                                       optional_whole_number("threads", threads, minimum=1), compile_mode)
         self._closed = False
 
     @classmethod
@@ -251,6 +256,7 @@ class Engine:
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
               sampling: SamplingParams, timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
+        started = time.perf_counter()
         self._check_call(mode, options)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
             got = "a single string" if isinstance(questions, (str, bytes)) else (
@@ -265,7 +271,7 @@ class Engine:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
         contexts = [self._context(q, list(docs), sampling.sampler(seed_offset=i),
-                                  sampling.stop_criteria(self.loaded.eos_token_ids), None)
+                                  sampling.stop_criteria(self.loaded.eos_token_ids), None, started)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         timeout = self._timeout(timeout)
         if answers_many(mode):
@@ -322,13 +328,14 @@ class Engine:
     def _chat_request(self, messages: Sequence[dict[str, str]], sampling: SamplingParams,
                       on_token: Callable[[str], None] | None, timeout: float | None,
                       ids: list[int] | None = None) -> RequestHandle:
+        started = time.perf_counter()
         ids = conversation_ids(self.layout, messages) if ids is None else ids
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
         ctx = DecodeContext(self, "", [], sampling.sampler(), sampling.stop_criteria(self.loaded.eos_token_ids),
-                            _check_callback(on_token))
+                            _check_callback(on_token), started=started)
         # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
@@ -423,11 +430,13 @@ class Engine:
         check_options(mode, options)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
-                 on_token: Callable[[str], None] | None) -> DecodeContext:
+                 on_token: Callable[[str], None] | None, started: float | None = None) -> DecodeContext:
         """The request's context, prepared here once: its documents' tokens and cache keys (from the memo when
-        seen before) and the question suffix's tokens."""
+        seen before) and the question suffix's tokens. ``started``: the call's start (default now): the request's
+        clock (TTFT, timeout) includes preparing it, and the questions of one call share one clock."""
+        started = time.perf_counter() if started is None else started
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
-        return DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token),
+        return DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token), started=started,
                              prepared=self.texts.prepare_all([d.text for d in documents]),
                              suffix_ids=tuple(self.layout.suffix_ids(query)))

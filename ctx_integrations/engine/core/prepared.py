@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ctx_integrations.engine.core.cache import KVCacheStore
-    from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.layout import PromptLayout
+
+
+class KeyedStore(Protocol):
+    """What the memo needs of :class:`~ctx_integrations.engine.core.cache.KVCacheStore` (which imports this module)."""
+
+    def entry_key(self, layout: PromptLayout, token_ids: Sequence[int], kind: str = "doc") -> str: ...
 
 # Tokens the memo keeps (least recently used texts dropped first): 64 x 2048-token documents fit four times.
 DEFAULT_MEMO_TOKENS = 1 << 19
@@ -42,7 +47,7 @@ class PreparedText:
 class PreparedTexts:
     """The memo of :class:`PreparedText` per text for one layout and one store; safe to call from any thread."""
 
-    def __init__(self, layout: PromptLayout, store: KVCacheStore, max_tokens: int = DEFAULT_MEMO_TOKENS):
+    def __init__(self, layout: PromptLayout, store: KeyedStore, max_tokens: int = DEFAULT_MEMO_TOKENS):
         self.layout, self.store, self.max_tokens = layout, store, max_tokens
         self._memo: OrderedDict[str, PreparedText] = OrderedDict()
         self._tokens = 0

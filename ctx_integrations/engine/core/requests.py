@@ -64,7 +64,7 @@ class ModeRequest(Request):
 
     def __init__(self, engine: Any, contexts: list[DecodeContext], mode: str, options: dict[str, Any], *,
                  timeout: float | None = None):
-        super().__init__(engine, timeout=timeout)
+        super().__init__(engine, timeout=timeout, started=min(ctx.started for ctx in contexts))
         self.contexts, self.mode, self.options = contexts, mode, dict(options)
 
     def prefetch(self) -> None:
@@ -84,7 +84,7 @@ class ChatRequest(Request):
     """A conversation without documents (mode ``"chat"``): one stream over the rendered conversation's tokens."""
 
     def __init__(self, engine: Any, ctx: DecodeContext, ids: list[int], *, timeout: float | None = None):
-        super().__init__(engine, timeout=timeout)
+        super().__init__(engine, timeout=timeout, started=ctx.started)
         self.ctx, self.ids = ctx, tuple(ids)
 
     def plan(self) -> Job:

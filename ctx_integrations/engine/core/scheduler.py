@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from ctx_integrations.engine.core.compiled_step import resolve_compile_mode
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
@@ -94,10 +95,10 @@ class Request:
     ``"running"``, then ``"finished"``, ``"failed"``, ``"cancelled"`` or ``"timed_out"``.
     """
 
-    def __init__(self, owner: object, *, timeout: float | None = None):
+    def __init__(self, owner: object, *, timeout: float | None = None, started: float | None = None):
         self.request_id = f"req-{next(_REQUEST_IDS)}"
         self.owner = owner
-        self.submitted = time.perf_counter()
+        self.submitted = time.perf_counter() if started is None else started  # the call's start: its timeout's too
         self.deadline = None if timeout is None else self.submitted + timeout
         self.job: Job | None = None
         self.kv_bytes = 0
@@ -685,7 +686,8 @@ def _stop_all() -> None:
 
 
 def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
-                  max_batch_bytes: int | None = None, threads: int | None = None) -> Scheduler:
+                  max_batch_bytes: int | None = None, threads: int | None = None,
+                  compile_mode: str | None = "auto") -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
     ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes
@@ -695,12 +697,14 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
     model share all three, so a second engine asking for other values is refused rather than silently ignored.
     """
     kernel = resolve_kernel(attention_kernel, loaded.device)
+    compiled = resolve_compile_mode(compile_mode, loaded.device)
     with _SCHEDULERS_LOCK:
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
-            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
-                                                              budget, threads or default_threads())
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel, compiled),
+                                                              kv_bytes_per_token(loaded), budget,
+                                                              threads or default_threads())
             _LIVE.add(scheduler)
         elif threads is not None and scheduler.threads != threads:
             raise InvalidOptionError(
@@ -712,6 +716,11 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
                 f"this model's scheduler already runs with max_batch_bytes={scheduler.max_batch_bytes}, and every "
                 f"engine on one model shares it: build this engine with the same value (or none), or load the model "
                 f"again for max_batch_bytes={max_batch_bytes}")
+        elif scheduler.runner.compile_mode != compiled:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs its decode step with compile_mode="
+                f"{scheduler.runner.compile_mode!r}, and every engine on one model shares it: build this engine with "
+                f"the same compile_mode, or load the model again for compile_mode={compile_mode!r}")
         elif scheduler.attention_kernel != kernel:
             raise InvalidOptionError(
                 f"this model's scheduler already runs its row pool with attention_kernel="

@@ -135,10 +135,10 @@ class StackedJob(PooledJob):
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """Per waiting question, in stack order: its token, the token's log-probability and the score to check."""
         first_step = "prefill_s" not in self.contexts[0].timings
-        if first_step:
-            prefill = time.perf_counter() - self.contexts[0].started
+        if first_step:  # each question's own clock: its ctx was prepared (and its clock started) a moment apart
+            now = time.perf_counter()
             for ctx in self.contexts:
-                ctx.timings["prefill_s"] = prefill
+                ctx.timings["prefill_s"] = now - ctx.started
         values = []
         for stack, row in zip(self._live, logits):
             for question, scores in zip(self._waiting[stack], row):
