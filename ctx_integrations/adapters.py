@@ -1,7 +1,10 @@
 """What every framework adapter (LangChain, LlamaIndex) needs from the engine, kept in one place.
 
 One embedded model per process: adapters built without an engine share it, so an app that uses the
-LangChain runnable and the LlamaIndex query engine side by side loads the embedded model once.
+LangChain runnable and the LlamaIndex query engine side by side loads the embedded model once. An adapter
+built with ``model=`` (a local folder, a ``.gguf`` file, a cached hub id, a fetched catalog alias) loads
+that model, once per process per name; a name this machine does not hold is refused when the adapter is
+built (:func:`check_model`), never answered by the embedded model under that name.
 
 KV caches persist by default. An adapter built without an engine (and without ``cache_dir``) uses an
 engine whose document caches live under the user cache dir's KV root (``$CTX_CACHE_DIR/kv``, one folder
@@ -38,8 +41,10 @@ class UserCacheDir:
 USER_CACHE_DIR = UserCacheDir()
 CacheDir = str | os.PathLike | UserCacheDir | None
 
-_engines: dict[str, Engine] = {}
+_engines: dict[tuple[str, str], Engine] = {}
 _engines_lock = threading.Lock()
+_loaded: dict[str, LoadedModel] = {}
+_loaded_lock = threading.Lock()
 
 
 def shared_cache_dir() -> Path:
@@ -67,15 +72,31 @@ def default_loaded() -> LoadedModel:
     return load_model(None)
 
 
-def shared_engine(cache_dir: CacheDir = USER_CACHE_DIR) -> Engine:
-    """The engine over the embedded model whose caches live in ``cache_dir`` (one per folder, built on first use)."""
+def named_loaded(model: str | None) -> LoadedModel:
+    """The model an adapter's ``model=`` names (``None``: the embedded one), loaded once per process per name.
+
+    Loaded with ``local_files_only``: adapters take only what :func:`check_model` found on this machine.
+    """
+    if model is None:
+        return default_loaded()
+    from ctx_integrations.engine.core.model import load_model
+
+    with _loaded_lock:
+        if model not in _loaded:
+            _loaded[model] = load_model(model, local_files_only=True)
+        return _loaded[model]
+
+
+def shared_engine(cache_dir: CacheDir = USER_CACHE_DIR, model: str | None = None) -> Engine:
+    """The engine over ``model`` (``None``: the embedded one) whose caches live in ``cache_dir`` (one per model and
+    folder, built on first use)."""
     from ctx_integrations.engine.core.engine import Engine
 
     folder = resolve_cache_dir(cache_dir)
-    key = "" if folder is None else str(folder)
+    key = ("" if folder is None else str(folder), model or "")
     with _engines_lock:
         if key not in _engines:
-            _engines[key] = Engine(default_loaded(), cache_dir=folder)
+            _engines[key] = Engine(named_loaded(model), cache_dir=folder)
         return _engines[key]
 
 
@@ -84,9 +105,23 @@ def default_engine() -> Engine:
     return shared_engine()
 
 
-def resolve_engine(engine: Engine | None, cache_dir: CacheDir = USER_CACHE_DIR) -> Engine:
-    """The given engine, or the shared one for ``cache_dir`` (loaded on first use, not when an adapter is built)."""
-    return shared_engine(cache_dir) if engine is None else engine
+def resolve_engine(engine: Engine | None, cache_dir: CacheDir = USER_CACHE_DIR, model: str | None = None) -> Engine:
+    """The given engine, or the shared one for ``model`` and ``cache_dir`` (loaded on first use, not when an adapter
+    is built)."""
+    return shared_engine(cache_dir, model) if engine is None else engine
+
+
+def check_model(model: Any, engine: Any = None) -> str | None:
+    """An adapter's ``model=`` as the name to load (``None``: the embedded model), checked when the adapter is
+    built: a name this machine does not hold is a typed error listing the accepted ones, without a network call
+    (:func:`~ctx_integrations.engine.core.model.local_model_name`); with ``engine=`` it must be that engine's."""
+    from ctx_integrations.engine.core.model import local_model_name
+
+    if engine is not None:
+        if model is not None and model != engine.loaded.name:
+            raise InvalidOptionError(f"engine= serves {engine.loaded.name!r}, not model={model!r}: give one of them")
+        return None
+    return local_model_name(model)
 
 
 def check_engine(engine: object, cache_dir: Any = USER_CACHE_DIR) -> None:

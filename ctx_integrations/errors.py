@@ -87,6 +87,11 @@ class TrustRemoteCodeError(ModelLoadError):
     """A model folder that needs its own Python code; loading it runs that code, so it is an explicit opt-in."""
 
 
+class ModelNotFoundError(ModelLoadError):
+    """A model name that names nothing this machine holds (no local folder or file, no cached hub id, no fetched
+    catalog alias): refused rather than answered by another model under that name."""
+
+
 class ModelFetchError(ModelLoadError):
     """A catalog model that is unknown, not fetched yet, or whose download does not match its pinned hashes."""
 

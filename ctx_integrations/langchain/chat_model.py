@@ -33,7 +33,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables.config import run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.adapters import check_engine, check_model, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
@@ -118,6 +118,12 @@ class _Request:
 class ChatContextOfExperts(BaseChatModel):
     """A LangChain chat model over a local :class:`~ctx_integrations.Engine` (``engine=None``: the embedded default).
 
+    ``model`` (alias ``model_name``), like ``ChatOllama(model=...)``: load that model instead of the embedded
+    one (a local folder, a ``.gguf`` file, a hub id in the Hugging Face cache, a fetched catalog alias), once
+    per process per name. A name this machine does not hold is a
+    :class:`~ctx_integrations.errors.ModelNotFoundError` at construction, never another model under that name;
+    with ``engine=`` it must be that engine's model.
+
     Per call: ``documents`` (answer from them with ``mode``), ``mode``, ``mode_options``,
     ``max_tokens`` (alias ``max_new_tokens``), ``temperature``, ``top_p``, ``seed``. Tool calling and
     structured output are not supported: the embedded 135M model cannot follow tool schemas reliably.
@@ -137,16 +143,18 @@ class ChatContextOfExperts(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
     _warned_undecoded: bool = PrivateAttr(default=False)
+    _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
         super().__init__(**data)
         self._check()
 
     def _check(self) -> None:
-        """Refuse an unknown mode, option or engine type at construction."""
+        """Refuse an unknown mode, option, engine type or model at construction."""
         resolve_mode(self.mode)
         check_options(self.mode, self.mode_options)
         check_engine(self.engine)
+        self._load_name = check_model(self.model_name, self.engine)
 
     @property
     def _llm_type(self) -> str:
@@ -154,10 +162,11 @@ class ChatContextOfExperts(BaseChatModel):
 
     @property
     def resolved_model_name(self) -> str:
-        """The model's name without loading it: the given one, the engine's, or the embedded default's."""
-        if self.model_name:
-            return self.model_name
-        return self.engine.loaded.name if self.engine is not None else EMBEDDED_MODEL_NAME
+        """The name of the model that answers, without loading it: the engine's, the given one (what it loads
+        under), or the embedded default's."""
+        if self.engine is not None:
+            return self.engine.loaded.name
+        return self.model_name or EMBEDDED_MODEL_NAME
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -183,7 +192,7 @@ class ChatContextOfExperts(BaseChatModel):
         model = kwargs.get("model")
         if model is not None and model != self.resolved_model_name:
             raise InvalidOptionError(f"this chat model serves {self.resolved_model_name!r}, not {model!r}: build "
-                                     "another ChatContextOfExperts with engine=Engine.from_pretrained(...) for it")
+                                     f"another ChatContextOfExperts(model={model!r}) for it")
         if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
             raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
         in_prompt, messages = _documents_in_prompt(messages)
@@ -202,7 +211,8 @@ class ChatContextOfExperts(BaseChatModel):
                                   top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed),
                                   stop=stop if stop is not None else self.stop)
         docs = None if documents is None else from_langchain_documents(documents)
-        return _Request(resolve_engine(self.engine), to_chat_messages(messages), docs, mode, options, sampling)
+        return _Request(resolve_engine(self.engine, model=self._load_name), to_chat_messages(messages), docs, mode,
+                        options, sampling)
 
     def _warn_if_context_is_lost(self, messages: Sequence[BaseMessage]) -> None:
         """Warn once when a chained prompt mentions context but none reached the decoder as documents.

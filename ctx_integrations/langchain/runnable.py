@@ -22,7 +22,7 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, resolve_engine
+from ctx_integrations.adapters import check_engine, check_model, resolve_engine
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
@@ -88,7 +88,9 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     ``response_metadata`` holds the per-token trace, the cited documents and the timings, with token
     counts in ``usage_metadata`` (``output="text"``: just the answer string).
 
-    ``engine=None`` uses the embedded default model. ``max_tokens`` (alias ``max_new_tokens``) is the
+    ``engine=None`` uses the embedded default model, or the one ``model`` (alias ``model_name``) names: a local
+    folder, a ``.gguf`` file, a cached hub id or a fetched catalog alias, checked at construction as in
+    :class:`ChatContextOfExperts`. ``max_tokens`` (alias ``max_new_tokens``) is the
     answer budget, also per call as ``configurable["max_tokens"]``. ``mode_options`` maps a mode name to its options,
     e.g. ``{"pced": {"gamma": 2.0}}``, so switching ``mode`` per call never sends one mode's options to
     another. ``batch``/``abatch`` over questions that share the same documents answer them all in one
@@ -96,6 +98,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     """
 
     engine: Any = Field(default=None, exclude=True)
+    model_name: str | None = Field(default=None, alias="model")
     retriever: Any = Field(default=None, exclude=True)
     mode: str = "pced"
     mode_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -110,6 +113,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
     _model: ChatContextOfExperts | None = PrivateAttr(default=None)
+    _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
         if "max_tokens" in data and "max_new_tokens" in data:
@@ -126,7 +130,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     def chat_model(self) -> ChatContextOfExperts:
         """The chat model every answer goes through (so LangChain reports it as a chat-model run)."""
         if self._model is None:
-            self._model = ChatContextOfExperts(engine=self.engine, mode=self.mode)
+            self._model = ChatContextOfExperts(engine=self.engine, model=self.model_name, mode=self.mode)
         return self._model
 
     def _check(self) -> None:
@@ -137,6 +141,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         for name, options in self.mode_options.items():
             check_options(name, options)
         check_engine(self.engine)
+        self._load_name = check_model(self.model_name, self.engine)
         if self.retriever is not None and not isinstance(self.retriever, Runnable):
             raise InvalidOptionError("retriever must be a LangChain Runnable (e.g. a BaseRetriever) that maps a "
                                      f"question to documents, got {type(self.retriever).__name__}")
@@ -301,7 +306,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
                    for i in inputs[1:])
 
     def _answer_shared(self, inputs: list[Any], config: list[RunnableConfig]) -> list[Output]:
-        engine = resolve_engine(self.engine)
+        engine = resolve_engine(self.engine, model=self._load_name)
         calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
         options = self.mode_options.get(self.batch_mode, {})
         answers = engine.generate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,
@@ -314,7 +319,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     async def _abatch_shared(self, inputs: list[Any], run_manager: list[AsyncCallbackManagerForChainRun],
                              config: list[RunnableConfig]) -> list[Output]:
-        engine = await run_in_executor(None, resolve_engine, self.engine)  # may load the model: not on the loop
+        engine = await run_in_executor(None, resolve_engine, self.engine, model=self._load_name)  # may load the model
         calls = [self._call(*self._question(i), c) for i, c in zip(inputs, config)]
         options = self.mode_options.get(self.batch_mode, {})
         answers = await engine.agenerate_many([c.question for c in calls], calls[0].documents, mode=self.batch_mode,

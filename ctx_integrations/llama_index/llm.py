@@ -47,7 +47,14 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.settings import Settings
 
-from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir, UserCacheDir, check_engine, resolve_engine
+from ctx_integrations.adapters import (
+    USER_CACHE_DIR,
+    CacheDir,
+    UserCacheDir,
+    check_engine,
+    check_model,
+    resolve_engine,
+)
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
@@ -123,6 +130,12 @@ class ExpertDecoderLLM(CustomLLM):
     ``raw`` holds token usage and timings. Per-call options: ``max_new_tokens`` (alias ``max_tokens``),
     ``temperature``, ``top_p``, ``seed``, ``stop``.
 
+    ``model_name`` (alias ``model``), like ``HuggingFaceLLM(model_name=...)``: load that model instead of the
+    embedded one (a local folder, a ``.gguf`` file, a hub id in the Hugging Face cache, a fetched catalog alias),
+    once per process per name. A name this machine does not hold is a
+    :class:`~ctx_integrations.errors.ModelNotFoundError` at construction, never another model under that name;
+    with ``engine=`` it must be that engine's model. ``metadata.model_name`` is the loaded model's.
+
     Set it as ``Settings.llm`` and every ctx-integrations LlamaIndex class (query engine, synthesizer,
     chat engine) decodes with its engine: one model for the whole app. ``cache_dir``: where the default
     engine keeps document KV caches (left out: the user cache dir, ``$CTX_CACHE_DIR``; ``None``: memory
@@ -135,6 +148,8 @@ class ExpertDecoderLLM(CustomLLM):
     """
 
     engine: Any = Field(default=None, exclude=True, description="a ctx_integrations.Engine; None: embedded default")
+    model_name: str | None = Field(default=None, description="the model to load (a local folder, a .gguf file, a "
+                                   "cached hub id or a fetched catalog alias); None: the embedded default")
     cache_dir: Any = Field(default=USER_CACHE_DIR, exclude=True,
                            description="KV cache folder of the default engine; None: memory only")
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0,
@@ -144,14 +159,17 @@ class ExpertDecoderLLM(CustomLLM):
     seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")
     stop: list[str] = Field(default_factory=list, description="stop sequences")
     _warned_undecoded: bool = PrivateAttr(default=False)
+    _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
-        if "max_tokens" in data:  # the name most LlamaIndex LLMs use
-            if "max_new_tokens" in data:
-                raise InvalidOptionError("give max_new_tokens or its alias max_tokens, not both")
-            data["max_new_tokens"] = data.pop("max_tokens")
+        for alias, name in (("max_tokens", "max_new_tokens"), ("model", "model_name")):  # other LLMs' names
+            if alias in data:
+                if name in data:
+                    raise InvalidOptionError(f"give {name} or its alias {alias}, not both")
+                data[name] = data.pop(alias)
         super().__init__(**data)
         check_engine(self.engine, self.cache_dir)
+        self._load_name = check_model(self.model_name, self.engine)
 
     @classmethod
     def class_name(cls) -> str:
@@ -160,7 +178,7 @@ class ExpertDecoderLLM(CustomLLM):
     @property
     def resolved_engine(self) -> Engine:
         """The engine this LLM decodes with (the shared embedded default is loaded on first use)."""
-        return resolve_engine(self.engine, self.cache_dir)
+        return resolve_engine(self.engine, self.cache_dir, self._load_name)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -195,7 +213,7 @@ class ExpertDecoderLLM(CustomLLM):
         return system + [{"role": "user", "content": prompt}]
 
     async def _arequest(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> _Request:
-        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir)  # may load the model
+        engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir, self._load_name)  # may load
         return self._request(engine, messages, kwargs)
 
     # ----------------------------------------------------------------- completion

@@ -9,6 +9,7 @@ of all concurrent requests into one forward per step. ``generate`` blocks; ``age
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ctx_integrations.documents import Document, prepare_documents
+from ctx_integrations.documents import Document, prepare_documents, user_text
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
 from ctx_integrations.engine.core.chat import conversation_ids
@@ -183,11 +184,14 @@ class Engine:
 
     def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
                  on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
-                 options: dict[str, Any]) -> RequestHandle:
-        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer]."""
+                 options: dict[str, Any], prepare: bool = True) -> RequestHandle:
+        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer].
+
+        ``prepare``: tokenise and key its documents here (:meth:`_context`); async callers pass ``False`` so that
+        their event loop never tokenises (the scheduler's loader thread does, before the request is planned)."""
         self._check_call(mode, options)
         ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(),
-                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token)
+                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token, prepare=prepare)
         return self._submit(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)))
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
@@ -219,7 +223,7 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handle = self._request(query, documents, scores, mode, None, timeout, settings, options)
+        handle = self._request(query, documents, scores, mode, None, timeout, settings, options, prepare=False)
         return (await handle.wait())[0]
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
@@ -239,7 +243,7 @@ class Engine:
         prepare_documents(documents, scores)
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._request(query, documents, scores, mode, on_token, timeout, settings, options)
+            return self._request(query, documents, scores, mode, on_token, timeout, settings, options, prepare=False)
 
         return AnswerStream(start, lambda answers: answers[0])
 
@@ -255,7 +259,8 @@ class Engine:
         return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
-              sampling: SamplingParams, timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
+              sampling: SamplingParams, timeout: float | None, options: dict[str, Any],
+              prepare: bool = True) -> list[RequestHandle]:
         started = time.perf_counter()
         self._check_call(mode, options)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
@@ -271,7 +276,7 @@ class Engine:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
         contexts = [self._context(q, list(docs), sampling.sampler(seed_offset=i),
-                                  sampling.stop_criteria(self.loaded.eos_token_ids), None, started)
+                                  sampling.stop_criteria(self.loaded.eos_token_ids), None, started, prepare)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         timeout = self._timeout(timeout)
         if answers_many(mode):
@@ -316,7 +321,7 @@ class Engine:
         """:meth:`generate_many` for async callers."""
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handles = self._many(questions, documents, scores, mode, settings, timeout, options)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options, prepare=False)
         try:
             return [answer for handle in handles for answer in await handle.wait()]
         except BaseException:
@@ -354,10 +359,15 @@ class Engine:
                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                     stop: Sequence[str] | str = (), timeout: float | None = None,
                     sampling: SamplingParams | None = None) -> Answer:
-        """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request)."""
+        """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
+
+        The conversation is templated and tokenised on a worker thread, so a long one never stalls the
+        event loop (and every other request an async server runs on it).
+        """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handle = self._chat_request(messages, settings, None, timeout)
+        ids = await asyncio.to_thread(conversation_ids, self.layout, messages)
+        handle = self._chat_request(messages, settings, None, timeout, ids)
         return (await handle.wait())[0]
 
     def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
@@ -430,13 +440,19 @@ class Engine:
         check_options(mode, options)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
-                 on_token: Callable[[str], None] | None, started: float | None = None) -> DecodeContext:
-        """The request's context, prepared here once: its documents' tokens and cache keys (from the memo when
-        seen before) and the question suffix's tokens. ``started``: the call's start (default now): the request's
-        clock (TTFT, timeout) includes preparing it, and the questions of one call share one clock."""
+                 on_token: Callable[[str], None] | None, started: float | None = None,
+                 prepare: bool = True) -> DecodeContext:
+        """The request's context: the question suffix's tokens, and (``prepare``) its documents' tokens and cache keys
+        (from the memo when seen before), computed here once; otherwise :meth:`DecodeContext.prepare` computes
+        them on the scheduler's loader thread. ``started``: the call's start (default now): the request's clock
+        (TTFT, timeout) includes preparing it, and the questions of one call share one clock."""
         started = time.perf_counter() if started is None else started
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
-        return DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token), started=started,
-                             prepared=self.texts.prepare_all([d.text for d in documents]),
-                             suffix_ids=tuple(self.layout.suffix_ids(query)))
+        for index, document in enumerate(documents):  # what tokenising would refuse, refused now in any case
+            user_text(document.text, f"document {index}'s text")
+        ctx = DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token), started=started,
+                            suffix_ids=tuple(self.layout.suffix_ids(query)))
+        if prepare:
+            ctx.prepare()
+        return ctx

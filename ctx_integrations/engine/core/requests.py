@@ -68,10 +68,14 @@ class ModeRequest(Request):
         self.contexts, self.mode, self.options = contexts, mode, dict(options)
 
     def prefetch(self) -> None:
+        for ctx in self.contexts:  # an async caller's documents are tokenised here, on the loader thread
+            ctx.prepare()
         unique = {p.key: p for ctx in self.contexts for p in ctx.prepared}
         self.owner.store.prefetch(list(unique.values()))
 
     def plan(self) -> Job:
+        for ctx in self.contexts:  # done by prefetch, unless it failed (then the typed error is raised here)
+            ctx.prepare()
         run = resolve_mode(self.mode)
         return run(self.contexts, **self.options) if answers_many(self.mode) else run(self.contexts[0], **self.options)
 
