@@ -233,6 +233,17 @@ def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler
     assert sched.stats.peak_rows >= 5  # the batch did hold several requests at once
 
 
+def test_a_joining_request_takes_its_first_token_from_its_prefill(scheduler):
+    # The joint prefill's logits are the joining rows' first ones: a job done after one token never reaches a decode
+    # step. A scheduler that did not hand them to the job would decode it once more (a real answer would lose the
+    # token its prompt predicts).
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    job = FakeJob(1, steps=1)
+    assert sched.submit(submission(job)).future.result(timeout=WAIT_S) is job
+    assert job.seen == [[100]] and [runner.log[i] for i in runner.steps_with(100)] == [([], [100])]
+
+
 def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=100)
@@ -268,6 +279,34 @@ def test_a_small_request_does_not_overtake_a_held_one(scheduler):
     held.future.result(timeout=WAIT_S)
     small.future.result(timeout=WAIT_S)
     assert min(runner.steps_with(300)) >= min(runner.steps_with(200))
+
+
+def test_the_requests_behind_a_held_one_keep_their_order_ahead_of_later_arrivals(scheduler):
+    # B and C were planned behind H in the step that held H, and D and E arrived while H's plan ran (a plan may
+    # compute caches for seconds). First come, first served: once bytes free, the rows join in the order
+    # H, B, C, D, E. Catches B and C sent to the back of the queue (behind D and E) or put back reversed.
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=100)
+    late: list = []
+    arrived = threading.Event()
+
+    def plan_held():  # on the scheduler's thread: two requests arrive and are ready before H is held
+        late.extend(sched.submit_all([submission(FakeJob(5, kv_tokens=10)),
+                                      submission(FakeJob(6, kv_tokens=10), prefetch=arrived.set)]))
+        assert arrived.wait(WAIT_S)  # the loader reads in order: D is in the queue once E's read begins
+        return FakeJob(2, kv_tokens=100)
+
+    held = Submission(plan_held, lambda done: done, owner="tests")
+    behind = [submission(FakeJob(label, kv_tokens=10)) for label in (3, 4)]
+    handles, running, gate = paused_with_queue(sched, runner, [held, *behind])  # 1 byte runs: H (100) cannot join
+    runner.running.set()
+    wait_until(lambda: sched.stats.held == 1 and len(late) == 2, "H to be held with D and E queued")
+    gate.set()
+    for handle in (*handles, *late):
+        handle.future.result(timeout=WAIT_S)
+    running.future.result(timeout=WAIT_S)
+    joined = [label for _, labels in runner.log for label in labels if label != 900]
+    assert joined == [200, 300, 400, 500, 600]
 
 
 def test_a_request_larger_than_the_whole_budget_fails_with_a_typed_error(scheduler):
