@@ -40,6 +40,7 @@ class FakeRunner:
         self.forwards = 0
         self.attention: list[tuple[int, object]] = []  # (row label, its own attention rule) as rows joined
         self.rewinds: list[dict[int, int]] = []  # per step, the batch rows that drop columns first
+        self.requests: list[tuple[list, list]] = []  # per step, (request id, rows) decoding and joining
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
@@ -48,6 +49,9 @@ class FakeRunner:
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
         self.rewinds.append(dict(step.rewind))
+        self.requests.append((list(step.decode_requests), list(step.joining_requests)))
+        assert sum(rows for _, rows in step.decode_requests) == len(step.decode)  # ids cover exactly the rows
+        assert sum(rows for _, rows in step.joining_requests) == len(step.joining)
         self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
@@ -160,14 +164,19 @@ class FakeExclusive(ExclusiveJob):
 
 
 class JobRequest(Request):
-    """A request whose job is given (the engine's requests plan theirs from a mode); its result is the job."""
+    """A request whose job is given, or made by ``plan`` on the scheduler's thread (the engine's requests plan
+    theirs from a mode); ``prefetch`` runs on the loader thread; its result is the job."""
 
-    def __init__(self, job, **kwargs):
+    def __init__(self, job=None, *, plan=None, prefetch=None, **kwargs):
         super().__init__("tests", **kwargs)
-        self.given = job
+        self.given, self.make, self.read = job, plan, prefetch
 
     def plan(self):
-        return self.given
+        return self.make() if self.make is not None else self.given
+
+    def prefetch(self):
+        if self.read is not None:
+            self.read()
 
     def finish(self, job):
         return job
@@ -296,7 +305,7 @@ def test_the_requests_behind_a_held_one_keep_their_order_ahead_of_later_arrivals
         assert arrived.wait(WAIT_S)  # the loader reads in order: D is in the queue once E's read begins
         return FakeJob(2, kv_tokens=100)
 
-    held = Submission(plan_held, lambda done: done, owner="tests")
+    held = JobRequest(plan=plan_held)
     behind = [submission(FakeJob(label, kv_tokens=10)) for label in (3, 4)]
     handles, running, gate = paused_with_queue(sched, runner, [held, *behind])  # 1 byte runs: H (100) cannot join
     runner.running.set()
@@ -612,3 +621,15 @@ def test_a_job_whose_prepare_raises_fails_alone_and_is_closed(scheduler):
     assert handles[1].future.result(timeout=WAIT_S) is fine
     wait_until(lambda: broken.closed == 1 and fine.closed == 1, "both jobs to be closed")
     assert sched.active() == (0, 0)
+
+
+def test_every_step_names_the_requests_whose_rows_it_carries(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    first, second = submission(FakeJob(1, rows=2)), submission(FakeJob(2, rows=3))
+    for request in (first, second):
+        sched.submit(request).future.result(timeout=WAIT_S)
+    named = {request_id for decoding, joining in runner.requests for request_id, _ in decoding + joining}
+    assert named == {first.request_id, second.request_id} and first.request_id != second.request_id
+    assert (first.request_id, 2) in runner.requests[0][1]  # joined with its 2 rows
+    assert (first.status, second.status) == ("finished", "finished")

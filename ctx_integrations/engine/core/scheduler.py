@@ -467,7 +467,8 @@ class Scheduler:
             decode=self._batch.runs(), joining=[row for job, _, _ in joining.entries for row in job.rows()],
             joining_runs=joining.runs(),
             joining_attention=[rule for job, _, _ in joining.entries for rule in job.row_attention()],
-            rewind=self._batch.rewinds()))
+            rewind=self._batch.rewinds(), decode_requests=self._batch.requests(),
+            joining_requests=joining.requests()))
         self._consume(output, joining)
         exclusive_started = time.perf_counter()
         for job, request in list(self._exclusive):
