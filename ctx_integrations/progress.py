@@ -40,7 +40,9 @@ class Progress:
     ``show``: ``None`` shows a tqdm bar when ``file`` is a terminal and plain lines otherwise, ``True`` a bar
     always, ``False`` nothing. :meth:`update` (absolute counts) and :meth:`advance` (an increment) may be called
     from any thread: they never write. Nothing is shown before the first count arrives (a step that never starts
-    prints nothing); ``total`` may come with it.
+    prints nothing); ``total`` may come with it. The time shown counts from the start of the ``with`` block when
+    ``total`` is given here (the step starts with the block: its first count may come after a whole batch), else
+    from the first count (a step inside a longer block, which announces itself with ``update(0, total)``).
     """
 
     def __init__(self, desc: str, unit: str, total: int | None = None, *, show: bool | None = None,
@@ -50,6 +52,7 @@ class Progress:
         self.style = "off" if show is False else "bar" if show or _is_terminal(self.file) else "lines"
         self._lock = threading.Lock()
         self._done, self._total, self._started = 0, total, None  # _started: when the first count arrived
+        self._since: float | None = None  # where the time shown counts from
         self._first: tuple[int, int | None] = (0, total)  # the first counts: the start line, however short the step
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,9 +78,13 @@ class Progress:
     def _start(self) -> None:
         if self._started is None:
             self._started, self._first = time.monotonic(), (self._done, self._total)
+            self._since = self._started if self._since is None else self._since
 
     # -- rendering (its own thread) ------------------------------------------------------------------
     def __enter__(self) -> Progress:
+        if self._total is not None:
+            with self._lock:
+                self._since = time.monotonic()
         if self.style != "off":
             self._thread = threading.Thread(target=self._run, name=f"progress {self.desc}", daemon=True)
             self._thread.start()
@@ -97,13 +104,13 @@ class Progress:
 
     def _render(self, final: bool) -> None:
         with self._lock:
-            done, total, started = self._done, self._total, self._started
-        if started is None:
+            done, total, started, since = self._done, self._total, self._started, self._since
+        if started is None or since is None:
             return
         if self.style == "bar":
             self._render_bar(done, total, final)
         else:
-            self._render_line(done, total, started, final)
+            self._render_line(done, total, started - since, since, final)
 
     def _render_bar(self, done: int, total: int | None, final: bool) -> None:
         from tqdm.auto import tqdm
@@ -117,15 +124,15 @@ class Progress:
         if final:
             self._bar.close()
 
-    def _render_line(self, done: int, total: int | None, started: float, final: bool) -> None:
+    def _render_line(self, done: int, total: int | None, first_s: float, since: float, final: bool) -> None:
         if self._shown is None:  # the start line, even when the step is over by the first look
-            self._print_line(*self._first, 0.0)
+            self._print_line(*self._first, first_s)
         now = time.monotonic()
         finished = total is not None and done >= total
         if (finished or final) and self._shown == (done, total):
             return  # the last line said it already
         if finished or final or now - self._line_at >= self.every_s:
-            self._print_line(done, total, now - started)
+            self._print_line(done, total, now - since)
 
     def _print_line(self, done: int, total: int | None, elapsed: float) -> None:
         of = f"/{total}" if total is not None else ""

@@ -79,6 +79,16 @@ def test_plain_lines_when_stderr_is_not_a_terminal():
     assert sum(line.startswith("kv caches: 3/3") for line in lines) == 1
 
 
+def test_a_step_given_its_total_counts_time_from_the_start_of_the_block():
+    """Embedding reports after each batch: a one-batch step's only count comes at its end, and its line must say
+    how long it took, not 0 s."""
+    out = Stream(terminal=False)
+    with Progress("embedding", "passage", 2, file=out) as progress:
+        time.sleep(1.2)
+        progress.advance(2)
+    assert out.getvalue() == "embedding: 2/2 passages, 1 s\n"
+
+
 def test_a_step_that_never_starts_prints_nothing():
     out = Stream(terminal=False)
     with Progress("kv caches", "document", file=out):
