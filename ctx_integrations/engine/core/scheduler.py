@@ -15,7 +15,7 @@ model's work); at every step the scheduler thread
    ``single`` / ``concat`` / chat sequences, IPPD stacks) and the joining rows with their prompts; the
    runner runs one batched forward over the running rows and one prefill forward over the joining
    rows, and returns per-row logits; each job turns its own rows' logits into tokens with its rule,
-4. advances each exclusive job (APE on the flex kernel; compiled MapReduce; ``warm``) by one forward of its own,
+4. advances each exclusive job (APE on the flex kernel; ``warm``) by one forward of its own,
 5. hands finished answers back to their callers.
 
 Why a new request's prefill runs in its own forward rather than inside the decode step: the batch is
@@ -189,7 +189,7 @@ class SchedulerStats:
     steps: int = 0
     forwards: int = 0
     forward_s: float = 0.0  # the runner's batched forwards (pooled jobs)
-    exclusive_s: float = 0.0  # exclusive jobs' own steps (flex APE, compiled MapReduce, warm), forwards included
+    exclusive_s: float = 0.0  # exclusive jobs' own steps (flex APE, warm), forwards included
     busy_s: float = 0.0  # whole steps: the above plus the scheduler's and the pooled jobs' own work
     rows_stepped: int = 0  # rows summed over steps (divided by steps: how many rows a step carried)
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
