@@ -16,8 +16,8 @@ from contextlib import nullcontext
 
 import torch
 
-from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.batch_invariant import batch_invariant_kernels
+from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import RowPool, Run, slot_bucket
@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, attention_kernel: str, compile_mode: str | None = None,
                  batch_invariant: bool = False):
         self._loaded = weakref.ref(loaded)
-        # forwards under kernels whose rows round alike in any batch (:mod:`~ctx_integrations.engine.core.batch_invariant`)
+        # forwards under kernels whose rows round alike in any batch (engine/core/batch_invariant.py)
         self.batch_invariant = batch_invariant
         self.attention_kernel = attention_kernel  # resolved by flex.resolve_kernel: "eager" or "flex"
         self.compile_mode = compile_mode  # resolved by compiled_step.resolve_compile_mode: None or a torch mode
