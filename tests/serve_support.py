@@ -1,7 +1,8 @@
 """Real server processes for the serving tests: a tiny random-weight engine behind uvicorn on 127.0.0.1.
 
-``python -c "from tests.serve_support import main; main()" PORT [--store DIR] [--max-in-flight N] [limits]``
-(the limits are ``ctx-experts serve``'s flags, e.g. ``--max-body-bytes``, ``--read-timeout``)
+``python -c "from tests.serve_support import main; main()" PORT [--store DIR] [--max-in-flight N] [limits] [api]``
+(the limits are ``ctx-experts serve``'s flags, e.g. ``--max-body-bytes``, ``--read-timeout``; api its
+``--api-key``, ``--served-model-name``, ``--no-access-log``)
 runs the app from :func:`ctx_integrations.serve.app.create_app` on the same tiny model the tests
 build in-process (same seed, same weights), so an HTTP answer can be compared token for token with
 ``engine.generate``. :func:`start_server` launches it and waits for ``/healthz``; the process is
@@ -43,7 +44,7 @@ def main() -> None:
     import torch
 
     from ctx_integrations.serve.app import create_app
-    from ctx_integrations.serve.cli import add_limit_arguments, limits_from
+    from ctx_integrations.serve.cli import add_api_arguments, add_limit_arguments, api_keys_from, limits_from
     from ctx_integrations.serve.http_server import run
 
     parser = argparse.ArgumentParser()
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=None)
     parser.add_argument("--lifetime", type=float, default=600.0)
     add_limit_arguments(parser)
+    add_api_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = None
@@ -64,15 +66,20 @@ def main() -> None:
         if store.count() == 0:
             store.add(load_demo_corpus()[0], warm=False)
     signal.alarm(int(args.lifetime))  # never outlive the test session
-    app = create_app(engine, store, max_in_flight=args.max_in_flight, limits=limits_from(args))
-    run(app, host="127.0.0.1", port=args.port, drain_timeout=30)
+    app = create_app(engine, store, max_in_flight=args.max_in_flight, limits=limits_from(args),
+                     model_name=args.served_model_name, api_key=api_keys_from(args) or None)
+    run(app, host="127.0.0.1", port=args.port, drain_timeout=30, access_log=args.access_log)
 
 
 @contextmanager
-def start_server(*extra: str, log: Path, deadline_s: float = 600.0):
-    """Start a server process; yield ``(base_url, process)``; stop it (SIGTERM, then SIGKILL) afterwards."""
+def start_server(*extra: str, log: Path, deadline_s: float = 600.0, env: dict[str, str] | None = None):
+    """Start a server process; yield ``(base_url, process)``; stop it (SIGTERM, then SIGKILL) afterwards.
+
+    ``env``: variables for the server beyond this process's (whose ``$CTX_API_KEY`` is not passed on).
+    """
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    inherited = {name: value for name, value in os.environ.items() if name != "CTX_API_KEY"}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-c", "from tests.serve_support import main; main()", str(port),
                                     "--lifetime", str(deadline_s), *extra], cwd=ROOT, env=env, stdout=out,

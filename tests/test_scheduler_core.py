@@ -19,7 +19,7 @@ import torch
 
 from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.scheduler import RequestCancelledError, Scheduler, Submission
+from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, Scheduler
 from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepOutput
 from ctx_integrations.errors import EngineOverloadedError, RequestTimeoutError, RequestTooLargeError
 
@@ -40,6 +40,7 @@ class FakeRunner:
         self.forwards = 0
         self.attention: list[tuple[int, object]] = []  # (row label, its own attention rule) as rows joined
         self.rewinds: list[dict[int, int]] = []  # per step, the batch rows that drop columns first
+        self.requests: list[tuple[list, list]] = []  # per step, (request id, rows) decoding and joining
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
@@ -48,6 +49,9 @@ class FakeRunner:
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
         self.rewinds.append(dict(step.rewind))
+        self.requests.append((list(step.decode_requests), list(step.joining_requests)))
+        assert sum(rows for _, rows in step.decode_requests) == len(step.decode)  # ids cover exactly the rows
+        assert sum(rows for _, rows in step.joining_requests) == len(step.joining)
         self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
@@ -159,8 +163,27 @@ class FakeExclusive(ExclusiveJob):
         return self.tokens
 
 
-def submission(job, **kwargs) -> Submission:
-    return Submission(lambda: job, lambda done: done, owner="tests", **kwargs)
+class JobRequest(Request):
+    """A request whose job is given, or made by ``plan`` on the scheduler's thread (the engine's requests plan
+    theirs from a mode); ``prefetch`` runs on the loader thread; its result is the job."""
+
+    def __init__(self, job=None, *, plan=None, prefetch=None, **kwargs):
+        super().__init__("tests", **kwargs)
+        self.given, self.make, self.read = job, plan, prefetch
+
+    def plan(self):
+        return self.make() if self.make is not None else self.given
+
+    def prefetch(self):
+        if self.read is not None:
+            self.read()
+
+    def finish(self, job):
+        return job
+
+
+def submission(job, **kwargs) -> Request:
+    return JobRequest(job, **kwargs)
 
 
 @pytest.fixture
@@ -219,6 +242,17 @@ def test_each_job_gets_its_own_rows_as_jobs_of_any_size_join_and_leave(scheduler
     assert sched.stats.peak_rows >= 5  # the batch did hold several requests at once
 
 
+def test_a_joining_request_takes_its_first_token_from_its_prefill(scheduler):
+    # The joint prefill's logits are the joining rows' first ones: a job done after one token never reaches a decode
+    # step. A scheduler that did not hand them to the job would decode it once more (a real answer would lose the
+    # token its prompt predicts).
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    job = FakeJob(1, steps=1)
+    assert sched.submit(submission(job)).future.result(timeout=WAIT_S) is job
+    assert job.seen == [[100]] and [runner.log[i] for i in runner.steps_with(100)] == [([], [100])]
+
+
 def test_a_request_waits_for_kv_bytes_and_joins_when_they_free(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=100)
@@ -254,6 +288,34 @@ def test_a_small_request_does_not_overtake_a_held_one(scheduler):
     held.future.result(timeout=WAIT_S)
     small.future.result(timeout=WAIT_S)
     assert min(runner.steps_with(300)) >= min(runner.steps_with(200))
+
+
+def test_the_requests_behind_a_held_one_keep_their_order_ahead_of_later_arrivals(scheduler):
+    # B and C were planned behind H in the step that held H, and D and E arrived while H's plan ran (a plan may
+    # compute caches for seconds). First come, first served: once bytes free, the rows join in the order
+    # H, B, C, D, E. Catches B and C sent to the back of the queue (behind D and E) or put back reversed.
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=100)
+    late: list = []
+    arrived = threading.Event()
+
+    def plan_held():  # on the scheduler's thread: two requests arrive and are ready before H is held
+        late.extend(sched.submit_all([submission(FakeJob(5, kv_tokens=10)),
+                                      submission(FakeJob(6, kv_tokens=10), prefetch=arrived.set)]))
+        assert arrived.wait(WAIT_S)  # the loader reads in order: D is in the queue once E's read begins
+        return FakeJob(2, kv_tokens=100)
+
+    held = JobRequest(plan=plan_held)
+    behind = [submission(FakeJob(label, kv_tokens=10)) for label in (3, 4)]
+    handles, running, gate = paused_with_queue(sched, runner, [held, *behind])  # 1 byte runs: H (100) cannot join
+    runner.running.set()
+    wait_until(lambda: sched.stats.held == 1 and len(late) == 2, "H to be held with D and E queued")
+    gate.set()
+    for handle in (*handles, *late):
+        handle.future.result(timeout=WAIT_S)
+    running.future.result(timeout=WAIT_S)
+    joined = [label for _, labels in runner.log for label in labels if label != 900]
+    assert joined == [200, 300, 400, 500, 600]
 
 
 def test_a_request_larger_than_the_whole_budget_fails_with_a_typed_error(scheduler):
@@ -367,7 +429,7 @@ def test_a_follow_up_that_cannot_run_fails_its_request_alone(scheduler, then, er
     assert sched.active() == (0, 0) and sched.queue_depth() == 0
 
 
-def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Submission]):
+def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Request]):
     """Queue ``submissions`` while a running request holds the step loop inside a paused step, so that the
     next step plans them all together; returns their handles and the running request's gate."""
     running, gate = start_gated(sched, 9, 1)
@@ -559,3 +621,15 @@ def test_a_job_whose_prepare_raises_fails_alone_and_is_closed(scheduler):
     assert handles[1].future.result(timeout=WAIT_S) is fine
     wait_until(lambda: broken.closed == 1 and fine.closed == 1, "both jobs to be closed")
     assert sched.active() == (0, 0)
+
+
+def test_every_step_names_the_requests_whose_rows_it_carries(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    first, second = submission(FakeJob(1, rows=2)), submission(FakeJob(2, rows=3))
+    for request in (first, second):
+        sched.submit(request).future.result(timeout=WAIT_S)
+    named = {request_id for decoding, joining in runner.requests for request_id, _ in decoding + joining}
+    assert named == {first.request_id, second.request_id} and first.request_id != second.request_id
+    assert (first.request_id, 2) in runner.requests[0][1]  # joined with its 2 rows
+    assert (first.status, second.status) == ("finished", "finished")

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.serve.errors import error_bytes
 from ctx_integrations.serve.limits import (
     BodyLimitMiddleware,
     HeaderLimitMiddleware,
     ServerLimits,
-    error_json,
     header_bytes,
     headers_too_large,
 )
@@ -100,7 +100,7 @@ def test_a_declared_length_up_to_the_limit_is_read_and_one_byte_more_refused(dec
         assert CALLS == [{"method": "POST", "messages": [{"type": "http.request", "body": body, "more_body": False}],
                           "after": {"type": "http.disconnect"}}]
     else:
-        assert _error(content, 413, "request_too_large") == (
+        assert _error(content, 413, "invalid_request_error") == (
             f"the request body is {LIMIT + 1} bytes (Content-Length), {TOO_LARGE_ADVICE}") and CALLS == []
 
 
@@ -112,7 +112,7 @@ def test_a_chunked_body_up_to_the_limit_is_read_and_one_byte_more_refused(size, 
     if status == 200:
         assert content == b"".join(chunks)
     else:
-        assert _error(content, 413, "request_too_large") == (
+        assert _error(content, 413, "invalid_request_error") == (
             f"the request body is more than {LIMIT} bytes (counted while reading it), {TOO_LARGE_ADVICE}")
 
 
@@ -126,7 +126,7 @@ def test_messages_without_body_or_more_body_keys_are_read_as_asgi_says():
 def test_a_content_length_that_is_not_a_number_is_400_quoting_40_bytes_of_it():
     answered, content = _run(_body_limit(), _scope([(b"content-length", b"x" * 50)]), [b"{}"])
     assert answered == 400
-    assert _error(content, 400, "request_too_large") == f"Content-Length {b'x' * 40!r} is not a number of bytes"
+    assert _error(content, 400, "invalid_request_error") == f"Content-Length {b'x' * 40!r} is not a number of bytes"
 
 
 def test_a_client_that_leaves_while_sending_gets_nothing_and_the_app_never_runs():
@@ -140,8 +140,8 @@ def test_a_body_that_stops_arriving_is_408_after_the_read_timeout():
     answered, content = _run(middleware, _scope([]), [{"type": "http.request", "body": b"{", "more_body": True}],
                              stall=True)
     assert answered == 408 and CALLS == []
-    assert _error(content, 408, "request_timeout") == ("the request body did not arrive within 0.05 s (read_timeout_s, "
-                                                       "--read-timeout): send the whole body at once")
+    assert _error(content, 408, "invalid_request_error") == (
+        "the request body did not arrive within 0.05 s (read_timeout_s, --read-timeout): send the whole body at once")
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
@@ -198,7 +198,7 @@ def test_headers_up_to_the_limit_pass_and_one_byte_more_is_431(method, extra, st
     assert answered == status, content
     if status == 431:
         error = json.loads(content)["error"]
-        assert error == {"message": headers_too_large(LIMIT, LIMIT + 1), "type": "request_too_large",
+        assert error == {"message": headers_too_large(LIMIT, LIMIT + 1), "type": "invalid_request_error",
                          "param": "headers", "code": 431}
     else:
         assert content == b"{}"
@@ -221,6 +221,7 @@ def test_a_read_timeout_above_zero_is_accepted(value):
     assert ServerLimits(read_timeout_s=value).read_timeout_s == value
 
 
-def test_error_json_has_openais_shape():
-    assert json.loads(error_json(431, "m", "request_too_large", "headers")) == {
-        "error": {"message": "m", "type": "request_too_large", "param": "headers", "code": 431}}
+def test_error_bytes_has_openais_shape():
+    """The middlewares' bodies: OpenAI's shape, ``type`` one of its kinds by status (not ``request_too_large``)."""
+    assert json.loads(error_bytes("m", 431, "headers")) == {
+        "error": {"message": "m", "type": "invalid_request_error", "param": "headers", "code": 431}}

@@ -25,6 +25,8 @@ serve = pytest.importorskip("ray.serve")
 pytest.importorskip("fastapi")
 
 MAX_DOCUMENTS = 6  # the gateway's limit, below the default: shows the app's limits reach it
+SERVED_NAME, API_KEY = "ray-tiny", "ray-test-key"  # the gateway's name and key: shows they reach it too
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WORDS = "harbour bridge market winter tower library garden railway museum festival island treaty".split()
 
 
@@ -62,7 +64,8 @@ def ray_app(tmp_path_factory):
         chroma_pid = next(p.pid for p in _ray_processes() if "chroma" in " ".join(p.cmdline()))
         port = free_port()
         app = build_app(replicas=2, store_url=chroma_url, engine_factory="tests.serve_support:tiny_engine",
-                        limits=ServerLimits(max_documents=MAX_DOCUMENTS))
+                        limits=ServerLimits(max_documents=MAX_DOCUMENTS), served_model_name=[SERVED_NAME],
+                        api_key=API_KEY)
         try:
             start(app, port=port, num_cpus=2)
             yield RayApp(f"http://127.0.0.1:{port}", store.kv_dir, chroma_pid)
@@ -108,7 +111,7 @@ def test_the_first_request_after_ingestion_reads_its_caches_from_disk_on_every_r
     first_answer = {}
     for document in load_demo_corpus()[0]:  # each question retrieves other documents: they spread over replicas
         body = {"query": document.text, "top_k": 2, "max_new_tokens": 2}
-        answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=120).json()
+        answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, headers=AUTH, timeout=120).json()
         assert answer["cache"]["misses"] == 0, f"a retrieved document was recomputed: {answer['cache']}"
         first_answer.setdefault(answer["replica"], answer["cache"])
         if len(first_answer) == 2:
@@ -126,7 +129,7 @@ def test_two_replicas_answer_like_one_engine_with_document_affinity(ray_app):
     for round_ in range(2):
         for i, docs in enumerate(_doc_sets(12)):
             body = {"query": f"When did number {i} open?", "documents": docs, "max_new_tokens": 3}
-            answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=120).json()
+            answer = httpx.post(f"{ray_app.url}/v1/answer", json=body, headers=AUTH, timeout=120).json()
             assert answer["token_ids"] == engine.generate(body["query"], docs, max_new_tokens=3).token_ids
             if round_ == 0:
                 replica_of[i] = answer["replica"]
@@ -141,7 +144,7 @@ def test_two_replicas_answer_like_one_engine_with_document_affinity(ray_app):
 def test_retrieval_from_the_chroma_server_streams_through_a_replica(ray_app):
     """Bug caught: the gateway not reaching the Chroma server, or streams not crossing the replica boundary."""
     body = {"query": "Who founded the city?", "top_k": 3, "max_new_tokens": 4, "stream": True}
-    with httpx.stream("POST", f"{ray_app.url}/v1/answer", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{ray_app.url}/v1/answer", json=body, headers=AUTH, timeout=120) as response:
         assert response.status_code == 200
         events = sse_events(response.iter_lines())
     answer = json.loads(events[-1][1])
@@ -152,7 +155,7 @@ def test_retrieval_from_the_chroma_server_streams_through_a_replica(ray_app):
 def test_a_replica_error_is_a_4xx_naming_the_field(ray_app):
     """Bug caught: an error raised in a replica reaching the client as a 500 with Ray's remote trace."""
     response = httpx.post(f"{ray_app.url}/v1/answer", json={"query": "q", "documents": ["x"], "mode": "pced",
-                                                        "options": {"gamma": -1}}, timeout=60)
+                                                        "options": {"gamma": -1}}, headers=AUTH, timeout=60)
     assert response.status_code == 422 and response.json()["error"]["param"] == "options"
     assert "Traceback" not in response.json()["error"]["message"]
 
@@ -160,10 +163,20 @@ def test_a_replica_error_is_a_4xx_naming_the_field(ray_app):
 def test_the_gateway_applies_the_apps_request_limits(ray_app):
     """Bug caught: ``build_app(limits=...)`` (``serve --ray --max-documents``) not reaching the gateway."""
     body = {"query": "q", "documents": ["x"] * (MAX_DOCUMENTS + 1), "max_new_tokens": 1}
-    response = httpx.post(f"{ray_app.url}/v1/answer", json=body, timeout=60)
+    response = httpx.post(f"{ray_app.url}/v1/answer", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["param"] == "documents" and str(MAX_DOCUMENTS) in error["message"]
+
+
+def test_the_gateway_requires_the_api_key_and_answers_to_the_served_name(ray_app):
+    """Bug caught: ``build_app(api_key=..., served_model_name=...)`` (``serve --ray --api-key``) not reaching the
+    gateway: an open API behind Ray, or the old default name "ctx-integrations (ray)"."""
+    refused = httpx.get(f"{ray_app.url}/v1/models", timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    models = httpx.get(f"{ray_app.url}/v1/models", headers=AUTH, timeout=60).json()
+    assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+    assert httpx.get(f"{ray_app.url}/healthz", timeout=60).status_code == 200
 
 
 def test_every_ray_process_listens_on_loopback_only(ray_app):

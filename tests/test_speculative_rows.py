@@ -4,7 +4,10 @@ Invariants: a row fed a new sequence keeps exactly the common prefix it holds an
 ``greedy_verdict`` is ``verify``'s greedy branch (same accepted count and token); RAPID requests, with
 the drafter in their own job or on another model's scheduler, answer token for token as alone while
 other requests share both batches; a cancelled RAPID request frees its drafter's row on the other
-scheduler; a failed drafter fails its RAPID request with the drafter's error.
+scheduler; a failed drafter fails its RAPID request with the drafter's error. Sampled rounds: the drafter
+records the tempered nucleus it drew each draft from (so a drafter that sees the target's own context has
+every draft accepted), and the trace scores every emitted token, corrections included, by the target's
+log-probability at its own position.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ import pytest
 import torch
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core.decoding import TokenSampler
 from ctx_integrations.engine.core.rows import Run
-from ctx_integrations.engine.modes.speculative import TAIL_RULES, greedy_verdict, tail_adjusted, verify
-from ctx_integrations.engine.modes.speculative_rows import SequenceRow
+from ctx_integrations.engine.modes.speculative import TAIL_RULES, greedy_verdict, nucleus, tail_adjusted, verify
+from ctx_integrations.engine.modes.speculative_rows import DraftRow, SequenceRow
 from ctx_integrations.errors import RequestTooLargeError
 from tests.helpers import tiny_loaded
-from tests.test_rapid import DOCS, QUESTION, SMALL_CONTEXT, one_thread, sharp_tiny  # noqa: F401 - one_thread: autouse
+from tests.test_rapid import (  # noqa: F401 - one_thread: autouse
+    DOCS,
+    QUESTION,
+    SMALL_CONTEXT,
+    WHOLE_CONTEXT,
+    one_thread,
+    prompt_ids,
+    sharp_tiny,
+)
 
 WAIT_S = 60
 
@@ -107,6 +119,108 @@ def test_the_greedy_verdict_on_the_device_is_verifys_greedy_branch(eta, tail_rul
         assert (int(accepted), int(token)) == (expected.accepted, expected.token), case
         seen.add(expected.accepted)
     assert seen == set(range(g + 1))
+
+
+# -- the drafter's distributions and the sampled verdict -------------------------------------------------
+
+# the drafter's logits after its last token: one row over a vocabulary of 6, and 2 columns past the shared width
+# (a drafter with a larger vocabulary) that would win every draw if they were not cut off
+DRAFTER_LOGITS = torch.tensor([[2.0, 1.5, 0.5, 0.0, -1.0, -3.0, 9.0, 9.0]])
+WIDTH = 6
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (0.5, 1.0), (2.0, 0.8)])
+def test_the_drafter_records_the_tempered_nucleus_it_drew_each_draft_from(temperature, top_p):
+    # Exact: the distribution verification divides by must be the one each draft was drawn from, softmax of the
+    # nucleus of z / T over the shared width (greedy: softmax z, and the argmax), drawn with the request's own
+    # generator. A drafter that kept z untempered, skipped the nucleus or read past the width would record (and
+    # draw from) another q, and the acceptance test p^(x) / q(x) would no longer make the output follow the target.
+    scores = DRAFTER_LOGITS[-1, :WIDTH]
+    if temperature == 0:
+        expected_q = torch.softmax(scores, -1)
+        expected = [int(scores.argmax())] * 3
+    else:
+        expected_q = torch.softmax(nucleus(scores / temperature, top_p), -1)
+        assert not torch.allclose(expected_q, torch.softmax(scores, -1), atol=1e-3)  # the case separates the rules
+        generator = torch.Generator().manual_seed(3)
+        expected = [int(torch.multinomial(expected_q, 1, generator=generator)) for _ in range(3)]
+    draft = DraftRow(SequenceRow(first_position=4), [1, 2, 3], TokenSampler(temperature, top_p, seed=3),
+                     eos=frozenset(), width=WIDTH)
+    assert not draft.drafting and draft.drafts == draft.dists == [] and draft.passes == 0  # nobody asked yet
+    assert draft.first_draft_at is None
+    draft.start([7], goal=3)
+    assert draft.row.runs == [Run((1, 2, 3), 4), Run((7,), 7)] and draft.drafting  # the prompt, then its last token
+    before = time.perf_counter()
+    for i, token in enumerate(expected):
+        values = draft.propose(DRAFTER_LOGITS).tolist()
+        assert values == [token, 2.0]  # the token, and the largest score within the width (checked finite)
+        draft.accept(values)
+        if i == 0:
+            first_draft_at = draft.first_draft_at
+            assert before <= first_draft_at <= time.perf_counter()
+        torch.testing.assert_close(draft.dists[i], expected_q, rtol=0, atol=0)
+        assert draft.passes == i + 1 and draft.drafts == expected[:i + 1]
+        # the draft goes in at the next step, until the goal is reached
+        assert draft.row.runs == ([Run((token,), 8 + i)] if i < 2 else []) and draft.drafting == (i < 2)
+    assert draft.first_draft_at == first_draft_at  # the first draft's time, kept
+
+
+def test_the_drafter_stops_at_an_end_of_sequence_token_before_its_goal():
+    draft = DraftRow(SequenceRow(first_position=0), [1], TokenSampler(), eos=frozenset({0}), width=WIDTH)
+    draft.start([], goal=3)
+    draft.accept(draft.propose(DRAFTER_LOGITS).tolist())  # greedy: token 0, an end of sequence
+    assert draft.drafts == [0] and not draft.drafting and draft.row.runs == []
+
+
+def test_a_seeded_sampled_answer_does_not_depend_on_torchs_global_generator():
+    # The verdict's uniforms and corrections are drawn with the request's own generator: the same seed gives the
+    # same answer whatever the global generator's state (a draw from the global one would differ between the two).
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, logit_scale=0.5))
+    answers = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        answers.append(engine.generate(QUESTION, DOCS, mode="rapid", drafter=drafter, gamma=4, eta=0.0,
+                                       max_new_tokens=24, temperature=1.0, seed=0, **WHOLE_CONTEXT))
+    assert 0 < answers[0].extra["accepted"] < answers[0].extra["drafted"]  # the uniforms decided something
+    assert answers[0].token_ids == answers[1].token_ids
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (1.5, 1.0), (1.5, 0.9)])
+@pytest.mark.parametrize("eta", [0.0, 5.0])
+def test_a_drafter_that_sees_the_targets_context_has_every_draft_accepted(temperature, top_p, eta):
+    # Self-speculation over the whole context: the drafter's q is the target's p (the same model, tokens, temperature
+    # and nucleus, up to float rounding), so p^ = p and every ratio p^(x) / q(x) is 1: nothing is ever rejected, at
+    # any eta. Catches a drafter whose distribution is not tempered (or not cut to the nucleus) like the target's
+    # before the acceptance test: then q != p, and a draft with q(x) > p(x) is rejected with probability
+    # 1 - p(x) / q(x). At T = 1 it also catches sampling verified by the greedy rule (a draft that is not
+    # argmax p^ rejected).
+    engine = Engine(sharp_tiny(0))
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", gamma=4, eta=eta, max_new_tokens=24,
+                             temperature=temperature, top_p=top_p, seed=1, **WHOLE_CONTEXT)
+    assert answer.extra["draft_context_tokens"] == answer.extra["long_context_tokens"]  # what the target sees
+    assert len(answer.token_ids) == 24 and answer.extra["drafted"] >= 18
+    assert answer.extra["accepted"] == answer.extra["drafted"], answer.extra["drafted_tokens"]
+
+
+@pytest.mark.parametrize(("temperature", "drafter_options"), [(0.0, dict(noise=0.05)), (0.7, dict(logit_scale=0.5))])
+def test_the_trace_scores_every_token_by_the_targets_log_probability_corrections_included(temperature,
+                                                                                          drafter_options):
+    # docs/rapid.md: the trace's score is the target's log-probability of each token (at the temperature), against
+    # one plain forward over the prompt and the answer. After a rejection the correction sits at the rejected
+    # draft's position: a verdict that scored the rejected draft there, or read another position's row, would put
+    # another token's probability in the trace. A drafter that often disagrees runs both branches.
+    engine = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, **drafter_options))
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", drafter=drafter, gamma=4, eta=0.0, max_new_tokens=24,
+                             temperature=temperature, seed=0, **WHOLE_CONTEXT)
+    assert 0 < answer.extra["accepted"] < answer.extra["drafted"], answer.extra
+    prompt = prompt_ids(engine, DOCS, QUESTION)
+    with torch.no_grad():
+        logits = engine.loaded.model(torch.tensor([prompt + answer.token_ids])).logits[0, len(prompt) - 1:-1]
+    log_p = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    expected = log_p.gather(-1, torch.tensor(answer.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([step.score for step in answer.trace]), expected, atol=1e-4, rtol=1e-4)
 
 
 # -- RAPID in the shared batch -------------------------------------------------------------------------

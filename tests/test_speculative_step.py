@@ -70,3 +70,14 @@ def test_the_paper_tail_rule_works_per_row():
     expected = torch.stack([torch.where(row < 0.1 * row.max(), p_row, row) for row, p_row in zip(p_hat, p)])
     assert not torch.equal(expected, torch.where(p_hat < 0.1 * p_hat.max(), p, p_hat))  # the per-row max matters
     torch.testing.assert_close(tail_adjusted(z, p, q, 2.0), expected)
+
+
+def test_a_greedy_bonus_is_argmax_p_every_time():
+    # The draft is argmax p^ and is accepted; the bonus is argmax of the last row's p = (0.3, 0.4, 0.3), token 1,
+    # never a draw from it (a draw, with the caller's generator or the global one, is another token for some seeds).
+    target = torch.log(torch.tensor([[0.1, 0.8, 0.1], [0.3, 0.4, 0.3]]))
+    q = torch.tensor([[0.2, 0.6, 0.2]])
+    for seed in range(30):
+        verdict = verify(target, q, [1], eta=0.0, temperature=0.0, top_p=1.0,
+                         generator=torch.Generator().manual_seed(seed))
+        assert (verdict.accepted, verdict.token, verdict.bonus) == (1, 1, True)

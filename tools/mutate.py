@@ -83,12 +83,23 @@ TARGETS = {
     # mutant there costs a minute of RAPID decodes, ~500 mutants); the on-device verdict
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),
                                ("tests/test_speculative_rows.py", "-k",
-                                "common_prefix or held_a_longer or fed_again or runs_in_the_shared_batch")),
+                                "common_prefix or held_a_longer or diverges_early or fed_again "
+                                "or runs_in_the_shared_batch")),
+    # RAPID's drafter row (the distribution each draft is drawn from and verified against) and the verdict's read
+    # back (the emitted tokens and their trace scores), through tiny-model decodes of about a second each
+    "rapid_rows": Target("ctx_integrations/engine/modes/speculative_rows.py",
+                         ("xǁDraftRowǁ*", "xǁRapidJobǁ_propose_verdict*"),
+                         ("tests/test_speculative_rows.py", "tests/test_rapid.py", "-k",
+                          "(test_speculative_rows and not cancelled and not cannot_run) or tail_rule_reaches")),
     # the seal of format_docs blocks: only blocks this process wrote come back out of a prompt as documents
     "boundaries": Target("ctx_integrations/langchain/boundaries.py", ("*",),
                          ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py", "-k",
                           "seal or round_trips")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
+    # the server's rules: which chat fields are refused, and whose requests carry the API key
+    "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
+                          ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),
+    "auth": Target("ctx_integrations/serve/auth.py", ("*",), ("tests/test_serve_openai_api.py", "-k", "api_key")),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
     "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),
@@ -99,7 +110,7 @@ TARGETS = {
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
-                           "-m", "not slow", "-k",
+                           "tests/test_speculative_rows.py", "-m", "not slow", "-k",
                            "test_speculative_step or test_rapid_eta or residual or tail or nucleus or verify or eta "
                            "or top_p or rule or draft_head")),
     # ingestion: what is text (the encoding rules), and splitting into passages (limits, packing, linear work)

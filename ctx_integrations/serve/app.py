@@ -2,12 +2,20 @@
 
 ``create_app(engine, store)`` serves one engine in this process; ``ray_app`` passes a backend that
 forwards jobs to Ray Serve replicas. This layer bounds what a request may ask (:class:`ServerLimits`:
-header size, body size and read deadline in middlewares, field sizes in the schemas), validates requests
-(pydantic, strictly typed, parsed on a worker thread so the event loop only moves bytes), retrieves documents
-from the store with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After,
-like the engine's own ``EngineOverloadedError``), streams server-sent events, cancels work whose
-client went away, and counts everything for ``/metrics``. FastAPI, Starlette and uvicorn do the
-HTTP; what is written here is only the mapping from HTTP to the engine's async API.
+header size, body size and read deadline in middlewares, field sizes in the schemas), checks
+the API key (:mod:`~ctx_integrations.serve.auth`), validates requests (pydantic, strictly typed, parsed on a
+worker thread so the event loop only moves bytes; OpenAI fields the server does not implement are
+refused by name, :mod:`~ctx_integrations.serve.unsupported`), retrieves documents from the store
+with every score, admits or refuses work (``max_in_flight`` -> 503 + Retry-After, like the engine's
+own ``EngineOverloadedError``), streams server-sent events, cancels work whose client went away,
+counts everything for ``/metrics`` and logs one line per request
+(:mod:`~ctx_integrations.serve.access_log`). FastAPI, Starlette and uvicorn do the HTTP; what is
+written here is only the mapping from HTTP to the engine's async API.
+
+The routes are module-level functions on :data:`router`; the state of one app (its backend, store,
+limits, served model names, metrics) is a :class:`ServerState` in ``app.state.server``, which each
+route receives as a dependency. Every error, whatever raised it (a route, pydantic, an unknown
+route or method, a bug), is answered in OpenAI's error shape (:data:`_HANDLERS`).
 """
 
 from __future__ import annotations
@@ -16,26 +24,29 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
+from ctx_integrations.serve.access_log import CLIENT_CLOSED, AccessLogMiddleware
+from ctx_integrations.serve.auth import ApiKeyMiddleware, api_keys
 from ctx_integrations.serve.backend import Backend, LocalBackend
 from ctx_integrations.serve.encoding import SafeJSONResponse, sse
-from ctx_integrations.serve.errors import error_body, headers_of, status_of, validation_error_response
+from ctx_integrations.serve.errors import ModelNotServedError, error_body, headers_of, status_of, validation_error
 from ctx_integrations.serve.limits import BodyLimitMiddleware, HeaderLimitMiddleware, ServerLimits
 from ctx_integrations.serve.metrics import ServerMetrics
+from ctx_integrations.serve.model_names import model_id, served_model_names
 from ctx_integrations.serve.schemas import AnswerRequest, BatchRequest, ChatCompletionRequest, to_documents
 
 Body = TypeVar("Body", bound=BaseModel)
 
-CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection"; nobody reads it
 _DISCONNECT_POLL_S = 0.05
 
 
@@ -107,14 +118,16 @@ def _validate(model: type[Body], raw: bytes, limits: ServerLimits) -> Body:
         raise InvalidBody(error) from None
 
 
-class _Server:
-    """State of one app: the backend, the optional store and retriever, the admission limit, the metrics."""
+class ServerState:
+    """State of one app: the backend, the optional store and retriever, the admission limit, the served model
+    names, the metrics. Routes receive it as a dependency (:func:`server_state`)."""
 
-    def __init__(self, backend: Backend, store: Any, retriever: Any, max_in_flight: int | None, model_name: str,
-                 limits: ServerLimits):
+    def __init__(self, backend: Backend, store: Any, retriever: Any, max_in_flight: int | None,
+                 model_names: tuple[str, ...], root: str, limits: ServerLimits):
         if max_in_flight is not None and max_in_flight < 1:
             raise InvalidOptionError("max_in_flight must be >= 1 (or None for no limit)")
-        self.backend, self.store, self.max_in_flight, self.model_name = backend, store, max_in_flight, model_name
+        self.backend, self.store, self.max_in_flight = backend, store, max_in_flight
+        self.model_names, self.root = model_names, root
         self.limits, self.created = limits, int(time.time())
         if retriever is None and store is not None:
             from ctx_integrations.retrieval.retriever import ScoredRetriever
@@ -123,6 +136,23 @@ class _Server:
         self.retriever = retriever
         self.metrics = ServerMetrics(self._stats)
         self.in_flight = 0
+
+    @property
+    def model_name(self) -> str:
+        """The name the server reports (the first served name)."""
+        return self.model_names[0]
+
+    def served_model(self, requested: str | None) -> str:
+        """The name to answer with: ``requested`` when the server serves it (the first name when none was named)."""
+        if requested is None:
+            return self.model_name
+        if requested not in self.model_names:
+            raise ModelNotServedError(requested, self.model_names)
+        return requested
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ctx-integrations",
+                "root": self.root}
 
     def _stats(self) -> dict[str, Any]:
         try:
@@ -249,12 +279,11 @@ class _Server:
                     yield chunk
                 outcome = "ok"
             except CtxIntegrationsError as error:
-                status, param = status_of(error)
                 outcome = "error"
-                yield sse(error_body(str(error), type(error).__name__, param, status), "error")
+                yield sse(_library_error_body(error)[1], "error")
             except Exception as error:  # a bug, not the client's mistake: say so in the stream instead of cutting it
                 outcome = "error"
-                yield sse(error_body(f"internal error: {type(error).__name__}", "internal_error", None, 500), "error")
+                yield sse(error_body(_internal_message(error), 500), "error")
             finally:
                 await events.aclose()
                 self.metrics.active_streams.dec()
@@ -276,171 +305,249 @@ def _finish_reason(answer: dict[str, Any]) -> str:
     return "length" if answer.get("finish_reason") == "length" else "stop"
 
 
+def _usage(answer: dict[str, Any]) -> dict[str, int]:
+    prompt = int(answer.get("timings", {}).get("prompt_tokens", 0))
+    completion = len(answer.get("token_ids", []))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _answer_events(event: dict[str, Any]) -> list[str]:
     if "token" in event:
         return [sse({"text": event["token"]}, "token")]
     return [sse(event["answer"], "answer")]
 
 
+# -- routes ------------------------------------------------------------------------------------------------
+router = APIRouter()
+
+
+def server_state(request: Request) -> ServerState:
+    """The app's :class:`ServerState` (set by :func:`create_app`)."""
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]
+
+
+@router.get("/healthz")
+@router.get("/health")
+async def healthz(server: State) -> dict[str, Any]:
+    return {"status": "ok", "model": server.model_name, "served_model_names": list(server.model_names),
+            "in_flight": server.in_flight, "store": None if server.store is None else str(server.store.location)}
+
+
+@router.get("/metrics")
+async def metrics(server: State) -> Response:
+    return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+
+@router.get("/v1/models")
+async def models(server: State) -> dict[str, Any]:
+    """OpenAI's model list, one card per served name (LangChain's and LlamaIndex's clients list models first)."""
+    return {"object": "list", "data": [server.model_card(name) for name in server.model_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, server: State) -> dict[str, Any]:
+    return server.model_card(server.served_model(model_id))
+
+
+@router.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))
+async def answer(request: Request, server: State) -> Any:
+    body = await server.parse(request, AnswerRequest)
+    documents = await server.documents_for(body.query, body.documents, body.top_k)
+    job = _engine_job(body.query, documents, body.mode, body.options, body)
+    if body.stream:
+        return await server.streamed("answer", request, job, _answer_events, [])
+
+    async def work() -> dict[str, Any]:
+        result = await server.backend.answer(job)
+        server.metrics.observe_answer(result)
+        return result
+
+    return await server.answered("answer", request, work)
+
+
+@router.post("/v1/answer/batch", response_model=None, openapi_extra=_body_doc(BatchRequest))
+async def batch(request: Request, server: State) -> Any:
+    body = await server.parse(request, BatchRequest)
+    if body.documents is not None:
+        shared: list[dict[str, Any]] | None = await server.documents_for(body.queries[0], body.documents, None)
+        documents: Any = shared
+    else:
+        per_query = await asyncio.gather(*(server.documents_for(q, None, body.top_k) for q in body.queries))
+        ids = {tuple(d["id"] for d in docs) for docs in per_query}
+        shared = per_query[0] if len(ids) == 1 else None
+        documents = shared if shared is not None else list(per_query)
+    mode = body.mode or ("ippd" if shared is not None else "pced")
+    job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
+           "sampling": body.sampling_fields(), "timeout": body.timeout}
+
+    async def work() -> dict[str, Any]:
+        answers = await server.backend.batch(job)
+        for item in answers:
+            server.metrics.observe_answer(item)
+        return {"mode": mode, "shared_documents": shared is not None, "answers": answers}
+
+    return await server.answered("batch", request, work)
+
+
+async def _chat_job(server: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The engine job of a chat request: the conversation as is, or (``ctx``) the last user message over the store."""
+    sampling = body.sampling()
+    if body.ctx is None or not body.ctx.store:
+        return {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None}
+    try:
+        query = body.last_user_message()
+    except ValueError as error:
+        raise RequestFieldError("messages", f"{error}: a retrieval-augmented chat answers the last "
+                                "user message") from None
+    documents = await server.retrieve(query, body.ctx.top_k, field="ctx.store")
+    return _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
+
+
+def _chat_chunks(completion_id: str, created: int, model_name: str,
+                 include_usage: bool) -> Callable[[dict[str, Any]], list[str]]:
+    """The SSE renderer of a streamed chat: one ``chat.completion.chunk`` per token, then the finish chunk.
+
+    The finish chunk carries the whole answer in ``ctx``, and ``usage`` unless the client asked for
+    ``stream_options.include_usage``: then usage comes in OpenAI's extra last chunk (no choices), and
+    only there, so clients that add up the usage of every chunk count it once.
+    """
+    def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+        return sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": choices, **(extra or {})})
+
+    def render(event: dict[str, Any]) -> list[str]:
+        if "token" in event:
+            return [chunk([{"index": 0, "delta": {"content": event["token"]}, "finish_reason": None}])]
+        answer = event["answer"]
+        finish = [{"index": 0, "delta": {}, "finish_reason": _finish_reason(answer)}]
+        if include_usage:
+            return [chunk(finish, {"usage": None, "ctx": answer}), chunk([], {"usage": _usage(answer)})]
+        return [chunk(finish, {"usage": _usage(answer), "ctx": answer})]
+
+    return render
+
+
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=_body_doc(ChatCompletionRequest))
+async def chat(request: Request, server: State) -> Any:
+    body = await server.parse(request, ChatCompletionRequest)
+    model_name = server.served_model(body.model)
+    job = await _chat_job(server, body)
+    completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        render = _chat_chunks(completion_id, created, model_name, include_usage)
+        return await server.streamed("chat", request, job, render, [sse("[DONE]")])
+
+    async def work() -> dict[str, Any]:
+        answer = await server.backend.answer(job)
+        server.metrics.observe_answer(answer)
+        return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
+                             "finish_reason": _finish_reason(answer), "logprobs": None}],
+                "usage": _usage(answer), "ctx": answer}
+
+    return await server.answered("chat", request, work)
+
+
+# -- errors: every status in OpenAI's shape ----------------------------------------------------------------
+def _library_error_body(error: CtxIntegrationsError) -> tuple[int, dict[str, Any]]:
+    status, param = status_of(error)
+    param = getattr(error, "field", None) or param
+    return status, error_body(str(error), status, param, getattr(error, "openai_code", None))
+
+
+def _internal_message(error: BaseException) -> str:
+    return f"internal error ({type(error).__name__}): the server's log has the details"
+
+
+async def _library_error(_: Request, error: CtxIntegrationsError) -> Response:
+    status, body = _library_error_body(error)
+    return SafeJSONResponse(body, status_code=status, headers=headers_of(status))
+
+
+async def _invalid_body(_: Request, error: InvalidBody) -> Response:
+    status, body = validation_error(error.problems)
+    return SafeJSONResponse(body, status_code=status)
+
+
+async def _invalid_request(_: Request, error: RequestValidationError) -> Response:
+    status, body = validation_error(error.errors())
+    return SafeJSONResponse(body, status_code=status)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+    """Starlette's own refusals: 404 for a path no route serves, 405 for a method the route does not take."""
+    status, method, path = error.status_code, request.method, request.url.path[:200]
+    headers = dict(error.headers or {})
+    if status == 404:
+        message = (f"no route for {method} {path}: this server serves /v1/chat/completions, /v1/models, /v1/answer, "
+                   "/v1/answer/batch, /healthz and /metrics")
+    elif status == 405:
+        message = f"{method} is not allowed on {path}: use {headers.get('Allow', 'another method')}"
+    else:
+        message = str(error.detail)
+    return SafeJSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+async def _internal_error(_: Request, error: Exception) -> Response:
+    """A bug: a 500 in OpenAI's shape (Starlette still logs the traceback and re-raises it to the server)."""
+    return SafeJSONResponse(error_body(_internal_message(error), 500), status_code=500)
+
+
+_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
+    CtxIntegrationsError: _library_error, InvalidBody: _invalid_body, RequestValidationError: _invalid_request,
+    StarletteHTTPException: _http_error, Exception: _internal_error,
+}
+
+
+# -- the app -------------------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    await app.state.server.backend.close()
+
+
 def create_app(engine: Any = None, store: Any = None, *, backend: Backend | None = None, retriever: Any = None,
-               max_in_flight: int | None = None, model_name: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
+               max_in_flight: int | None = None, model_name: str | Sequence[str] | None = None,
+               limits: ServerLimits | None = None, api_key: str | Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (or ``backend``), retrieving from ``store`` when given.
 
     ``store``: a :class:`~ctx_integrations.retrieval.DocumentStore` (a folder or a Chroma server URL);
     requests without inline documents get the ``top_k`` best of it, every score kept.
     ``max_in_flight``: requests admitted at once; beyond it the server answers 503 with Retry-After.
+    ``model_name``: the name(s) the server answers to (``--served-model-name``; the first is reported,
+    chat requests naming another model get 404 ``model_not_found``); default :func:`model_id` of the
+    engine's model name. ``api_key``: one key or several; with any, every ``/v1`` route requires
+    ``Authorization: Bearer KEY`` (:mod:`~ctx_integrations.serve.auth`).
     ``limits``: body size, read deadline and field sizes (:class:`~ctx_integrations.serve.limits.ServerLimits`;
     default ``ServerLimits()``). Run the app with :func:`ctx_integrations.serve.http_server.run` to have
-    uvicorn close connections whose headers never finish within ``limits.read_timeout_s`` as well.
-    The engine is closed (``engine.close()``, when it has one) when the server shuts down, after
-    uvicorn has drained the requests in flight.
+    uvicorn close connections whose headers never finish within ``limits.read_timeout_s`` as well, and
+    to print the access log. The engine is closed (``engine.close()``, when it has one) when the server
+    shuts down, after uvicorn has drained the requests in flight.
     """
     if backend is None:
         if engine is None:
             raise InvalidOptionError("create_app needs an engine (or a backend)")
         backend = LocalBackend(engine)
-    name = model_name or getattr(getattr(engine, "loaded", None), "name", None) or "ctx-integrations"
     if limits is not None and not isinstance(limits, ServerLimits):
         raise InvalidOptionError(f"limits must be a ServerLimits, got {type(limits).__name__}")
-    server = _Server(backend, store, retriever, max_in_flight, name, limits or ServerLimits())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await server.backend.close()
-
-    app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=lifespan, default_response_class=SafeJSONResponse)
-    app.state.server = server
-    app.add_middleware(BodyLimitMiddleware, limits=server.limits)
-    app.add_middleware(HeaderLimitMiddleware, limits=server.limits)  # added last: runs first, before the body is read
-
-    @app.exception_handler(CtxIntegrationsError)
-    async def library_error(_: Request, error: CtxIntegrationsError) -> SafeJSONResponse:
-        status, param = status_of(error)
-        param = getattr(error, "field", None) or param
-        return SafeJSONResponse(error_body(str(error), type(error).__name__, param, status), status_code=status,
-                                headers=headers_of(status))
-
-    @app.exception_handler(InvalidBody)
-    async def invalid_body(_: Request, error: InvalidBody) -> SafeJSONResponse:
-        return validation_error_response(error.problems)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> SafeJSONResponse:
-        return validation_error_response(error.errors())
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_name, "in_flight": server.in_flight,
-                "store": None if store is None else str(store.location)}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=server.metrics.content_type)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        """OpenAI's model list (clients such as LangChain's and LlamaIndex's list models before they chat)."""
-        return {"object": "list", "data": [_model_card(server)]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> Any:
-        if model_id != server.model_name:
-            message = f"the model {model_id!r} is not served here: this server serves {server.model_name!r}"
-            body = error_body(message, "invalid_request_error", "model", 404)
-            body["error"]["code"] = "model_not_found"
-            return SafeJSONResponse(body, status_code=404)
-        return _model_card(server)
-
-    @app.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))
-    async def answer(request: Request) -> Any:
-        body = await server.parse(request, AnswerRequest)
-        documents = await server.documents_for(body.query, body.documents, body.top_k)
-        job = _engine_job(body.query, documents, body.mode, body.options, body)
-        if body.stream:
-            return await server.streamed("answer", request, job, _answer_events, [])
-
-        async def work() -> dict[str, Any]:
-            result = await server.backend.answer(job)
-            server.metrics.observe_answer(result)
-            return result
-
-        return await server.answered("answer", request, work)
-
-    @app.post("/v1/answer/batch", response_model=None, openapi_extra=_body_doc(BatchRequest))
-    async def batch(request: Request) -> Any:
-        body = await server.parse(request, BatchRequest)
-        if body.documents is not None:
-            shared: list[dict[str, Any]] | None = await server.documents_for(body.queries[0], body.documents, None)
-            documents: Any = shared
-        else:
-            per_query = await asyncio.gather(*(server.documents_for(q, None, body.top_k) for q in body.queries))
-            ids = {tuple(d["id"] for d in docs) for docs in per_query}
-            shared = per_query[0] if len(ids) == 1 else None
-            documents = shared if shared is not None else list(per_query)
-        mode = body.mode or ("ippd" if shared is not None else "pced")
-        job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
-               "sampling": body.sampling_fields(), "timeout": body.timeout}
-
-        async def work() -> dict[str, Any]:
-            answers = await server.backend.batch(job)
-            for item in answers:
-                server.metrics.observe_answer(item)
-            return {"mode": mode, "shared_documents": shared is not None, "answers": answers}
-
-        return await server.answered("batch", request, work)
-
-    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_body_doc(ChatCompletionRequest))
-    async def chat(request: Request) -> Any:
-        body = await server.parse(request, ChatCompletionRequest)
-        sampling = body.sampling()
-        if body.ctx is not None and body.ctx.store:
-            try:
-                query = body.last_user_message()
-            except ValueError as error:
-                raise RequestFieldError("messages", f"{error}: a retrieval-augmented chat answers the last "
-                                        "user message") from None
-            documents = await server.retrieve(query, body.ctx.top_k, field="ctx.store")
-            job = _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
-        else:
-            job = {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None}
-        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        model = body.model or server.model_name
-
-        if body.stream:
-            def chunk(delta: dict[str, Any], finish: str | None, extra: dict[str, Any] | None = None) -> str:
-                payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **(extra or {})}
-                return sse(payload)
-
-            def render(event: dict[str, Any]) -> list[str]:
-                if "token" in event:
-                    return [chunk({"content": event["token"]}, None)]
-                answer = event["answer"]
-                return [chunk({}, _finish_reason(answer), {"usage": _usage(answer), "ctx": answer})]
-
-            return await server.streamed("chat", request, job, render, [sse("[DONE]")])
-
-        async def work() -> dict[str, Any]:
-            answer = await server.backend.answer(job)
-            server.metrics.observe_answer(answer)
-            return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
-                                 "finish_reason": _finish_reason(answer), "logprobs": None}],
-                    "usage": _usage(answer), "ctx": answer}
-
-        return await server.answered("chat", request, work)
-
+    loaded = getattr(getattr(engine, "loaded", None), "name", None)
+    names = served_model_names(model_name, model_id(loaded or "ctx-integrations"))
+    root = loaded or names[0]
+    keys = api_keys(api_key)
+    app = FastAPI(title="ctx-integrations", version="0.1.0", lifespan=_lifespan,
+                  default_response_class=SafeJSONResponse, exception_handlers=_HANDLERS)
+    app.state.server = ServerState(backend, store, retriever, max_in_flight, names, root, limits or ServerLimits())
+    app.include_router(router)
+    # the last added runs first: the access log sees every request; the header size and then the key are checked
+    # before the body is read
+    app.add_middleware(BodyLimitMiddleware, limits=app.state.server.limits)
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(HeaderLimitMiddleware, limits=app.state.server.limits)
+    app.add_middleware(AccessLogMiddleware)
     app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
     return app
-
-
-def _model_card(server: _Server) -> dict[str, Any]:
-    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "ctx-integrations"}
-
-
-def _usage(answer: dict[str, Any]) -> dict[str, int]:
-    prompt = int(answer.get("timings", {}).get("prompt_tokens", 0))
-    completion = len(answer.get("token_ids", []))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

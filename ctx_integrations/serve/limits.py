@@ -17,11 +17,11 @@ handled by :mod:`ctx_integrations.serve.http_server`, which owns the uvicorn sid
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.serve.errors import error_bytes
 
 MIB = 1024 * 1024
 KIB = 1024
@@ -64,14 +64,10 @@ class _BodyRefused(Exception):
         self.status = status
 
 
-def error_json(status: int, message: str, kind: str, param: str) -> bytes:
-    """An error body in OpenAI's shape (``serve.errors.error_body``), for the layers below FastAPI."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
-
-
-async def refuse(send: Any, status: int, message: str, kind: str, param: str) -> None:
-    """Answer a request with an OpenAI-shaped error, from an ASGI middleware."""
-    body = error_json(status, message, kind, param)
+async def refuse(send: Any, status: int, message: str, param: str) -> None:
+    """Answer a request with an OpenAI-shaped error (:func:`~ctx_integrations.serve.errors.error_bytes`), from an
+    ASGI middleware."""
+    body = error_bytes(message, status, param)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -106,7 +102,7 @@ class HeaderLimitMiddleware:
         if scope["type"] == "http":
             size, limit = header_bytes(scope), self.limits.max_header_bytes
             if size > limit:
-                await refuse(send, 431, headers_too_large(limit, size), "request_too_large", "headers")
+                await refuse(send, 431, headers_too_large(limit, size), "headers")
                 return
         await self.app(scope, receive, send)
 
@@ -129,11 +125,11 @@ class BodyLimitMiddleware:
         try:
             body = await asyncio.wait_for(self._read(scope, receive), self.limits.read_timeout_s)
         except _BodyRefused as refused:
-            await refuse(send, refused.status, str(refused), "request_too_large", "body")
+            await refuse(send, refused.status, str(refused), "body")
             return
         except TimeoutError:
             await refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s "
-                         "(read_timeout_s, --read-timeout): send the whole body at once", "request_timeout", "body")
+                         "(read_timeout_s, --read-timeout): send the whole body at once", "body")
             return
         if body is None:  # the client left while sending
             return

@@ -33,7 +33,7 @@ import importlib
 import ipaddress
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,10 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
 from ctx_integrations.paths import kv_root
+from ctx_integrations.serve.auth import api_keys
 from ctx_integrations.serve.backend import LocalBackend
 from ctx_integrations.serve.limits import ServerLimits
+from ctx_integrations.serve.model_names import model_id, served_model_names
 from ctx_integrations.serve.routing import HashRing, affinity_ranking, job_documents
 
 
@@ -188,18 +190,19 @@ class Gateway:
     """The HTTP ingress: validation, retrieval from the Chroma server, metrics; answers come from replicas."""
 
     def __init__(self, engines: Any, store_url: str | None, max_in_flight: int | None = None,
-                 model_name: str | None = None, limits: ServerLimits | None = None):
+                 model_names: tuple[str, ...] = ("ctx-integrations",), limits: ServerLimits | None = None,
+                 api_keys: tuple[str, ...] = ()):
         from ctx_integrations.retrieval.store import DocumentStore
 
         self.backend = RayBackend(engines)
         self.store = DocumentStore(store_url) if store_url else None
-        self.max_in_flight, self.model_name, self.limits = max_in_flight, model_name, limits
+        self.max_in_flight, self.model_names, self.limits, self.api_keys = max_in_flight, model_names, limits, api_keys
 
     def __serve_build_asgi_app__(self) -> Any:
         from ctx_integrations.serve.app import create_app
 
         return create_app(backend=self.backend, store=self.store, max_in_flight=self.max_in_flight,
-                          model_name=self.model_name or "ctx-integrations (ray)", limits=self.limits)
+                          model_name=self.model_names, limits=self.limits, api_key=self.api_keys or None)
 
 
 def kv_folder(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -215,7 +218,8 @@ def kv_folder(cache_dir: str | os.PathLike | None = None) -> Path:
 def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, store_url: str | None = None,
               model: str | None = None, engine_factory: str | None = None, max_in_flight: int | None = None,
               max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-              limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None) -> Any:
+              limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None,
+              served_model_name: str | Sequence[str] | None = None, api_key: str | Sequence[str] | None = None) -> Any:
     """The bound Ray Serve application: ``Gateway`` over ``replicas`` copies of ``EngineReplica``.
 
     ``cache_dir``: the KV folder every replica shares (default :func:`kv_folder`: the one ingestion
@@ -226,7 +230,8 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     Ray's own HTTP proxy reads the request, so the header read deadline is not applied there.
     ``engine_options``: :class:`~ctx_integrations.Engine` options every replica's engine gets (``threads``,
     default 1 per replica; ``disk_format``; ``dtype``; the byte budgets), as ``ctx-experts serve --ray`` passes
-    its flags.
+    its flags. ``served_model_name`` / ``api_key``: as :func:`~ctx_integrations.serve.app.create_app`'s ``model_name``
+    / ``api_key`` (default name: the model's, as an id; ``"ctx-integrations"`` with an ``engine_factory``).
     """
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")
@@ -239,7 +244,17 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
     engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
                                     **shutdown).bind(model, str(folder), engine_factory, engine_options)
-    return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight, model, limits)
+    return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight,
+                                            served_model_names(served_model_name, _default_id(model, engine_factory)),
+                                            limits, api_keys(api_key))
+
+
+def _default_id(model: str | None, engine_factory: str | None) -> str:
+    if engine_factory is not None:
+        return "ctx-integrations"
+    from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
+
+    return model_id(model or EMBEDDED_MODEL_NAME)
 
 
 def ray_node_address(host: str) -> str | None:
@@ -318,8 +333,8 @@ def stop() -> dict[str, float]:
     return {"serve": served - started, "ray": ended - served, "total": ended - started}
 
 
-def run_ray_serve(args: Any, limits: ServerLimits | None = None,
-                  engine_options: dict[str, Any] | None = None) -> int:
+def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None,
+                  keys: tuple[str, ...] = ()) -> int:
     """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests)."""
     import signal
     import threading
@@ -330,7 +345,7 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None,
     cache_dir = kv_folder(args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
                     max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits,
-                    engine_options=engine_options)
+                    engine_options=engine_options, served_model_name=args.served_model_name, api_key=keys or None)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
     print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
           f"{cache_dir}; store: {args.store or 'none'})", flush=True)

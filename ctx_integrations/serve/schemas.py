@@ -4,10 +4,12 @@ Pydantic checks types and ranges before the engine sees anything; what only the 
 (an unknown mode, a mode option out of range, a prompt longer than the window) comes back as a typed
 ``ctx_integrations.errors`` error and is mapped to a 4xx in :mod:`ctx_integrations.serve.errors`.
 
-Bodies are validated with :func:`parse_request`: strict JSON types (``"5"`` or ``true`` is not an
-integer), finite numbers, and the server's size limits (:class:`~ctx_integrations.serve.limits.ServerLimits`,
-passed as the validation context) checked on the parsed strings, before anything is tokenised.
-A size error has the pydantic type ``too_large`` (413); other errors are 422, malformed JSON 400.
+Bodies are validated with strict JSON types (``"5"`` or ``true`` is not an integer), finite numbers,
+and the server's size limits (:class:`~ctx_integrations.serve.limits.ServerLimits`, passed as the
+validation context) checked on the parsed strings, before anything is tokenised. A size error has
+the pydantic type ``too_large`` (413); an OpenAI field the server does not implement, or an unknown
+field of a chat request, ``unsupported_field`` (400, :mod:`ctx_integrations.serve.unsupported`);
+other errors are 422, malformed JSON 400.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.serve.limits import ServerLimits
+from ctx_integrations.serve.unsupported import refuse_unsupported
 
 _DEFAULT_LIMITS = ServerLimits()
 # keywords the server passes to the engine itself: a mode option of the same name would collide with them
@@ -195,15 +198,21 @@ class BatchRequest(Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)  # OpenAI's message fields beyond role/content (name, ...) are ignored
+    """One message: its role and its text (a string, or content parts of type ``text``).
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    Other OpenAI message fields (``name``, ``tool_calls``...) and roles (``tool``) are refused by
+    :func:`~ctx_integrations.serve.unsupported.refuse_unsupported` before this model sees them.
+    """
+
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(part.get("text", "")) for part in self.content if part.get("type", "text") == "text")
+        return "".join(str(part.get("text", "")) for part in self.content)
 
     @field_validator("content")
     @classmethod
@@ -231,10 +240,25 @@ class RetrievalOptions(BaseModel):
     _top_k_size = field_validator("top_k")(_check_top_k)
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` in OpenAI's format (unknown OpenAI fields are accepted and ignored)."""
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _STRICT
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` in OpenAI's format: every field here is honoured; any other is refused.
+
+    An OpenAI field this server does not implement (``response_format``, ``tools``, ``logprobs``,
+    ``n`` > 1, ...; the table is :data:`ctx_integrations.serve.unsupported.REFUSED`) or a field nobody
+    declared is a 400 naming it, unless its value asks for nothing (``null``, ``n=1``...). ``user``
+    is accepted as OpenAI accepts it: it identifies the end user to the provider, and no answer
+    depends on it. ``model`` must be one of the served names (checked by the route).
+    """
+
+    model_config = _STRICT
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -245,8 +269,22 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
     ctx: RetrievalOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _honoured_fields_only(cls, data: Any) -> Any:
+        return refuse_unsupported(data, cls.model_fields, ChatMessage.model_fields,
+                                  {"stream_options": StreamOptions.model_fields})
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("unsupported_field", "stream_options: only a streamed request (stream=true) has "
+                                      "stream options: leave it out, or send stream=true", {"field": "stream_options"})
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -263,8 +301,7 @@ class ChatCompletionRequest(BaseModel):
                         top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop)
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages
-                if m.role != "tool"]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
     def last_user_message(self) -> str:
         for message in reversed(self.messages):

@@ -19,7 +19,9 @@ class Answer:
     that won that token and its fused score (``None`` for modes without per-token attribution).
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s`` (floats), and what they were
     measured under: ``threads`` (torch CPU threads) and ``dtype`` (the compute dtype's name, a string,
-    e.g. ``"float32"``). ``cache_hits_by_tier``
+    e.g. ``"float32"``). ``prompt_tokens`` is the prompt's length as one concatenation (prefix, documents,
+    question; a chat's conversation), what frameworks report as input tokens, counted once when the request
+    was prepared. ``cache_hits_by_tier``
     splits ``cache_hits`` into the tier that served them (``memory``: the model's device, ``host``:
     pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
@@ -38,6 +40,7 @@ class Answer:
     cache_hits_by_tier: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0  # the prompt as one concatenation (prefix + documents + question), or the conversation
 
     def __str__(self) -> str:
         return self.text
@@ -58,6 +61,7 @@ class Answer:
             "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses,
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
+            "prompt_tokens": self.prompt_tokens,
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
 
