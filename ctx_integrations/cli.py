@@ -775,20 +775,33 @@ def _stream_answer(engine: Any, question: str, documents: list[Any], settings: d
 
 # -- eval ----------------------------------------------------------------------------------------------
 def _configure_eval(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code"),
+    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code", "nq"),
                         help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
-                             "secret_code: the PCED paper's synthetic set (default world)")
+                             "secret_code: the PCED paper's synthetic set; nq: NQ-open questions answered from real "
+                             "retrieval over a passage corpus (--data PASSAGES QUESTIONS) (default world)")
     parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
     parser.add_argument("--variant", action="append", default=[], metavar="MODE:KEY=VALUE[:KEY=VALUE...]",
                         help="also score a mode with options, as its own row, e.g. --variant soft_nbce:rule=nbce_code "
                              "(repeatable; values parsed as JSON, as ask's --option)")
     parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
-                                                                    "musique 12)")
+                                                                    "musique 12, nq 24: a seeded sample, --seed)")
     parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
     parser.add_argument("--document-tokens", type=int, default=None,
                         help="approximate tokens per document (world 64, secret_code 64: exact)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
-    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default: $CTX_MUSIQUE)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets and of nq's sample (default 0)")
+    parser.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                        help="musique: its jsonl (default: $CTX_MUSIQUE); nq: the passages and the questions jsonl "
+                             "files (plain or gzip, either order)")
+    parser.add_argument("--top-k", type=int, default=None, help="nq: passages retrieved per question (default 8)")
+    parser.add_argument("--store", default=None,
+                        help="nq: folder of the corpus's retrieval index, kept between runs (default: "
+                             "$CTX_CACHE_DIR/eval/nq-<corpus hash>)")
+    parser.add_argument("--gold-retrieved-only", action="store_true",
+                        help="nq: sample only questions whose gold passage was retrieved (a reader-only comparison; "
+                             "by default the retriever's misses are scored too)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the answers already in OUTPUT/SET.records.jsonl (same set and seed) and answer "
+                             "only the missing (question, system) pairs; without it that file starts empty")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="share of a sentence's content tokens a document must win to be cited (0.25)")
@@ -818,6 +831,20 @@ def _parse_variant(text: str) -> Any:
     return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
 
 
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The answers an earlier ``eval`` wrote to ``path`` (one JSON object a line); a line cut short by a stop is
+    dropped, its answer is simply computed again."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "example" in record and "system" in record:
+            records.append(record)
+    return records
+
+
 def _eval_modes(args: argparse.Namespace) -> list[str]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
@@ -831,9 +858,12 @@ def check_eval(args: argparse.Namespace) -> None:
     for mode in _eval_modes(args) + [text.split(":")[0] for text in args.variant]:
         if mode not in BUILTIN_MODES:  # in the registry's words (resolve_mode), which needs torch
             raise UnknownModeError(f"unknown mode {mode!r}: choose one of {', '.join(BUILTIN_MODES)}")
-    if args.data is not None and args.set != "musique":
-        raise InvalidOptionError(f"--data is the MuSiQue file, which --set {args.set} does not read: give --set "
-                                 "musique, or drop --data")
+    if args.data is not None and args.set not in ("musique", "nq"):
+        raise InvalidOptionError(f"--data is the MuSiQue file (--set musique) or the passages and questions files "
+                                 f"(--set nq), which --set {args.set} does not read: give one of those sets, or drop "
+                                 "--data")
+    if args.set != "nq" and (args.top_k is not None or args.store is not None or args.gold_retrieved_only):
+        raise InvalidOptionError("--top-k, --store and --gold-retrieved-only are options of --set nq")
     if args.set == "musique":  # no file (or no $CTX_MUSIQUE) is its typed error, naming the flag
         from ctx_integrations.evaluation import load_set
 
@@ -854,14 +884,31 @@ def run_eval(args: argparse.Namespace) -> int:
     for mode in modes:
         resolve_mode(mode)
     variants = [_parse_variant(text) for text in args.variant]
+    retrieval = {"top_k": args.top_k, "store_dir": args.store, "gold_retrieved_only": args.gold_retrieved_only} \
+        if args.set == "nq" else {}
     started = time.perf_counter()
+    if args.set in ("musique", "nq"):  # read the files (and for nq retrieve) before loading the model
+        examples = load_set(args.set, path=args.data, n_questions=args.questions, seed=args.seed, **retrieval)
     engine = Engine.from_pretrained(args.model, device=args.device, **engine_options(args))
-    examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
-                        document_tokens=args.document_tokens, seed=args.seed, path=args.data)
-    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
+    if args.set not in ("musique", "nq"):
+        examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
+                            document_tokens=args.document_tokens, seed=args.seed)
+    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; {runtime_line(engine)}")
     systems = default_systems(modes, baselines=not args.no_baselines, pced_ablation=not args.no_baselines)
-    report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
-                      set_name=args.set, systems=systems + variants, progress=print if args.verbose else None)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    records_path = output / f"{args.set}.records.jsonl"
+    done = _read_records(records_path) if args.resume and records_path.is_file() else []
+    if done:
+        print(f"resuming: {len(done)} answers kept from {records_path}")
+    with records_path.open("a" if args.resume else "w", encoding="utf-8") as sink:
+        def keep(record: dict[str, Any]) -> None:
+            sink.write(json.dumps(record, default=str) + "\n")
+            sink.flush()
+
+        report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
+                          set_name=args.set, systems=systems + variants, progress=print if args.verbose else None,
+                          done=done, on_record=keep)
     print(markdown_table(report))
     paths = write_report(report, args.output, plots=not args.no_plots)
     print(f"wrote {', '.join(str(p) for p in paths.values())}; {time.perf_counter() - started:.1f} s")
