@@ -38,6 +38,7 @@ from ctx_integrations.engine.core.registry import (
     answers_many,
     available_modes,
     check_options,
+    check_sampling,
     resolve_mode,
 )
 from ctx_integrations.engine.core.sampling import SamplingParams
@@ -219,8 +220,8 @@ class Engine:
                  on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
                  options: dict[str, Any]) -> RequestHandle:
         """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer]."""
-        run = self._check_call(mode, options)
-        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(),
+        run = self._check_call(mode, options, sampling)
+        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(0, self._grammar(sampling)),
                             sampling.stop_criteria(self.loaded.eos_token_ids), on_token)
         plan = (lambda: run([ctx], **options)) if answers_many(mode) else (lambda: run(ctx, **options))
         return self._submit(plan, lambda job: [_answer(ctx, job.results()[0], mode, options)], timeout=timeout,
@@ -279,8 +280,9 @@ class Engine:
             raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        run = self._check_call(mode, options)  # fail at once on a bad mode or option
+        run = self._check_call(mode, options, settings)  # fail at once on a bad mode, option or sampling setting
         del run
+        self._grammar(settings)
         prepare_documents(documents, scores)
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
@@ -301,7 +303,7 @@ class Engine:
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
               sampling: SamplingParams, timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
-        run = self._check_call(mode, options)
+        run = self._check_call(mode, options, sampling)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
             got = "a single string" if isinstance(questions, (str, bytes)) else (
                 f"a {type(questions).__name__}" if not isinstance(questions, Sequence) else "nothing")
@@ -314,7 +316,8 @@ class Engine:
             if scores is not None:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
-        contexts = [self._context(q, list(docs), sampling.sampler(seed_offset=i),
+        grammar = self._grammar(sampling)
+        contexts = [self._context(q, list(docs), sampling.sampler(i, grammar),
                                   sampling.stop_criteria(self.loaded.eos_token_ids), None)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         if answers_many(mode):
@@ -379,8 +382,8 @@ class Engine:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        ctx = DecodeContext(self, "", [], sampling.sampler(), sampling.stop_criteria(self.loaded.eos_token_ids),
-                            _check_callback(on_token))
+        ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
+                            sampling.stop_criteria(self.loaded.eos_token_ids), _check_callback(on_token))
         # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
@@ -486,10 +489,18 @@ class Engine:
         self.close()
 
     # -- validation ----------------------------------------------------------------------------------
-    def _check_call(self, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+    def _check_call(self, mode: str, options: dict[str, Any], sampling: SamplingParams) -> Callable[..., Any]:
         run = resolve_mode(mode)
         check_options(mode, options)
+        check_sampling(mode, sampling)
         return run
+
+    def _grammar(self, sampling: SamplingParams) -> object | None:
+        """``sampling.structured`` compiled for this model (in the caller's thread: a bad format fails here), or
+        ``None``. xgrammar caches each compiled format, so a format asked for again costs a lookup."""
+        if sampling.structured is None:
+            return None
+        return self.loaded.grammars.compile(sampling.structured)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
                  on_token: Callable[[str], None] | None) -> DecodeContext:

@@ -19,11 +19,11 @@ mode. The chunk index per token is kept in ``Answer.extra["trace_chunks"]``, and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -269,8 +269,8 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
 
     def finish(result: DecodeResult) -> DecodeResult:
         result.extra["trace_chunks"] = [step.document for step in result.trace]
-        result.trace = [TraceStep(step.token_id, None if step.document is None else sources[step.document],
-                                  step.score) for step in result.trace]
+        result.trace = [replace(step, document=None if step.document is None else sources[step.document])
+                        for step in result.trace]
         result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
         return result
 

@@ -1,0 +1,179 @@
+"""Structured output: an answer held to a JSON schema, to JSON, a regex, a list of choices or a grammar, token by token.
+
+The format is compiled against the model's vocabulary by xgrammar (the constrained-decoding library vLLM and
+SGLang use), once per format and model; each answer gets its own matcher, which says before every token
+which tokens may come next. :class:`TokenConstraint` turns that into a bitmask that sets every other
+token's score to ``-inf`` before the sampler picks (``decoding.TokenSampler``), and takes each chosen token
+back into the matcher, so the next mask follows the text so far. Once the format is complete, only an
+end-of-sequence token may follow: a constrained answer ends when its text is complete (or at ``max_tokens``,
+with ``finish_reason == "length"`` and the text cut short).
+
+JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between tokens, so a small model cannot
+spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
+every answer is valid against the schema). xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
+without it, asking for structured output raises :class:`~ctx_integrations.errors.MissingDependencyError` and
+everything else works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError, missing_dependency
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# JSON mode (json_object): any JSON object, with any keys and values
+_ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise missing_dependency("xgrammar", "structured") from None
+    return xgrammar
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema given as a dict, a JSON string or a pydantic model class, as JSON text (its key order kept)."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as error:
+            raise InvalidStructuredOutputError(f"the JSON schema is not valid JSON: {error}") from None
+    else:
+        parsed = schema
+    if not isinstance(parsed, (Mapping, bool)):
+        raise InvalidStructuredOutputError(f"a JSON schema must be a JSON object (a dict, a JSON string or a pydantic "
+                                           f"model class), got {type(schema).__name__}")
+    try:
+        return json.dumps(parsed, ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidStructuredOutputError(f"the JSON schema cannot be written as JSON: {error}") from None
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The format every token of an answer must keep to; exactly one field is set (vLLM's ``StructuredOutputsParams``).
+
+    ``json``: a JSON schema (a dict, a JSON string or a pydantic model class); ``json_object``: any JSON object
+    (OpenAI's JSON mode); ``regex``: the whole answer matches it; ``choice``: the answer is one of these
+    strings; ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``); ``structural_tag``:
+    xgrammar's structural tag as JSON text (free text with tagged, schema-held parts; how tool calls are
+    held to their tools' schemas, :mod:`~ctx_integrations.engine.core.tools`). Frozen and hashable, so a
+    compiled format is reused by every answer that asks for it.
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidOptionError(f"StructuredOutput takes exactly one of {', '.join(_KINDS)}; got "
+                                     f"{', '.join(given) or 'none'}")
+        if self.json_object is not False and self.json_object is not True:
+            raise InvalidOptionError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidOptionError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choices = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidOptionError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", choices)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema an answer is valid against (``json``, or any object for ``json_object``), else ``None``."""
+        if self.json is not None:
+            return json.loads(self.json)
+        return json.loads(_ANY_OBJECT) if self.json_object else None
+
+
+def output_width(model: torch.nn.Module) -> int:
+    """The width of the model's logits (the output embedding's rows; the config's ``vocab_size`` otherwise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles formats for one model's vocabulary (built once per engine; xgrammar caches each compiled format).
+
+    ``stop_token_ids`` are the engine's end-of-sequence ids: the only tokens allowed once a format is complete.
+    Built lazily, so an engine that never asks for structured output never imports xgrammar.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]):
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+
+    def compile(self, output: StructuredOutput, field: str | None = None) -> Any:
+        """The compiled grammar of ``output``; a format xgrammar refuses is an ``InvalidStructuredOutputError``."""
+        compiler = self._compiler
+        try:
+            if output.json is not None:
+                return compiler.compile_json_schema(output.json, any_whitespace=False, strict_mode=True)
+            if output.json_object:
+                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+            if output.regex is not None:
+                return compiler.compile_regex(output.regex)
+            if output.choice is not None:
+                return compiler.compile_grammar(_choice_grammar(output.choice))
+            if output.grammar is not None:
+                return compiler.compile_grammar(output.grammar)
+            return compiler.compile_structural_tag(output.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise InvalidStructuredOutputError(f"the {output.kind} format cannot be compiled: {error}",
+                                               field) from None
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (each a JSON-quoted literal, which EBNF strings accept)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class TokenConstraint:
+    """One answer's place in its format: masks the scores of the next token and accepts the token chosen."""
+
+    def __init__(self, compiled: Any):
+        xgr = _xgrammar()
+        self._xgr, self.vocab_size = xgr, compiled.tokenizer_info.vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ([V]) with every token the format does not allow next at ``-inf`` (a new float32 tensor)."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        masked = scores.float().clone().view(1, -1)
+        if masked.shape[1] > self.vocab_size:  # logits wider than the vocabulary compiled: the rest is never allowed
+            masked[:, self.vocab_size:] = -float("inf")
+        self._xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device, non_blocking=True),
+                                              vocab_size=min(self.vocab_size, masked.shape[1]))
+        return masked.view(-1)
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.accept_token(token_id):
+            raise InvalidStructuredOutputError(f"token {token_id} was chosen but the format does not allow it here "
+                                               "(a decoding loop that picked without the constraint's mask)")
