@@ -70,7 +70,7 @@ def _greedy(sampler: TokenSampler, scores: list[float], steps: int) -> list[int]
 def test_penalties_act_on_the_answers_own_tokens_under_greedy():
     scores = [2.0, 1.5, 0.0]
     assert _greedy(TokenSampler(), scores, 3) == [0, 0, 0]
-    assert _greedy(TokenSampler(penalties=Penalties(repetition=2.0)), scores, 3) == [0, 1, 0]  # 2/2 < 1.5; then 1.5/2 < 1
+    assert _greedy(TokenSampler(penalties=Penalties(repetition=2.0)), scores, 3) == [0, 1, 0]  # 2/2 < 1.5; 1.5/2 < 1
     assert _greedy(TokenSampler(penalties=Penalties(frequency=0.3)), scores, 4) == [0, 0, 1, 0]  # 1.7, 1.4 < 1.5; 1.2
     assert _greedy(TokenSampler(penalties=Penalties(presence=0.6)), scores, 3) == [0, 1, 0]  # 1.4 < 1.5; 0.9 < 1.4
 

@@ -16,7 +16,8 @@ class Answer:
     """Text plus everything needed to cite and time it.
 
     ``trace`` has one entry per generated token: the index (into ``documents``) of the document
-    that won that token and its fused score (``None`` for modes without per-token attribution).
+    that won that token and its fused score (``None`` for modes without per-token attribution), and, when
+    ``SamplingParams.logprobs`` asked for them, its log-probability and the most likely alternatives.
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s`` (floats), and what they were
     measured under: ``threads`` (torch CPU threads) and ``dtype`` (the compute dtype's name, a string,
     e.g. ``"float32"``). ``cache_hits_by_tier``
@@ -54,7 +55,7 @@ class Answer:
         counts = self.citation_counts()
         return {
             "text": self.text, "mode": self.mode, "token_ids": list(self.token_ids),
-            "trace": [{"token_id": s.token_id, "document": s.document, "score": s.score} for s in self.trace],
+            "trace": [_trace_entry(s) for s in self.trace],
             "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses,
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
@@ -69,3 +70,12 @@ class Answer:
         context. See :mod:`ctx_integrations.engine.core.citations`.
         """
         return answer_citations(self, tokenizer, threshold)
+
+
+def _trace_entry(step: TraceStep) -> dict[str, Any]:
+    """One trace step as JSON; ``logprob`` and ``top_logprobs`` (``[[token_id, logprob], ...]``) only when asked for."""
+    entry: dict[str, Any] = {"token_id": step.token_id, "document": step.document, "score": step.score}
+    if step.logprob is not None:
+        entry["logprob"] = step.logprob
+        entry["top_logprobs"] = [[token, logprob] for token, logprob in step.top_logprobs]
+    return entry

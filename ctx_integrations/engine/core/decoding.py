@@ -50,6 +50,9 @@ class FusionState:
 
 FIRST_STEP = FusionState()
 FusionRule = Callable[[torch.Tensor, FusionState], FusedStep]
+"""A rule with a true ``format_masks_streams`` attribute gets the streams' logits already masked to the tokens a
+structured-output format allows (rules that keep only a nucleus of each stream: masking their fused scores
+afterwards could leave no allowed token); every other rule's fused scores are masked before the pick."""
 
 
 def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
@@ -299,7 +302,7 @@ class TokenSampler:
             raise NoAllowedTokenError(
                 "every token the structured-output format allows next has a score of -inf under this mode's fused "
                 "scores, so no valid token can be chosen: use a mode whose scores cover the vocabulary (pced, "
-                "concat, chat), or a nucleus-based mode with a larger rho")
+                "concat, soft_nbce, chat)")
         check_finite_scores(best)
 
     def accept(self, token_id: int) -> None:
@@ -415,6 +418,8 @@ def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
     the logits' device, then the log-probabilities when the sampler asks for them, read back later together
     with every other job's) and the rule's carry; :func:`settle_token` turns the values read into the step.
     """
+    if sampler.constraint is not None and getattr(rule, "format_masks_streams", False):
+        logits = sampler.constraint.mask(logits)  # the rule's nuclei are taken among the tokens the format allows
     fused = rule(logits, state)
     token, checked = sampler.pick(fused.scores)
     if fused.evidence is not None:

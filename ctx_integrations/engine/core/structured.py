@@ -162,18 +162,23 @@ class TokenConstraint:
         self._xgr, self.vocab_size = xgr, compiled.tokenizer_info.vocab_size
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._filled = False  # whether the bitmask holds this step's allowed tokens
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` ([V]) with every token the format does not allow next at ``-inf`` (a new float32 tensor)."""
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        masked = scores.float().clone().view(1, -1)
+        """``scores`` (``[V]`` or ``[K, V]``) with every token the format does not allow next at ``-inf``, as a new
+        float32 tensor (the matcher is asked once per step, however many tensors are masked)."""
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            self._filled = True
+        masked = scores.float().clone().reshape(-1, scores.shape[-1])
         if masked.shape[1] > self.vocab_size:  # logits wider than the vocabulary compiled: the rest is never allowed
             masked[:, self.vocab_size:] = -float("inf")
-        self._xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device, non_blocking=True),
-                                              vocab_size=min(self.vocab_size, masked.shape[1]))
-        return masked.view(-1)
+        bitmask = self.bitmask.to(masked.device, non_blocking=True).expand(masked.shape[0], -1).contiguous()
+        self._xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=min(self.vocab_size, masked.shape[1]))
+        return masked.reshape(scores.shape)
 
     def accept(self, token_id: int) -> None:
+        self._filled = False
         if not self.matcher.accept_token(token_id):
             raise InvalidStructuredOutputError(f"token {token_id} was chosen but the format does not allow it here "
                                                "(a decoding loop that picked without the constraint's mask)")

@@ -154,6 +154,10 @@ class SoftNBCEFusion:
     weighted support. ``tau=math.inf`` is exactly the uniform average (:class:`PCWFusion`).
     """
 
+    # structured output masks the streams before this rule, so each nucleus is taken among the tokens the format
+    # allows (masking the fused scores afterwards could leave none: a JSON brace outside every nucleus)
+    format_masks_streams = True
+
     def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
         real_number("tau", tau, minimum=MIN_TAU, allow_inf=True,
                     hint=" (math.inf = uniform average; mode='nbce' is the tau -> 0 limit)")
