@@ -170,3 +170,20 @@ def test_the_embedded_model_answers_valid_json(embedded_engine):
     free = embedded_engine.chat([{"role": "user", "content": "Give the capital of France as JSON with a key capital."}],
                                 sampling=SamplingParams(max_tokens=40, structured=StructuredOutput(json_object=True)))
     assert free.finish_reason == "eos" and isinstance(_valid(free.text, {"type": "object"}), dict)
+
+
+def test_json_strings_never_hold_raw_control_characters(engine):
+    """xgrammar's rule for a string with a maxLength lets U+0000-U+001F through; JSON forbids them unescaped, so
+    such tokens are masked: a model that prefers one gets the next best token the format allows."""
+    tokenizer, grammars = engine.loaded.tokenizer, engine.loaded.grammars
+    letter = tokenizer.convert_tokens_to_ids("a")
+    unit = next(i for i, token in enumerate(grammars._info.decoded_vocab) if token == b"\x1f")
+    short = {"type": "string", "maxLength": 8}
+    schemas = [(short, '"'), ({"type": "object", "properties": {"s": short}}, '{"s": "')]
+    for schema, opened in schemas:
+        sampler = TokenSampler(constraint=TokenConstraint(grammars.compile(StructuredOutput(json=schema))))
+        for token in tokenizer.encode(opened, add_special_tokens=False):
+            sampler.accept(token)
+        scores = torch.zeros(49152)
+        scores[unit], scores[letter] = 10.0, 5.0
+        assert sampler(scores) == letter

@@ -9,6 +9,7 @@ from typing import Any
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, SentenceCitation, answer_citations
 from ctx_integrations.engine.core.decoding import TraceStep
+from ctx_integrations.engine.core.tools import ToolCall
 
 
 @dataclass
@@ -25,6 +26,8 @@ class Answer:
     pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
     and ``extra["attribution_note"]`` says why and what to pass instead (APE on the flex kernel).
+    ``tool_calls``: the tools a chat answer called (``Engine.chat(tools=...)``), each valid against its schema;
+    ``text`` is then the answer without them.
     """
 
     text: str
@@ -39,6 +42,7 @@ class Answer:
     cache_hits_by_tier: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.text
@@ -59,6 +63,7 @@ class Answer:
             "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses,
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
+            "tool_calls": [call.to_dict() for call in self.tool_calls],
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
 

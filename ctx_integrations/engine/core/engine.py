@@ -44,6 +44,7 @@ from ctx_integrations.engine.core.registry import (
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
+from ctx_integrations.engine.core.tools import ToolRequest, tool_request
 from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
@@ -374,10 +375,13 @@ class Engine:
             raise
 
     # -- chat (no documents) -------------------------------------------------------------------------
-    def _chat_request(self, messages: Sequence[dict[str, str]], sampling: SamplingParams,
+    def _chat_request(self, messages: Sequence[dict[str, Any]], sampling: SamplingParams,
                       on_token: Callable[[str], None] | None, timeout: float | None,
-                      ids: list[int] | None = None) -> RequestHandle:
-        ids = conversation_ids(self.layout, messages) if ids is None else ids
+                      ids: list[int] | None = None, tools: ToolRequest | None = None) -> RequestHandle:
+        offered = tools.tools if tools is not None else ()
+        ids = conversation_ids(self.layout, messages, offered) if ids is None else ids
+        if tools is not None:
+            sampling = tools.sampling(sampling, self.layout.tool_format)
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
@@ -388,22 +392,39 @@ class Engine:
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
         ctx.timings["prompt_tokens"] = float(len(ids))
-        return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream),
-                            lambda job: [_answer(ctx, job.results()[0], CHAT_MODE, {})], timeout=timeout)
 
-    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        def finish(job: Job) -> list[Answer]:
+            answer = _answer(ctx, job.results()[0], CHAT_MODE, {})
+            if tools is not None:
+                answer.text, answer.tool_calls = self.layout.tool_format.parse(answer.text, tools.tools)
+            return [answer]
+
+        return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream), finish, timeout=timeout)
+
+    def chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
              on_token: Callable[[str], None] | None = None, timeout: float | None = None,
-             sampling: SamplingParams | None = None) -> Answer:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
+             sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool = True) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``).
+
+        ``tools`` (OpenAI's tool objects), ``tool_choice`` (``"auto"``, the default with tools; ``"none"``,
+        ``"required"`` or a tool's name) and ``parallel_tool_calls``: the model may call tools, in its chat
+        template's call format, each call's arguments valid against its tool's schema
+        (:mod:`~ctx_integrations.engine.core.tools`); the calls are ``Answer.tool_calls`` and ``Answer.text`` is the
+        rest of the answer (a streamed answer's pieces are the raw text, calls included). Messages may carry
+        OpenAI's ``tool_calls`` (assistant) and ``tool`` results.
+        """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        return self._chat_request(messages, settings, on_token, timeout).result()[0]
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        return self._chat_request(messages, settings, on_token, timeout, tools=request).result()[0]
 
-    async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    async def achat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                     stop: Sequence[str] | str = (), timeout: float | None = None,
-                    sampling: SamplingParams | None = None) -> Answer:
+                    sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
+                    tool_choice: Any = None, parallel_tool_calls: bool = True) -> Answer:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
 
         The conversation is templated and tokenised on a worker thread, so a long one never stalls the
@@ -411,25 +432,31 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        ids = await asyncio.to_thread(conversation_ids, self.layout, messages)
-        handle = self._chat_request(messages, settings, None, timeout, ids)
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        ids = await asyncio.to_thread(conversation_ids, self.layout, messages, request.tools if request else ())
+        handle = self._chat_request(messages, settings, None, timeout, ids, request)
         return (await handle.wait())[0]
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
+    def stream_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Generator[str, None, Answer]:
         """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
         return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
 
-    def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    def astream_chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                      stop: Sequence[str] | str = (), timeout: float | None = None,
-                     sampling: SamplingParams | None = None) -> AnswerStream:
+                     sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
+                     tool_choice: Any = None, parallel_tool_calls: bool = True) -> AnswerStream:
         """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        ids = conversation_ids(self.layout, messages)  # fail now on a bad conversation; tokenised once, here
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        # fail now on a bad conversation; tokenised once, here
+        ids = conversation_ids(self.layout, messages, request.tools if request else ())
+        if request is not None:
+            self._grammar(request.sampling(settings, self.layout.tool_format))  # a tool schema that cannot compile
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._chat_request(messages, settings, on_token, timeout, ids)
+            return self._chat_request(messages, settings, on_token, timeout, ids, request)
 
         return AnswerStream(start, lambda answers: answers[0])
 

@@ -115,8 +115,27 @@ def output_width(model: torch.nn.Module) -> int:
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
 
+@dataclass(frozen=True)
+class CompiledFormat:
+    """A format compiled for one vocabulary, and the tokens it may use at all (``allowed``: a packed bitmask ANDed
+    with the matcher's at every step, ``None``: every token; see :meth:`GrammarCompiler.compile`)."""
+
+    grammar: Any
+    allowed: torch.Tensor | None = None
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask over the vocabulary ([V]) as xgrammar's packed bitmask ([1, ceil(V / 32)] int32, bit i of word
+    w for token 32 w + i)."""
+    words = (allowed.shape[0] + 31) // 32
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: allowed.shape[0]] = allowed.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).view(1, words)
+
+
 class GrammarCompiler:
-    """Compiles formats for one model's vocabulary (built once per engine; xgrammar caches each compiled format).
+    """Compiles formats for one model's vocabulary (built once per model; xgrammar caches each compiled format).
 
     ``stop_token_ids`` are the engine's end-of-sequence ids: the only tokens allowed once a format is complete.
     Built lazily, so an engine that never asks for structured output never imports xgrammar.
@@ -124,29 +143,51 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]):
         xgr = _xgrammar()
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=True)
+        self._masks: dict[bytes, torch.Tensor] = {}
 
-    def compile(self, output: StructuredOutput, field: str | None = None) -> Any:
-        """The compiled grammar of ``output``; a format xgrammar refuses is an ``InvalidStructuredOutputError``."""
-        compiler = self._compiler
+    def _without_bytes(self, forbidden: bytes) -> torch.Tensor:
+        """The packed bitmask of every token whose text holds none of ``forbidden`` (stop tokens always allowed)."""
+        if forbidden not in self._masks:
+            banned = set(forbidden)
+            allowed = torch.tensor([not banned.intersection(token) for token in self._info.decoded_vocab])
+            allowed = torch.cat([allowed, torch.zeros(max(0, self.vocab_size - allowed.shape[0]), dtype=torch.bool)])
+            allowed[sorted(i for i in self.stop_token_ids if i < self.vocab_size)] = True
+            self._masks[forbidden] = pack_bits(allowed[: self.vocab_size])
+        return self._masks[forbidden]
+
+    def compile(self, output: StructuredOutput, field: str | None = None) -> CompiledFormat:
+        """The compiled format of ``output``; a format xgrammar refuses is an ``InvalidStructuredOutputError``.
+
+        xgrammar's JSON strings let raw control characters (U+0000-U+001F, which JSON forbids unescaped) through,
+        so JSON formats (compact: no token needs one) may use no token that holds one, and a structural tag (free
+        text, and wrappers such as ``<tool_call>\\n``) none but tab, line feed and carriage return.
+        """
+        compiler, allowed = self._compiler, None
         try:
             if output.json is not None:
-                return compiler.compile_json_schema(output.json, any_whitespace=False, strict_mode=True)
-            if output.json_object:
-                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-            if output.regex is not None:
-                return compiler.compile_regex(output.regex)
-            if output.choice is not None:
-                return compiler.compile_grammar(_choice_grammar(output.choice))
-            if output.grammar is not None:
-                return compiler.compile_grammar(output.grammar)
-            return compiler.compile_structural_tag(output.structural_tag)
+                grammar = compiler.compile_json_schema(output.json, any_whitespace=False, strict_mode=True)
+            elif output.json_object:
+                grammar = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+            elif output.regex is not None:
+                grammar = compiler.compile_regex(output.regex)
+            elif output.choice is not None:
+                grammar = compiler.compile_grammar(_choice_grammar(output.choice))
+            elif output.grammar is not None:
+                grammar = compiler.compile_grammar(output.grammar)
+            else:
+                grammar = compiler.compile_structural_tag(output.structural_tag)
         except (RuntimeError, ValueError, TypeError) as error:
             raise InvalidStructuredOutputError(f"the {output.kind} format cannot be compiled: {error}",
                                                field) from None
+        if output.json is not None or output.json_object:
+            allowed = self._without_bytes(bytes(range(32)))
+        elif output.structural_tag is not None:
+            allowed = self._without_bytes(bytes(b for b in range(32) if b not in b"\t\n\r"))
+        return CompiledFormat(grammar, allowed)
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
@@ -157,10 +198,11 @@ def _choice_grammar(choices: tuple[str, ...]) -> str:
 class TokenConstraint:
     """One answer's place in its format: masks the scores of the next token and accepts the token chosen."""
 
-    def __init__(self, compiled: Any):
+    def __init__(self, compiled: CompiledFormat):
         xgr = _xgrammar()
-        self._xgr, self.vocab_size = xgr, compiled.tokenizer_info.vocab_size
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self._xgr, self.vocab_size = xgr, compiled.grammar.tokenizer_info.vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.allowed = compiled.allowed
         self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self._filled = False  # whether the bitmask holds this step's allowed tokens
 
@@ -169,6 +211,8 @@ class TokenConstraint:
         float32 tensor (the matcher is asked once per step, however many tensors are masked)."""
         if not self._filled:
             self.matcher.fill_next_token_bitmask(self.bitmask)
+            if self.allowed is not None:
+                self.bitmask &= self.allowed
             self._filled = True
         masked = scores.float().clone().reshape(-1, scores.shape[-1])
         if masked.shape[1] > self.vocab_size:  # logits wider than the vocabulary compiled: the rest is never allowed
