@@ -135,9 +135,3 @@ def check_engine(engine: object, cache_dir: Any = USER_CACHE_DIR) -> None:
                                  "was built (Engine(..., cache_dir=...))")
     if engine is None:
         resolve_cache_dir(cache_dir)
-
-
-def prompt_tokens(engine: Engine, question: str, texts: list[str]) -> int:
-    """Tokens of the prompt ``prefix + documents + suffix`` (what frameworks report as input tokens)."""
-    layout = engine.layout
-    return len(layout.prefix_ids) + sum(len(layout.context_ids(t)) for t in texts) + len(layout.suffix_ids(question))

@@ -150,3 +150,9 @@ def move_ctime(file: Path) -> None:
     while file.stat().st_ctime_ns == before:
         time.sleep(0.001)
         os.chmod(file, file.stat().st_mode)
+
+
+def concatenated_prompt_tokens(engine, question: str, texts: list[str]) -> int:
+    """The reference for ``Answer.prompt_tokens``: ``prefix + documents + suffix`` tokenised here, independently."""
+    layout = engine.layout
+    return len(layout.prefix_ids) + sum(len(layout.context_ids(t)) for t in texts) + len(layout.suffix_ids(question))

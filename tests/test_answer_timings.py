@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctx_integrations.engine.core.engine import decode_rate
+from ctx_integrations.engine.core.requests import decode_rate
 
 
 def test_the_rate_counts_the_tokens_after_the_first_over_the_time_after_it():

@@ -286,7 +286,7 @@ def test_an_async_caller_gets_the_typed_callback_error():
 def _held_engine(monkeypatch, max_queued: int) -> tuple[Engine, threading.Event]:
     engine = Engine(tiny_loaded("llama", seed=3), max_queued_requests=max_queued)
     release = threading.Event()
-    monkeypatch.setattr(engine.store, "prefetch", lambda layout, ids: release.wait(10))  # hold the queue
+    monkeypatch.setattr(engine.store, "prefetch", lambda prepared: release.wait(10))  # hold the queue
     return engine, release
 
 

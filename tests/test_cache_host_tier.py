@@ -15,6 +15,7 @@ import torch
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import CacheStats
+from ctx_integrations.engine.core.prepared import PreparedTexts
 from ctx_integrations.errors import InvalidOptionError
 
 DOCS = ["Marrowgate is the capital of Veloria.", "The mayor of Marrowgate is Ilsa Brenn.",
@@ -75,7 +76,7 @@ def test_the_host_tier_keeps_the_most_recently_used_entries_within_its_budget(lo
 def test_prefetch_reads_disk_entries_through_the_host_tier(loaded, layout, originals, tmp_path):
     KVCacheStore(loaded, tmp_path).documents(layout, DOCS)
     store = KVCacheStore(loaded, tmp_path, host_bytes=1 << 30)
-    store.prefetch(layout, [layout.context_ids(d) for d in DOCS[:2]])
+    store.prefetch(PreparedTexts(layout, store).prepare_all(DOCS[:2]))
     assert store.host_used == size(originals[0]) + size(originals[1])  # read into the host tier ...
     request = CacheStats()
     entries = store.documents(layout, DOCS[:2] * 2, stats=request)  # ... and on to the memory tier
@@ -88,7 +89,7 @@ def test_prefetch_reads_disk_entries_through_the_host_tier(loaded, layout, origi
     small.documents(layout, DOCS)  # from disk; the memory tier keeps one, the host tier the others
     key = small.entry_key(layout, layout.context_ids(DOCS[0]))
     assert key not in small._memory and key in small._host
-    small.prefetch(layout, [layout.context_ids(DOCS[0])])  # from the host tier, not the disk
+    small.prefetch(PreparedTexts(layout, small).prepare_all([DOCS[0]]))  # from the host tier, not the disk
     assert key in small._memory
     request = CacheStats()
     small.documents(layout, DOCS[:1], stats=request)

@@ -59,7 +59,7 @@ def test_map_reduce_cuts_a_document_longer_than_the_window_into_pieces(small_win
     assert all(fixed + n <= 256 for n in answer.extra["map_input_tokens"])  # every map prompt fits
     assert max(answer.extra["map_input_tokens"]) == 256 - fixed  # pieces as large as fit
     # the pieces are the document's tokens, in order, nothing lost
-    pieces = map_inputs(summary, ["The code is 4821.", long_doc], 8, 256)
+    pieces = map_inputs(summary, [summary.context_ids("The code is 4821."), summary.context_ids(long_doc)], 8, 256)
     assert [t for i, ids in pieces if i == 1 for t in ids] == summary.context_ids(long_doc)
     assert len(answer.token_ids) == 4
 

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from ctx_integrations.engine.core.cache import KVCacheStore, SequenceBatch, batch_sequences
 from ctx_integrations.engine.core.decoding import forward_sequences
 from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.prepared import PreparedTexts
 from ctx_integrations.errors import CorruptCacheWarning
 from tests.helpers import tiny_loaded
 
@@ -121,7 +122,7 @@ def test_hits_are_counted_per_tier_and_per_request(loaded, layout, tmp_path):
     assert (request.disk_hits, request.memory_hits, request.misses) == (1, 1, 1)
     assert (store.stats.disk_hits, store.stats.memory_hits, store.stats.misses) == (1, 1, 2)
     prefetched = KVCacheStore(loaded, tmp_path)
-    prefetched.prefetch(layout, [layout.context_ids("on disk")])  # read ahead into memory: still a disk hit
+    prefetched.prefetch(PreparedTexts(layout, prefetched).prepare_all(["on disk"]))  # read ahead: still a disk hit
     request = CacheStats()
     prefetched.documents(layout, ["on disk", "on disk"], stats=request)
     assert (request.disk_hits, request.memory_hits, request.misses) == (1, 1, 0)

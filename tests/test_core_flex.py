@@ -3,6 +3,8 @@ boolean mask, on CPU (FlexAttention's unfused reference there; the compiled kern
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,3 +95,88 @@ def test_the_flex_attention_refuses_a_dense_mask_and_keys_beyond_a_sliding_windo
     layout = [torch.zeros(1, 1, dtype=torch.long)] * 3 + [torch.zeros(1, 8, dtype=torch.long)] * 3
     with pytest.raises(InvalidOptionError, match="exceed this model's window of 4"):
         flex_attention_forward(torch.nn.Module(), query, key, key, visibility_block_mask(*layout), sliding_window=4)
+
+
+# -- a compiled kernel that cannot be built must not fail a request (the H200 run: Inductor's NoValidChoicesError
+#    for flex_attention at 32k tokens in bf16, and in fp32 with head dim 16)
+class FailingCompile:
+    """Stands in for ``torch.compile(flex_attention)``: raises like Inductor, unless given kernel options that
+    ``works_with`` accepts, then runs the reference; records every call's kernel options."""
+
+    def __init__(self, works_with=None):
+        self.works_with, self.calls = works_with, []
+
+    def __call__(self, query, key, value, kernel_options=None, **options):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.calls.append(kernel_options)
+        if self.works_with is None or kernel_options != self.works_with:
+            raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select, target: flex_attention")
+        return flex_attention(query, key, value, **options)
+
+
+@pytest.fixture
+def failing_compile(monkeypatch):
+    """The CUDA path on the CPU: run_flex believes it compiles, and every compile fails."""
+    from ctx_integrations.engine.core import flex
+
+    compiled = FailingCompile()
+    monkeypatch.setattr(flex, "_use_compiled", lambda device: True)
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: compiled)
+    monkeypatch.setattr(flex, "_FAILED_SHAPES", {})
+    return compiled
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_compile_that_fails_falls_back_once_per_shape_with_one_warning(failing_compile, return_lse):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ctx_integrations.engine.core import flex
+
+    generator = torch.Generator().manual_seed(1)
+    layout = random_layout(generator, 2, 300, 20)
+    mask = visibility_block_mask(*layout)
+    query = torch.randn(2, 4, 20, 16, generator=generator)
+    key, value = torch.randn(2, 2, 2, 300, 16, generator=generator)
+    options = dict(block_mask=mask, scale=0.25, enable_gqa=True)
+    if return_lse:
+        options["return_aux"] = flex.AuxRequest(lse=True)
+    with pytest.warns(RuntimeWarning, match=r"query \(2, 4, 20, 16\), keys \(2, 2, 300, 16\).*SDPA in query chunks"):
+        out, lse = run_flex(query, key, value, mask, 0.25, return_lse=return_lse)
+    reference = flex_attention(query, key, value, **options)
+    expected, expected_lse = (reference[0], reference[1].lse) if return_lse else (reference, None)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if return_lse:
+        torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+    tried = len(failing_compile.calls)
+    assert tried == 1 + len(flex.FALLBACK_KERNEL_OPTIONS)  # the default, then each smaller configuration
+    with warnings.catch_warnings():  # the same shape again: no new warning, no new compile attempt
+        warnings.simplefilter("error")
+        again, _ = run_flex(query, key, value, mask, 0.25, return_lse=return_lse)
+    assert len(failing_compile.calls) == tried
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+def test_a_shape_that_builds_with_smaller_tiles_keeps_the_compiled_kernel(failing_compile):
+    from ctx_integrations.engine.core import flex
+
+    failing_compile.works_with = flex.FALLBACK_KERNEL_OPTIONS[1]
+    generator = torch.Generator().manual_seed(2)
+    layout = random_layout(generator, 1, 64, 5)
+    query = torch.randn(1, 4, 5, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, 64, 16, generator=generator)
+    with pytest.warns(RuntimeWarning, match="kernel_options="):
+        run_flex(query, key, value, visibility_block_mask(*layout), 0.25)
+    assert failing_compile.calls == [None, *flex.FALLBACK_KERNEL_OPTIONS]
+    run_flex(query, key, value, visibility_block_mask(*layout), 0.25)
+    assert failing_compile.calls[-1] == flex.FALLBACK_KERNEL_OPTIONS[1] and len(failing_compile.calls) == 4
+
+
+def test_a_model_step_under_a_failing_compile_gives_the_eager_logits(failing_compile):
+    model = tiny_loaded("llama", seed=4).model
+    eager = pool_step_logits(model, flex=False)
+    with pytest.warns(RuntimeWarning, match="SDPA in query chunks"):
+        fallen_back = pool_step_logits(model, flex=True)
+    for a, b in zip(eager, fallen_back):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+

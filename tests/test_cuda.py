@@ -295,7 +295,7 @@ def test_the_host_tier_pins_evicted_entries_and_returns_them_intact(tmp_path):
     assert again.token_ids == reference.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8).token_ids
     assert all(torch.equal(e.kv, kv) for e, kv in zip(engine.store.documents(engine.layout, DOCS), originals))
     cold = Engine(loaded, cache_dir=tmp_path, host_bytes=1 << 30)  # prefetch: disk -> pinned host -> device
-    cold.store.prefetch(cold.layout, [cold.layout.context_ids(d) for d in DOCS])
+    cold.store.prefetch(cold.texts.prepare_all(DOCS))
     assert cold.store.host_used > 0
     answer = cold.generate(QUESTIONS[0], DOCS, mode="pced", max_new_tokens=8)
     assert answer.cache_hits_by_tier["disk"] == len(DOCS) and answer.token_ids == again.token_ids

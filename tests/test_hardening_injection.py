@@ -51,6 +51,7 @@ def test_no_control_id_in_any_user_text_span_of_any_mode(engine, mode, monkeypat
         suffixes.append((self, question, ids))
         return ids
 
+    engine.texts.clear()  # the memo of documents seen before (an earlier mode's): this mode tokenises them itself
     monkeypatch.setattr(PromptLayout, "context_ids", record_context)
     monkeypatch.setattr(PromptLayout, "suffix_ids", record_suffix)
     answer = engine.generate(INJECTED_QUERY, DOCUMENTS, mode=mode, max_new_tokens=2)

@@ -14,6 +14,7 @@ from ctx_integrations.engine.core import kv_codec
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import checksum
 from ctx_integrations.engine.core.kv_shape import kv_shape
+from ctx_integrations.engine.core.prepared import PreparedTexts
 from ctx_integrations.errors import CorruptCacheWarning, InvalidOptionError
 from tests.helpers import tiny_loaded
 
@@ -201,7 +202,7 @@ def test_an_int8_host_tier_holds_about_four_times_the_entries_and_returns_them_r
 def test_prefetch_through_an_int8_host_tier_serves_rounded_entries(loaded, layout, tmp_path):
     KVCacheStore(loaded, tmp_path).documents(layout, HOST_DOCS)
     store = KVCacheStore(loaded, tmp_path, memory_bytes=0, host_bytes=1 << 30, host_format="int8")
-    store.prefetch(layout, [layout.context_ids(d) for d in HOST_DOCS])
+    store.prefetch(PreparedTexts(layout, store).prepare_all(HOST_DOCS))
     assert 0 < store.host_used and store.memory_used == 0
     exact = KVCacheStore(loaded, tmp_path).documents(layout, HOST_DOCS)
     served = store.documents(layout, HOST_DOCS)

@@ -18,7 +18,6 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from ctx_integrations import Document, Engine
-from ctx_integrations.adapters import prompt_tokens
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.langchain import (
     ChatContextOfExperts,
@@ -29,6 +28,7 @@ from ctx_integrations.langchain import (
     documents_as_messages,
 )
 from ctx_integrations.retrieval.scores import normalize_dense
+from tests.helpers import concatenated_prompt_tokens as prompt_tokens
 from tests.helpers import tiny_loaded
 
 TEXTS = {"vault": "The secret code of the vault is 4721.", "paris": "Paris is the capital of France.",

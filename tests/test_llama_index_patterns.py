@@ -27,7 +27,6 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from ctx_integrations import Document, Engine, adapters
-from ctx_integrations.adapters import prompt_tokens
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index import (
     ContextOfExpertsChatEngine,
@@ -40,6 +39,7 @@ from ctx_integrations.llama_index import (
     default_embedding,
     node_text,
 )
+from tests.helpers import concatenated_prompt_tokens as prompt_tokens
 from tests.helpers import tiny_loaded
 from tests.llama_index_support import QUESTION, memory_index
 

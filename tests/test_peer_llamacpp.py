@@ -173,8 +173,9 @@ def test_llama_server_gets_the_prompt_concat_builds():
     documents = ["The vault code is 4721.", "Velmora has a copper bridge.", "Ilse Marrow designed it."]
     job = Job("Who designed the bridge?", documents, "concat")
     ids = concat_ids(layout, job)
-    ctx = SimpleNamespace(engine=SimpleNamespace(layout=layout), query=job.query, check_window=lambda *a: None)
-    assert ids == concatenated_ids(ctx, documents)  # what the engine's concat mode prefills
+    ctx = SimpleNamespace(engine=SimpleNamespace(layout=layout), suffix_ids=tuple(layout.suffix_ids(job.query)),
+                          check_window=lambda *a: None)
+    assert ids == concatenated_ids(ctx, [layout.context_ids(d) for d in documents])  # what concat prefills
     assert ids == tokenizer(layout.render(documents, job.query), add_special_tokens=False)["input_ids"]
 
 

@@ -426,3 +426,43 @@ def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forwar
     out = runner.execute(ScheduledStep(decode=runs))
     assert out.forwards == 1
     check(model, rows, out.decoded, runs)
+
+
+def test_rows_leave_and_join_through_free_slots_without_copying_the_arena(model):
+    # 3 rows in a 4-slot arena: a row leaving frees its slot (metadata only: the buffers stay where they are), a
+    # joining row takes a free slot (only its own columns are copied), and every row still answers as if alone.
+    # Catches a leave that copies the batch (index_select), a join that concatenates it, a free slot whose old
+    # columns stay visible to the row that takes it, logits read from another row's slot.
+    rows = [Row(model, 71, 6), Row(model, 72, 11), Row(model, 73, 3)]
+    pool = RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32)
+    pool.resize_slots(4)
+    runs = [[row.run(tokens(80 + b, 2, model))] for b, row in enumerate(rows)]
+    check(model, rows, pool.forward(model, runs, 0), runs)
+    storage = [k.data_ptr() for k, _ in pool.layers]
+    pool.keep_rows([0, 2])  # the middle row leaves: its slot is free, nothing moves
+    rows = [rows[0], rows[2]]
+    assert [k.data_ptr() for k, _ in pool.layers] == storage and pool.slots == [0, 2] and pool.slot_count == 4
+    assert (pool.positions[1] == PAD_POSITION).all()
+    newcomers = [Row(model, 74, 9), Row(model, 75, 4)]
+    joining = RowPool.build([r.pieces for r in newcomers], shape(model), torch.device("cpu"), torch.float32)
+    first = [[row.run(tokens(90 + b, 3, model))] for b, row in enumerate(newcomers)]
+    check(model, newcomers, joining.forward(model, first, 0), first)
+    pool.merge(joining)  # two free slots (1 and 3): the arena is not copied
+    rows = rows + newcomers
+    assert [k.data_ptr() for k, _ in pool.layers] == storage and pool.slots == [0, 2, 1, 3]
+    for step in range(2):
+        runs = [[row.run(tokens(100 + 4 * step + b, 1, model))] for b, row in enumerate(rows)]
+        check(model, rows, pool.forward(model, runs, 0), runs)
+    third = [Row(model, 76, 5)]
+    joining = RowPool.build([r.pieces for r in third], shape(model), torch.device("cpu"), torch.float32)
+    runs = [[third[0].run(tokens(110, 2, model))]]
+    check(model, third, joining.forward(model, runs, 0), runs)
+    pool.merge(joining)  # no free slot: the arena grows to the next bucket
+    rows = rows + third
+    assert pool.slot_count == 8 and pool.rows == 5
+    runs = [[row.run(tokens(120 + b, 1, model))] for b, row in enumerate(rows)]
+    check(model, rows, pool.forward(model, runs, 0), runs)
+    pool.keep_rows([4])  # one row left of five: compacted to a 1-slot arena
+    assert (pool.slot_count, pool.slots) == (1, [0])
+    runs = [[rows[4].run(tokens(130, 1, model))]]
+    check(model, [rows[4]], pool.forward(model, runs, 0), runs)

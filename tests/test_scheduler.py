@@ -165,7 +165,7 @@ def test_a_timeout_fails_only_its_own_request(engine):
 def test_a_full_queue_refuses_at_once_with_a_typed_error(monkeypatch):
     engine = Engine(tiny_loaded("llama", seed=3), max_queued_requests=1)
     release = threading.Event()
-    monkeypatch.setattr(engine.store, "prefetch", lambda layout, ids: release.wait(10))  # hold the queue
+    monkeypatch.setattr(engine.store, "prefetch", lambda prepared: release.wait(10))  # hold the queue
     first = engine._request("Who?", DOCS[:1], None, "pced", None, None, SamplingParams(4), {})
     with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
         engine.generate("Who else?", DOCS[:1], max_new_tokens=4)

@@ -19,7 +19,7 @@ import torch
 
 from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.scheduler import RequestCancelledError, Scheduler, Submission
+from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, Scheduler
 from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepOutput
 from ctx_integrations.errors import EngineOverloadedError, RequestTimeoutError, RequestTooLargeError
 
@@ -40,6 +40,7 @@ class FakeRunner:
         self.forwards = 0
         self.attention: list[tuple[int, object]] = []  # (row label, its own attention rule) as rows joined
         self.rewinds: list[dict[int, int]] = []  # per step, the batch rows that drop columns first
+        self.requests: list[tuple[list, list]] = []  # per step, (request id, rows) decoding and joining
 
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
@@ -48,6 +49,9 @@ class FakeRunner:
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
         self.rewinds.append(dict(step.rewind))
+        self.requests.append((list(step.decode_requests), list(step.joining_requests)))
+        assert sum(rows for _, rows in step.decode_requests) == len(step.decode)  # ids cover exactly the rows
+        assert sum(rows for _, rows in step.joining_requests) == len(step.joining)
         self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
@@ -159,8 +163,27 @@ class FakeExclusive(ExclusiveJob):
         return self.tokens
 
 
-def submission(job, **kwargs) -> Submission:
-    return Submission(lambda: job, lambda done: done, owner="tests", **kwargs)
+class JobRequest(Request):
+    """A request whose job is given, or made by ``plan`` on the scheduler's thread (the engine's requests plan
+    theirs from a mode); ``prefetch`` runs on the loader thread; its result is the job."""
+
+    def __init__(self, job=None, *, plan=None, prefetch=None, **kwargs):
+        super().__init__("tests", **kwargs)
+        self.given, self.make, self.read = job, plan, prefetch
+
+    def plan(self):
+        return self.make() if self.make is not None else self.given
+
+    def prefetch(self):
+        if self.read is not None:
+            self.read()
+
+    def finish(self, job):
+        return job
+
+
+def submission(job, **kwargs) -> Request:
+    return JobRequest(job, **kwargs)
 
 
 @pytest.fixture
@@ -282,7 +305,7 @@ def test_the_requests_behind_a_held_one_keep_their_order_ahead_of_later_arrivals
         assert arrived.wait(WAIT_S)  # the loader reads in order: D is in the queue once E's read begins
         return FakeJob(2, kv_tokens=100)
 
-    held = Submission(plan_held, lambda done: done, owner="tests")
+    held = JobRequest(plan=plan_held)
     behind = [submission(FakeJob(label, kv_tokens=10)) for label in (3, 4)]
     handles, running, gate = paused_with_queue(sched, runner, [held, *behind])  # 1 byte runs: H (100) cannot join
     runner.running.set()
@@ -406,7 +429,7 @@ def test_a_follow_up_that_cannot_run_fails_its_request_alone(scheduler, then, er
     assert sched.active() == (0, 0) and sched.queue_depth() == 0
 
 
-def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Submission]):
+def paused_with_queue(sched: Scheduler, runner: FakeRunner, submissions: list[Request]):
     """Queue ``submissions`` while a running request holds the step loop inside a paused step, so that the
     next step plans them all together; returns their handles and the running request's gate."""
     running, gate = start_gated(sched, 9, 1)
@@ -598,3 +621,15 @@ def test_a_job_whose_prepare_raises_fails_alone_and_is_closed(scheduler):
     assert handles[1].future.result(timeout=WAIT_S) is fine
     wait_until(lambda: broken.closed == 1 and fine.closed == 1, "both jobs to be closed")
     assert sched.active() == (0, 0)
+
+
+def test_every_step_names_the_requests_whose_rows_it_carries(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    first, second = submission(FakeJob(1, rows=2)), submission(FakeJob(2, rows=3))
+    for request in (first, second):
+        sched.submit(request).future.result(timeout=WAIT_S)
+    named = {request_id for decoding, joining in runner.requests for request_id, _ in decoding + joining}
+    assert named == {first.request_id, second.request_id} and first.request_id != second.request_id
+    assert (first.request_id, 2) in runner.requests[0][1]  # joined with its 2 rows
+    assert (first.status, second.status) == ("finished", "finished")

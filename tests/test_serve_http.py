@@ -275,8 +275,8 @@ def test_models_are_listed_in_openais_shape(server):
 
 def test_usage_counts_the_prompt_with_its_documents_on_every_path(server, engine):
     """Bug caught: usage.prompt_tokens 0 on retrieval-augmented chat (issue 27) or without the documents."""
-    from ctx_integrations.adapters import prompt_tokens
     from ctx_integrations.engine.core.chat import conversation_ids
+    from tests.helpers import concatenated_prompt_tokens as prompt_tokens
 
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120)
@@ -305,7 +305,7 @@ def test_usage_counts_the_prompt_with_its_documents_on_every_path(server, engine
 def test_langchains_chat_openai_lists_models_and_gets_usage(server, engine):
     """Bug caught: a wire format LangChain's OpenAI client cannot read (models, choices or usage)."""
     langchain_openai = pytest.importorskip("langchain_openai")
-    from ctx_integrations.adapters import prompt_tokens
+    from tests.helpers import concatenated_prompt_tokens as prompt_tokens
 
     name = _served_model(server)
     llm = langchain_openai.ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=name, max_tokens=4,

@@ -33,9 +33,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables.config import run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, check_model, prompt_tokens, resolve_engine
+from ctx_integrations.adapters import check_engine, check_model, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
@@ -113,9 +112,7 @@ class _Request:
                                    **self.options)
 
     def input_tokens(self, answer: Answer) -> int:
-        if self.documents is None:
-            return len(conversation_ids(self.engine.layout, self.messages))
-        return prompt_tokens(self.engine, self.question, [d.text for d in answer.documents])
+        return answer.prompt_tokens  # counted once, when the request was prepared
 
 
 class ChatContextOfExperts(BaseChatModel):

@@ -22,7 +22,7 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, check_model, prompt_tokens, resolve_engine
+from ctx_integrations.adapters import check_engine, check_model, resolve_engine
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
@@ -217,9 +217,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         return AIMessage(content=answer.text, **self._metadata(engine, call, answer))
 
     def _metadata(self, engine: Engine, call: _Call, answer: Answer) -> dict[str, Any]:
-        used = prompt_tokens(engine, call.question, [d.text for d in answer.documents])
         return {"response_metadata": response_metadata(answer, engine.loaded.name),
-                "usage_metadata": usage_metadata(used, answer)}
+                "usage_metadata": usage_metadata(answer.prompt_tokens, answer)}
 
     def _message_output(self, message: AIMessage) -> Output:
         return str(message.content) if self.output == "text" else message

@@ -32,7 +32,6 @@ from llama_index.core.instrumentation.events.llm import (
 from llama_index.core.instrumentation.span import active_span_id
 from llama_index.core.schema import NodeWithScore
 
-from ctx_integrations.adapters import prompt_tokens
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.engine import Engine
@@ -126,7 +125,7 @@ class CompletionReport:
 
     def completion(self, answer: Answer) -> CompletionResponse:
         """The answer as an LLM completion whose ``raw["usage"]`` is what ``TokenCountingHandler`` reads."""
-        prompt = prompt_tokens(self.engine, self.question, [doc.text for doc in answer.documents or self.documents])
+        prompt = answer.prompt_tokens  # counted once, when the request was prepared
         completion = len(answer.token_ids)
         return CompletionResponse(text=answer.text, raw={
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},

@@ -57,7 +57,6 @@ from ctx_integrations.adapters import (
 )
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.sampling import SamplingParams
@@ -115,7 +114,7 @@ class _Request:
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
-        prompt = len(conversation_ids(self.engine.layout, self.messages))
+        prompt = answer.prompt_tokens
         return {"usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
                           "total_tokens": prompt + len(answer.token_ids)},
                 "model": self.engine.loaded.name, "timings": dict(answer.timings),

@@ -17,9 +17,10 @@ event per token). Either way cancelling the awaiting task cancels the request in
 scheduler (its rows are freed). Timeouts are the engine's own (``timeout=``, ``RequestTimeoutError``).
 A conversation is validated and tokenised on a worker thread (opening a stream, and inside
 ``achat``), so the event loop keeps answering (``/healthz``, other streams) while a long one is
-tokenised; a documents request is only checked on the loop (its documents are tokenised by the scheduler).
-Every answer's ``timings["prompt_tokens"]`` counts the prompt with its documents (the adapters'
-``prefix + documents + suffix``), so the server's ``usage`` is right on every path.
+tokenised; a documents request is only checked on the loop (its documents are tokenised on the
+scheduler's loader thread). Every answer carries its prompt's token count (``prompt_tokens``, also in
+``timings``: ``prefix + documents + suffix`` as one concatenation, counted once when the request was
+prepared), so the server's ``usage`` is right on every path without tokenising again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from ctx_integrations.adapters import prompt_tokens
 from ctx_integrations.engine.core.sampling import SamplingParams
 
 
@@ -64,13 +64,6 @@ class LocalBackend:
         return self.engine.astream(job["query"], job["documents"], mode=job["mode"], sampling=_sampling(job),
                                    timeout=job.get("timeout"), **job["options"])
 
-    def _with_prompt_tokens(self, question: str, answer: dict[str, Any]) -> dict[str, Any]:
-        timings = answer.setdefault("timings", {})
-        if "prompt_tokens" not in timings:  # chat answers count their conversation themselves
-            texts = [d["text"] for d in answer.get("documents", [])]
-            timings["prompt_tokens"] = float(prompt_tokens(self.engine, question, texts))
-        return answer
-
     async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         pieces = await asyncio.to_thread(self._open, job)
         try:
@@ -79,7 +72,7 @@ class LocalBackend:
         finally:
             await pieces.aclose()  # cancels the request in the engine if it is still running
         answer = pieces.answer.to_dict()
-        yield {"answer": await asyncio.to_thread(self._with_prompt_tokens, job.get("query", ""), answer)}
+        yield {"answer": answer}
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
         if "messages" in job:
@@ -87,14 +80,13 @@ class LocalBackend:
         else:
             result = await self.engine.agenerate(job["query"], job["documents"], mode=job["mode"],
                                                  sampling=_sampling(job), timeout=job.get("timeout"), **job["options"])
-        return await asyncio.to_thread(self._with_prompt_tokens, job.get("query", ""), result.to_dict())
+        return result.to_dict()
 
     async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
                                                    sampling=_sampling(job), timeout=job.get("timeout"),
                                                    **job["options"])
-        return await asyncio.to_thread(lambda: [self._with_prompt_tokens(q, a.to_dict())
-                                                for q, a in zip(job["queries"], answers)])
+        return [answer.to_dict() for answer in answers]
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()``: queue depth, active requests and rows, cache hits and bytes per tier."""

@@ -21,7 +21,9 @@ class Answer:
     ``SamplingParams.logprobs`` asked for them, its log-probability and the most likely alternatives.
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s`` (floats), and what they were
     measured under: ``threads`` (torch CPU threads) and ``dtype`` (the compute dtype's name, a string,
-    e.g. ``"float32"``). ``cache_hits_by_tier``
+    e.g. ``"float32"``). ``prompt_tokens`` is the prompt's length as one concatenation (prefix, documents,
+    question; a chat's conversation), what frameworks report as input tokens, counted once when the request
+    was prepared. ``cache_hits_by_tier``
     splits ``cache_hits`` into the tier that served them (``memory``: the model's device, ``host``:
     pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
@@ -43,6 +45,7 @@ class Answer:
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_tokens: int = 0  # the prompt as one concatenation (prefix + documents + question), or the conversation
 
     def __str__(self) -> str:
         return self.text
@@ -64,6 +67,7 @@ class Answer:
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
             "tool_calls": [call.to_dict() for call in self.tool_calls],
+            "prompt_tokens": self.prompt_tokens,
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTi
 from ctx_integrations.engine.core.kv_codec import check_format, decode, encode
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.core.prepared import PreparedText
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
 from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
 from ctx_integrations.errors import InvalidOptionError
@@ -142,21 +144,26 @@ class KVCacheStore:
         self._host_used = 0
         self._in_flight: dict[str, Transfer] = {}  # memory-tier entries whose copy from the host may still run
         self._prefetched: dict[str, str] = {}  # key -> the tier it was read from ahead of use (counted at first use)
+        self._prefix_keys: dict[str, str] = {}  # layout fingerprint -> its prefix's key
         self._lock = threading.RLock()
 
     # -- keys ------------------------------------------------------------------------------------
-    def entry_key(self, layout: PromptLayout, token_ids: list[int] | tuple[int, ...], kind: str = "doc") -> str:
+    def entry_key(self, layout: PromptLayout, token_ids: Sequence[int], kind: str = "doc") -> str:
         digest = hashlib.sha256()
         for part in (FORMAT_VERSION, kind, self.loaded.identity, str(self.loaded.dtype), layout.fingerprint):
             digest.update(part.encode() + b"\x1f")
-        digest.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+        digest.update(_int64_bytes(token_ids))
         return digest.hexdigest()
 
     # -- public API ------------------------------------------------------------------------------
     def prefix(self, layout: PromptLayout) -> CachedKV:
-        """The shared prefix's cache (system prompt + template text before the documents); not counted."""
+        """The shared prefix's cache (system prompt + template text before the documents); not counted.
+
+        Its key is hashed once per layout (every request looks the prefix up, some modes twice)."""
+        key = self._prefix_keys.get(layout.fingerprint)
         ids = tuple(layout.prefix_ids)
-        key = self.entry_key(layout, ids, "prefix")
+        if key is None:
+            key = self._prefix_keys[layout.fingerprint] = self.entry_key(layout, ids, "prefix")
         entry = self._lookup(key, ids, ())
         return entry if entry is not None else self._add(CachedKV(key, ids, self._compute(ids, None)), True)
 
@@ -180,24 +187,30 @@ class KVCacheStore:
         what prefilling the same tokens as one prompt costs. Computing runs the model: call this on
         the model's thread (the scheduler's) only.
         """
-        steps = self.documents_in_steps(layout, token_lists, stats=stats, persist=persist)
+        prepared = [PreparedText(tuple(ids), self.entry_key(layout, ids)) for ids in token_lists]
+        return self.documents_prepared(layout, prepared, stats=stats, persist=persist)
+
+    def documents_prepared(self, layout: PromptLayout, prepared: Sequence[PreparedText], *,
+                           stats: CacheStats | None = None, persist: bool = True) -> list[CachedKV]:
+        """:meth:`documents_tokens` for documents whose tokens and keys are known (:mod:`.prepared`): no hashing."""
+        steps = self.documents_in_steps(layout, prepared, stats=stats, persist=persist)
         while True:
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
 
-    def documents_in_steps(self, layout: PromptLayout, token_lists: list[list[int]], *,
+    def documents_in_steps(self, layout: PromptLayout, prepared: Sequence[PreparedText], *,
                            stats: CacheStats | None = None,
                            persist: bool = True) -> Generator[None, None, list[CachedKV]]:
-        """:meth:`documents_tokens` as a generator that yields after each batched forward and returns the caches.
+        """:meth:`documents_prepared` as a generator that yields after each batched forward and returns the caches.
 
         ``Engine.warm`` runs it as a scheduler job, so other requests run (and time out) between the
         forwards of a large corpus instead of waiting for all of it.
         """
         counters = (self.stats,) if stats is None else (self.stats, stats)
         prefix = self.prefix(layout)
-        wanted = [(self.entry_key(layout, ids), tuple(ids)) for ids in token_lists]
+        wanted = [(p.key, p.ids) for p in prepared]
         found: dict[str, CachedKV] = {}
         for key, ids in dict(wanted).items():
             if (entry := self._lookup(key, ids, counters)) is not None:
@@ -213,16 +226,15 @@ class KVCacheStore:
             yield
         return [found[key] for key, _ in wanted]
 
-    def prefetch(self, layout: PromptLayout, token_lists: list[list[int]]) -> None:
-        """Bring the host and disk entries among ``token_lists`` into the memory tier (no counting, no computing).
+    def prefetch(self, prepared: Sequence[PreparedText]) -> None:
+        """Bring the host and disk entries among ``prepared`` into the memory tier (no counting, no computing).
 
         The scheduler runs this on its loader thread, so disk reads and host-to-GPU copies overlap with
         the model's work. With a host tier a disk entry is read into pinned memory (and kept in the host
         tier), then copied to the device asynchronously; the first lookup waits for the copy on the GPU.
         """
-        for ids in token_lists:
-            ids = tuple(ids)
-            key = self.entry_key(layout, ids)
+        for item in prepared:
+            key, ids = item.key, item.ids
             with self._lock:
                 if key in self._memory:
                     continue
@@ -417,6 +429,12 @@ class KVCacheStore:
         spans = [slice(start, start + len(t)) for t in token_lists]
         return [torch.stack([torch.stack([layer.keys[b, :, span], layer.values[b, :, span]]) for layer in cache.layers])
                 .contiguous() for b, span in enumerate(spans)]
+
+def _int64_bytes(token_ids: Sequence[int]) -> bytes:
+    """The ids as native int64 bytes: what the keys have always hashed (a torch int64 tensor's bytes), without
+    building a tensor from a list of 2048 ints per document."""
+    return array("q", token_ids).tobytes()
+
 
 def _size(entry: CachedKV) -> int:
     return entry.kv.numel() * entry.kv.element_size()

@@ -314,21 +314,41 @@ class TokenSampler:
 
 
 class IncrementalText:
-    """Incremental detokenisation: the text so far, holding back a trailing partial UTF-8 character."""
+    """Incremental detokenisation with offsets (vLLM's ``detokenize_incrementally``): O(1) ids decoded per token.
+
+    Decoding all ids at every token costs O(n) per token, O(n^2) per answer. Instead two windows are decoded:
+    ``ids[prefix:read]`` (already emitted, kept as context so a word-initial space or a merge across the boundary
+    decodes as in the whole text) and ``ids[prefix:]``; the new text is what the second adds to the first. While
+    it ends in a partial UTF-8 character (U+FFFD) it is held back and the window grows until the character is
+    whole; then both offsets move on. Special tokens decode to nothing (``skip_special_tokens``).
+    """
 
     def __init__(self, tokenizer: object):
-        self.tokenizer, self.ids, self.safe_text = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.safe_text = ""  # everything emitted so far
+        self._prefix = self._read = 0
 
     def push(self, token_id: int) -> str:
+        """Add one id; return the text so far (without a trailing partial character)."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.safe_text = text
+        before, after = self._window()
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.safe_text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
         return self.safe_text
+
+    def _window(self) -> tuple[str, str]:
+        decode, window = self.tokenizer.decode, self.ids[self._prefix:self._read]
+        before = decode(window, skip_special_tokens=True) if window else ""
+        return before, decode(self.ids[self._prefix:], skip_special_tokens=True)
 
     @property
     def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """The whole text, the held-back tail included (a partial character at the end stays U+FFFD)."""
+        if self._read == len(self.ids):
+            return self.safe_text
+        before, after = self._window()
+        return self.safe_text + after[len(before):]
 
 
 @dataclass
@@ -347,8 +367,18 @@ class StopCriteria:
 
     def cut(self, text: str) -> tuple[str, bool]:
         """Return the text up to the first stop string and whether one was found."""
-        hits = [text.index(s) for s in self.stop_strings if s and s in text]
-        return (text[: min(hits)], True) if hits else (text, False)
+        hit = self.first_stop(text)
+        return (text[:hit], True) if hit is not None else (text, False)
+
+    def first_stop(self, text: str, checked: int = 0) -> int | None:
+        """Where the first stop string in ``text`` starts, looking only where one could end after ``checked``
+        characters (those were looked at before): O(new text + longest stop string), not O(text)."""
+        strings = [s for s in self.stop_strings if s]
+        if not strings:
+            return None
+        start = max(0, checked - max(map(len, strings)) + 1)
+        hits = [found for s in strings if (found := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
 
 
 @dataclass
@@ -389,9 +419,11 @@ class Emitter:
             self.reason, self.done = "eos", True
             return True
         self.trace.append(step)
-        text, stopped = self.stop.cut(self.pieces.push(step.token_id))
-        self._send_text(text)
-        if stopped:
+        checked = len(self.pieces.safe_text)
+        text = self.pieces.push(step.token_id)
+        hit = self.stop.first_stop(text, checked)
+        self._send_text(text if hit is None else text[:hit])
+        if hit is not None:
             self.reason, self.done = "stop", True
         elif len(self.trace) >= self.stop.max_new_tokens:
             self.done = True

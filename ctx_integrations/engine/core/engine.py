@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from ctx_integrations.documents import Document, prepare_documents
+from ctx_integrations.documents import Document, prepare_documents, user_text
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
-from ctx_integrations.engine.core.chat import CHAT_MODE, conversation_ids
-from ctx_integrations.engine.core.decoding import DecodeResult, StopCriteria, TokenSampler, single_stream
+from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.layout import (
     DEFAULT_CONTEXT_TEMPLATE,
     PCED_QUESTION_TEMPLATE,
@@ -33,6 +32,7 @@ from ctx_integrations.engine.core.layout import (
     PromptLayout,
 )
 from ctx_integrations.engine.core.model import LoadedModel, load_model
+from ctx_integrations.engine.core.prepared import PreparedTexts
 from ctx_integrations.engine.core.registry import (
     DecodeContext,
     answers_many,
@@ -41,8 +41,9 @@ from ctx_integrations.engine.core.registry import (
     check_sampling,
     resolve_mode,
 )
+from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, WarmRequest
 from ctx_integrations.engine.core.sampling import SamplingParams
-from ctx_integrations.engine.core.scheduler import RequestHandle, Submission, scheduler_for
+from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
 from ctx_integrations.engine.core.tools import ToolRequest, tool_request
 from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
@@ -61,39 +62,6 @@ def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] |
         raise EmptyDocumentsError(f"got {len(documents)} document lists for {count} questions: give one list per "
                                   "question, or one list shared by all")
     return list(documents)
-
-
-# Below this, the tokens after the first came out with it (a speculative round accepted the whole answer).
-_BURST_S = 1e-3
-
-
-def decode_rate(new_tokens: int, ttft_s: float, total_s: float) -> float:
-    """Tokens per second after the first, or over the whole answer when they all arrived in one burst.
-
-    ``(n - 1) / (total - ttft)`` measures decoding; a mode that emits several tokens per step (RAPID
-    accepts a whole draft) can end the answer in the first step, where that ratio divides by ~0 and
-    reports thousands of tokens per second: such an answer's rate is ``n / total``.
-    """
-    if new_tokens < 1 or total_s <= 0:
-        return 0.0
-    decode_s = total_s - ttft_s
-    if new_tokens > 1 and decode_s >= _BURST_S:
-        return (new_tokens - 1) / decode_s
-    return new_tokens / total_s
-
-
-def _answer(ctx: DecodeContext, result: DecodeResult, mode: str, options: dict[str, Any]) -> Answer:
-    total = time.perf_counter() - ctx.started
-    decode_s = max(total - result.ttft_s, 1e-9)
-    timings = {"ttft_s": result.ttft_s, "total_s": total, "decode_s": decode_s,
-               "tokens_per_s": decode_rate(len(result.token_ids), result.ttft_s, total),
-               "new_tokens": float(len(result.token_ids)), **ctx.timings,
-               "threads": float(ctx.engine.scheduler.threads or torch.get_num_threads()),
-               "dtype": str(ctx.engine.loaded.dtype).removeprefix("torch.")}
-    return Answer(text=result.text, token_ids=result.token_ids, trace=result.trace, timings=timings,
-                  documents=ctx.documents, mode=mode, cache_hits=ctx.cache.hits, cache_misses=ctx.cache.misses,
-                  cache_hits_by_tier=ctx.cache.by_tier(),
-                  finish_reason=result.finish_reason, options=dict(options), extra=result.extra)
 
 
 def _check_timeout(timeout: float | None) -> float | None:
@@ -152,7 +120,10 @@ class Engine:
     model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``. ``threads``: torch's CPU
     threads for the model's forwards, set on the engine's own step thread (``None``: torch's count in the
     thread that builds the engine, capped at the physical cores this process may use, affinity mask and
-    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). Every answer's
+    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). ``compile_mode``: the row pool's
+    decode step under ``torch.compile`` (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"``
+    (``"reduce-overhead"``, CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere),
+    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
@@ -167,22 +138,25 @@ class Engine:
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
                  context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, compile_mode: str | None = "auto"):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
         self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template_text(question_template),
                                    context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
+        self.layout.context_ids("")  # builds the user-text tokenizer copy now (~0.5 s), not in a first caller's
+        # thread (an async caller's would hold its event loop): documents are tokenised where requests are made
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None,
                                   half_on_disk=half_on_disk, disk_format=disk_format, memory_bytes=memory_bytes,
                                   disk_bytes=disk_bytes, host_bytes=host_bytes, host_format=host_format)
+        self.texts = PreparedTexts(self.layout, self.store)  # documents tokenised and keyed once per text
         self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded, attention_kernel,
                                        optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
-                                       optional_whole_number("threads", threads, minimum=1))
+                                       optional_whole_number("threads", threads, minimum=1), compile_mode)
         self._closed = False
 
     @classmethod
@@ -202,39 +176,25 @@ class Engine:
         return available_modes()
 
     # -- requests ------------------------------------------------------------------------------------
-    def _submission(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
-                    prefetch: Callable[[], None] | None = None) -> Submission:
+    def _timeout(self, timeout: float | None) -> float | None:
+        return _check_timeout(timeout) if timeout is not None else self.request_timeout_s
+
+    def _submit(self, request: Request) -> RequestHandle:
         if self._closed:
             raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
-        timeout = _check_timeout(timeout) if timeout is not None else self.request_timeout_s
-        submission = Submission(plan, finish, self, prefetch=prefetch)
-        if timeout is not None:
-            submission.deadline = submission.submitted + timeout
-        return submission
-
-    def _submit(self, plan: Callable[[], Job], finish: Callable[[Job], Any], *, timeout: float | None = None,
-                prefetch: Callable[[], None] | None = None) -> RequestHandle:
-        return self.scheduler.submit(self._submission(plan, finish, timeout=timeout, prefetch=prefetch),
-                                     self.max_queued_requests)
+        return self.scheduler.submit(request, self.max_queued_requests)
 
     def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
                  on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
-                 options: dict[str, Any]) -> RequestHandle:
-        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer]."""
-        run = self._check_call(mode, options, sampling)
+                 options: dict[str, Any], prepare: bool = True) -> RequestHandle:
+        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer].
+
+        ``prepare``: tokenise and key its documents here (:meth:`_context`); async callers pass ``False`` so that
+        their event loop never tokenises (the scheduler's loader thread does, before the request is planned)."""
+        self._check_call(mode, options, sampling)
         ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(0, self._grammar(sampling)),
-                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token)
-        plan = (lambda: run([ctx], **options)) if answers_many(mode) else (lambda: run(ctx, **options))
-        return self._submit(plan, lambda job: [_answer(ctx, job.results()[0], mode, options)], timeout=timeout,
-                            prefetch=self._prefetcher([ctx]))
-
-    def _prefetcher(self, contexts: list[DecodeContext]) -> Callable[[], None]:
-        """Read the requests' document caches from disk into memory on the scheduler's loader thread."""
-        def prefetch() -> None:
-            texts = {d.text for ctx in contexts for d in ctx.documents}
-            self.store.prefetch(self.layout, [self.layout.context_ids(text) for text in texts])
-
-        return prefetch
+                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token, prepare=prepare)
+        return self._submit(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)))
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                  mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -265,7 +225,7 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handle = self._request(query, documents, scores, mode, None, timeout, settings, options)
+        handle = self._request(query, documents, scores, mode, None, timeout, settings, options, prepare=False)
         return (await handle.wait())[0]
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
@@ -281,13 +241,12 @@ class Engine:
             raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        run = self._check_call(mode, options, settings)  # fail at once on a bad mode, option or sampling setting
-        del run
+        self._check_call(mode, options, settings)  # fail at once on a bad mode, option or sampling setting
         self._grammar(settings)
         prepare_documents(documents, scores)
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._request(query, documents, scores, mode, on_token, timeout, settings, options)
+            return self._request(query, documents, scores, mode, on_token, timeout, settings, options, prepare=False)
 
         return AnswerStream(start, lambda answers: answers[0])
 
@@ -303,8 +262,10 @@ class Engine:
         return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
-              sampling: SamplingParams, timeout: float | None, options: dict[str, Any]) -> list[RequestHandle]:
-        run = self._check_call(mode, options, sampling)
+              sampling: SamplingParams, timeout: float | None, options: dict[str, Any],
+              prepare: bool = True) -> list[RequestHandle]:
+        started = time.perf_counter()
+        self._check_call(mode, options, sampling)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
             got = "a single string" if isinstance(questions, (str, bytes)) else (
                 f"a {type(questions).__name__}" if not isinstance(questions, Sequence) else "nothing")
@@ -319,19 +280,17 @@ class Engine:
             per_question = [prepare_documents(docs) for docs in per_question]
         grammar = self._grammar(sampling)
         contexts = [self._context(q, list(docs), sampling.sampler(i, grammar),
-                                  sampling.stop_criteria(self.loaded.eos_token_ids), None)
+                                  sampling.stop_criteria(self.loaded.eos_token_ids), None, started, prepare)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
+        timeout = self._timeout(timeout)
         if answers_many(mode):
-            return [self._submit(lambda: run(contexts, **options),
-                                 lambda job: [_answer(c, r, mode, options) for c, r in zip(contexts, job.results())],
-                                 timeout=timeout, prefetch=self._prefetcher(contexts))]
+            return [self._submit(ModeRequest(self, contexts, mode, options, timeout=timeout))]
+        if self._closed:
+            raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
         # independent requests, which the scheduler batches; queued all or nothing, so an overload refusal
         # leaves none of them running for nobody
-        return self.scheduler.submit_all([
-            self._submission(lambda ctx=ctx: run(ctx, **options),
-                             lambda job, ctx=ctx: [_answer(ctx, job.results()[0], mode, options)],
-                             timeout=timeout, prefetch=self._prefetcher([ctx]))
-            for ctx in contexts], self.max_queued_requests)
+        return self.scheduler.submit_all([ModeRequest(self, [ctx], mode, options, timeout=timeout) for ctx in contexts],
+                                         self.max_queued_requests)
 
     def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
                       mode: str = "ippd", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -366,7 +325,7 @@ class Engine:
         """:meth:`generate_many` for async callers."""
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handles = self._many(questions, documents, scores, mode, settings, timeout, options)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options, prepare=False)
         try:
             return [answer for handle in handles for answer in await handle.wait()]
         except BaseException:
@@ -378,8 +337,8 @@ class Engine:
     def _chat_request(self, messages: Sequence[dict[str, Any]], sampling: SamplingParams,
                       on_token: Callable[[str], None] | None, timeout: float | None,
                       ids: list[int] | None = None, tools: ToolRequest | None = None) -> RequestHandle:
-        offered = tools.tools if tools is not None else ()
-        ids = conversation_ids(self.layout, messages, offered) if ids is None else ids
+        started = time.perf_counter()
+        ids = conversation_ids(self.layout, messages, tools.tools if tools is not None else ()) if ids is None else ids
         if tools is not None:
             sampling = tools.sampling(sampling, self.layout.tool_format)
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
@@ -387,19 +346,12 @@ class Engine:
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
         ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
-                            sampling.stop_criteria(self.loaded.eos_token_ids), _check_callback(on_token))
+                            sampling.stop_criteria(self.loaded.eos_token_ids), _check_callback(on_token),
+                            started=started)
         # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
-        ctx.timings["prompt_tokens"] = float(len(ids))
-
-        def finish(job: Job) -> list[Answer]:
-            answer = _answer(ctx, job.results()[0], CHAT_MODE, {})
-            if tools is not None:
-                answer.text, answer.tool_calls = self.layout.tool_format.parse(answer.text, tools.tools)
-            return [answer]
-
-        return self._submit(lambda: FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream), finish, timeout=timeout)
+        return self._submit(ChatRequest(self, ctx, ids, timeout=self._timeout(timeout), tools=tools))
 
     def chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
@@ -467,18 +419,9 @@ class Engine:
         Runs on the scheduler's thread like every use of the model (between other requests' steps).
         """
         docs = prepare_documents(documents)
-        ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1))
-
-        def steps() -> Generator[None, None, list[DecodeResult]]:
-            # one step per batched forward of the store: other requests run (and time out) in between
-            # instead of waiting for the whole corpus
-            yield from self.store.documents_in_steps(self.layout, [self.layout.context_ids(doc.text) for doc in docs],
-                                                     stats=ctx.cache)
-            return []
-
-        counts = self._submit(lambda: ExclusiveJob([ctx], steps()), lambda job: ctx.cache.as_dict(),
-                              prefetch=self._prefetcher([ctx])).result()
-        return {key: counts[key] for key in ("hits", "misses", "corrupt")}
+        ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1),
+                            prepared=self.texts.prepare_all([doc.text for doc in docs]))
+        return self._submit(WarmRequest(self, ctx)).result()
 
     def stats(self) -> dict[str, Any]:
         """Serving and cache counters: queue depth, running requests and rows, answers, cache hits per tier,
@@ -516,11 +459,10 @@ class Engine:
         self.close()
 
     # -- validation ----------------------------------------------------------------------------------
-    def _check_call(self, mode: str, options: dict[str, Any], sampling: SamplingParams) -> Callable[..., Any]:
-        run = resolve_mode(mode)
+    def _check_call(self, mode: str, options: dict[str, Any], sampling: SamplingParams) -> None:
+        resolve_mode(mode)
         check_options(mode, options)
         check_sampling(mode, sampling)
-        return run
 
     def _grammar(self, sampling: SamplingParams) -> object | None:
         """``sampling.structured`` compiled for this model (in the caller's thread: a bad format fails here), or
@@ -530,7 +472,19 @@ class Engine:
         return self.loaded.grammars.compile(sampling.structured)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
-                 on_token: Callable[[str], None] | None) -> DecodeContext:
+                 on_token: Callable[[str], None] | None, started: float | None = None,
+                 prepare: bool = True) -> DecodeContext:
+        """The request's context: the question suffix's tokens, and (``prepare``) its documents' tokens and cache keys
+        (from the memo when seen before), computed here once; otherwise :meth:`DecodeContext.prepare` computes
+        them on the scheduler's loader thread. ``started``: the call's start (default now): the request's clock
+        (TTFT, timeout) includes preparing it, and the questions of one call share one clock."""
+        started = time.perf_counter() if started is None else started
         if not isinstance(query, str) or not query.strip():
             raise InvalidOptionError("query must be a non-empty string")
-        return DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token))
+        for index, document in enumerate(documents):  # what tokenising would refuse, refused now in any case
+            user_text(document.text, f"document {index}'s text")
+        ctx = DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token), started=started,
+                            suffix_ids=tuple(self.layout.suffix_ids(query)))
+        if prepare:
+            ctx.prepare()
+        return ctx

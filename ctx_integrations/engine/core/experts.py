@@ -12,23 +12,27 @@ from collections.abc import Callable
 
 from ctx_integrations.engine.core.decoding import DecodeResult, FusionRule
 from ctx_integrations.engine.core.jobs import FusedJob, Stream
+from ctx_integrations.engine.core.prepared import PreparedText
 from ctx_integrations.engine.core.registry import DecodeContext
 from ctx_integrations.engine.core.rows import Piece
 
 
-def expert_streams_job(ctx: DecodeContext, rule: FusionRule, contexts: list[str] | None = None,
+def expert_streams_job(ctx: DecodeContext, rule: FusionRule, contexts: list[PreparedText] | None = None,
                        with_context_free: bool = True,
                        finish: Callable[[DecodeResult], DecodeResult] | None = None) -> FusedJob:
-    """A job decoding with ``rule`` over one stream per context (default: the documents), plus a context-free one."""
+    """A job decoding with ``rule`` over one stream per context (default: the documents), plus a context-free one.
+
+    ``contexts`` come prepared (tokens and cache keys known: :mod:`~ctx_integrations.engine.core.prepared`), so
+    planning the job tokenises and hashes nothing.
+    """
     engine, layout = ctx.engine, ctx.engine.layout
-    texts = [d.text for d in ctx.documents] if contexts is None else contexts
-    suffix = tuple(layout.suffix_ids(ctx.query))
+    prepared = ctx.prepared if contexts is None else contexts
+    suffix = ctx.suffix_ids
     prefix_len = len(layout.prefix_ids)
-    token_ids = [layout.context_ids(text) for text in texts]
-    for i, ids in enumerate(token_ids):
-        ctx.check_window(prefix_len + len(ids) + len(suffix), f"document {i}")
+    for i, context in enumerate(prepared):
+        ctx.check_window(prefix_len + context.tokens + len(suffix), f"document {i}")
     prefix = engine.store.prefix(layout)
-    caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
+    caches = engine.store.documents_prepared(layout, prepared, stats=ctx.cache)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     head = Piece(prefix.kv, 0)
     streams = [Stream((head,), suffix, prefix_len)] if with_context_free else []

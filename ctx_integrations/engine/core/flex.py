@@ -28,9 +28,9 @@ try:
 except ImportError:  # torch < 2.5 has no FlexAttention: every mode stays on its eager path
     BlockMask = create_block_mask = flex_attention = None
 try:
-    from torch.nn.attention.flex_attention import AuxRequest
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 except ImportError:  # torch < 2.9 returns the log-sum-exp with return_lse=True instead
-    AuxRequest = None
+    AuxOutput = AuxRequest = None
 
 ATTENTION_KERNELS = ("auto", "eager", "flex")
 
@@ -57,17 +57,47 @@ def _compiled_flex() -> Callable[..., object]:
     return torch.compile(flex_attention, dynamic=True)
 
 
+def _use_compiled(device: torch.device) -> bool:
+    """Whether FlexAttention runs compiled (CUDA) rather than its unfused reference (CPU; see the module doc)."""
+    return device.type == "cuda"
+
+
+# Kernel options tried, in order, when the autotuned kernel cannot be built for a shape: Inductor raised
+# "NoValidChoicesError: No choices to select ... target: flex_attention" on an H200 for a bf16 32k-token
+# prefill (head dim 128, dynamic shapes) and on fp32 with head dim 16: no tile configuration fitted the
+# shape's constraints (shared memory per block, the head dim's alignment). Smaller tiles and one pipeline
+# stage fit more shapes; if none builds, the shape is computed without the compiled kernel (:func:`_fallback`).
+FALLBACK_KERNEL_OPTIONS: tuple[dict[str, int], ...] = ({"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1},
+                                                       {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1})
+_FAILED_SHAPES: dict[tuple, dict[str, int] | None] = {}  # shape -> kernel options that built, or None: fallback
+
+
+def _shape(query: torch.Tensor, key: torch.Tensor, return_lse: bool) -> tuple:
+    return (tuple(query.shape), tuple(key.shape), str(query.dtype), return_lse)
+
+
 def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
              return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention with GQA (``query`` [B, H, q, d], ``key``/``value`` [B, Hkv, K, d]); (out, lse or None).
 
-    Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log.
+    Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log. A
+    compiled kernel that cannot be built for a shape never fails the request: the shape is retried with
+    :data:`FALLBACK_KERNEL_OPTIONS`, then computed in query chunks with SDPA under the block mask's dense
+    mask (:func:`_fallback`); either way one warning names the shape, and later calls of that shape go
+    straight to what worked.
     """
     options: dict[str, object] = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
     if return_lse:
         options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
-    if query.device.type == "cuda":
-        result = _compiled_flex()(query, key, value, **options)
+    if _use_compiled(query.device):
+        shape = _shape(query, key, return_lse)
+        if shape not in _FAILED_SHAPES:
+            try:
+                result = _compiled_flex()(query, key, value, **options)
+            except Exception as error:  # noqa: BLE001 - Inductor's errors have many types; the request must not fail
+                result = _recover(shape, error, query, key, value, block_mask, scale, return_lse, options)
+        else:
+            result = _recover(shape, None, query, key, value, block_mask, scale, return_lse, options)
     else:
         with warnings.catch_warnings():  # "called without torch.compile()": on CPU that is the point
             warnings.simplefilter("ignore", UserWarning)
@@ -76,6 +106,74 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
         return result, None
     out, lse = result
     return out, (lse.lse if AuxRequest is not None else lse)
+
+
+def _recover(shape: tuple, error: Exception | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             block_mask: BlockMask, scale: float, return_lse: bool, options: dict[str, object]) -> object:
+    """The result of a shape whose default compiled kernel failed: smaller tiles, or the chunked fallback."""
+    if shape in _FAILED_SHAPES:
+        kernel = _FAILED_SHAPES[shape]
+        if kernel is not None:
+            return _compiled_flex()(query, key, value, kernel_options=kernel, **options)
+        return _fallback(query, key, value, block_mask, scale, return_lse)
+    for kernel in FALLBACK_KERNEL_OPTIONS:
+        try:
+            result = _compiled_flex()(query, key, value, kernel_options=kernel, **options)
+        except Exception:  # noqa: BLE001 - try the next configuration
+            continue
+        _FAILED_SHAPES[shape] = kernel
+        warnings.warn(f"FlexAttention's compiled kernel could not be built for query {shape[0]}, keys {shape[1]}, "
+                      f"{shape[2]} ({type(error).__name__}); it runs with kernel_options={kernel} for this shape",
+                      RuntimeWarning, stacklevel=3)
+        return result
+    _FAILED_SHAPES[shape] = None
+    warnings.warn(f"FlexAttention's compiled kernel could not be built for query {shape[0]}, keys {shape[1]}, "
+                  f"{shape[2]} ({type(error).__name__}: {str(error)[:200]}); this shape is computed with SDPA in "
+                  "query chunks under the block mask instead (slower, same result)", RuntimeWarning, stacklevel=3)
+    return _fallback(query, key, value, block_mask, scale, return_lse)
+
+
+FALLBACK_QUERY_CHUNK = 1024  # queries per SDPA call of the fallback: its dense mask is [B, 1, chunk, K]
+
+
+def _fallback(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
+              return_lse: bool) -> object:
+    """Attention under ``block_mask`` without the compiled kernel, in query chunks (the mask evaluated per chunk).
+
+    Without ``return_lse``: SDPA over each chunk's dense boolean mask. With it (APE's merge needs the log-sum-exp):
+    the same scores computed explicitly, ``logsumexp`` and ``softmax @ V``, in fp32. A query row that sees no key
+    gets zeros and an lse of -inf, as FlexAttention gives. Written by hand: torch has no attention that takes a
+    ``mask_mod`` other than FlexAttention itself, whose uncompiled reference materialises every score at once.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    mask_mod = block_mask.mask_mod
+    outs, lses = [], []
+    for start in range(0, q_len, FALLBACK_QUERY_CHUNK):
+        rows = min(FALLBACK_QUERY_CHUNK, q_len - start)
+        b = torch.arange(batch, device=query.device).view(batch, 1, 1, 1)
+        q = torch.arange(start, start + rows, device=query.device).view(1, 1, rows, 1)
+        k = torch.arange(kv_len, device=query.device).view(1, 1, 1, kv_len)
+        mask = mask_mod(b, torch.zeros_like(b), q, k).expand(batch, 1, rows, kv_len)
+        chunk = query[:, :, start:start + rows]
+        if not return_lse:
+            out = torch.nn.functional.scaled_dot_product_attention(chunk, key, value, attn_mask=mask, scale=scale)
+            outs.append(torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out)))
+            continue
+        scores = (chunk.float() @ key.float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append((weights @ value.float()).to(query.dtype))
+        lses.append(lse)
+    out = torch.cat(outs, dim=2)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=2)
+    return (out, AuxOutput(lse=lse)) if AuxRequest is not None else (out, lse)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
+from ctx_integrations.engine.core.prepared import PreparedText, PreparedTexts
 from ctx_integrations.errors import (
     DocumentTooLongError,
     InvalidOptionError,
@@ -80,6 +81,7 @@ class EngineParts(Protocol):
     loaded: LoadedModel
     layout: PromptLayout
     store: KVCacheStore
+    texts: PreparedTexts  # documents' tokens and cache keys, computed once per text
     scheduler: Any  # the model's scheduler (RAPID hands its drafter row to the drafter model's own)
 
 
@@ -162,7 +164,14 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 
 @dataclass
 class DecodeContext:
-    """What a mode gets: the engine, the question, the validated documents and the decoding settings."""
+    """What a mode gets: the engine, the question, the validated documents and the decoding settings.
+
+    Computed once per request, before it is planned: ``prepared``, each document's context tokens and cache
+    key (:mod:`~ctx_integrations.engine.core.prepared`; from the engine's memo when the text was seen before;
+    :meth:`prepare`), and ``suffix_ids``, the question suffix's tokens (in the caller's thread). Modes read them
+    instead of tokenising again; :attr:`prompt_tokens` is the prompt's length as one concatenation (what usage
+    reports).
+    """
 
     engine: EngineParts
     query: str
@@ -174,6 +183,19 @@ class DecodeContext:
     timings: dict[str, float] = field(default_factory=dict)
     cache: CacheStats = field(default_factory=CacheStats)  # this request's own cache lookups
     kv_tokens: int = 0  # the most KV tokens the mode declared it holds at once (check_streams)
+    prepared: list[PreparedText] = field(default_factory=list)  # one per document, in order
+    suffix_ids: tuple[int, ...] = ()
+
+    def prepare(self) -> None:
+        """Tokenise and key the documents (from the engine's memo when seen before), once: in the caller's thread
+        for a blocking call, on the scheduler's loader thread for an async one (its event loop never tokenises)."""
+        if len(self.prepared) != len(self.documents):
+            self.prepared = self.engine.texts.prepare_all([d.text for d in self.documents])
+
+    @property
+    def prompt_tokens(self) -> int:
+        """``prefix + documents + question suffix`` as one prompt: the tokens a concatenation would read."""
+        return len(self.engine.layout.prefix_ids) + sum(p.tokens for p in self.prepared) + len(self.suffix_ids)
 
     def check_window(self, prompt_tokens: int, what: str, new_tokens: int | None = None,
                      new_tokens_name: str = "max_new_tokens") -> None:
@@ -188,11 +210,10 @@ class DecodeContext:
                 f"positions, but the model's window is {window}. Split long documents into chunks "
                 f"(`ctx-experts ingest` chunks by tokens), retrieve fewer documents, or lower {new_tokens_name}.")
 
-    def stream_tokens(self, texts: list[str]) -> int:
-        """Tokens of the longest ``prefix + text + suffix + answer`` stream over ``texts`` (0 texts: no context)."""
-        layout = self.engine.layout
-        longest = max((len(layout.context_ids(text)) for text in texts), default=0)
-        return len(layout.prefix_ids) + longest + len(layout.suffix_ids(self.query)) + self.stop.max_new_tokens
+    def stream_tokens(self, contexts: list[PreparedText]) -> int:
+        """Tokens of the longest ``prefix + context + suffix + answer`` stream over ``contexts`` (none: no context)."""
+        longest = max((p.tokens for p in contexts), default=0)
+        return len(self.engine.layout.prefix_ids) + longest + len(self.suffix_ids) + self.stop.max_new_tokens
 
     def check_streams(self, streams: int, tokens_per_stream: int, what: str,
                       advice: str = "Retrieve fewer documents (top_k), split the question into several "

@@ -27,6 +27,7 @@ requests at step boundaries (continuous batching) is what this module adds, by h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -138,20 +139,27 @@ class PoolLayer(CacheLayerMixin):
 
 @dataclass
 class RowPool:
-    """Rows side by side in one batched cache, with each key column's virtual position and ids.
+    """Rows in an arena of slots: one batched cache, with each key column's virtual position and ids.
 
-    ``layers`` holds per layer a ``(keys, values)`` pair ``[rows, kv_heads, capacity, head_dim]``;
-    ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[rows, capacity]``. Row ``b`` holds
-    its columns contiguously from column 0: ``lengths[b]`` of them (cached pieces, then every token it
-    was fed, in order); every column from ``lengths[b]`` on is padding. Each row writes its next tokens
+    ``layers`` holds per layer a ``(keys, values)`` pair ``[slots, kv_heads, capacity, head_dim]``;
+    ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[slots, capacity]``. The pool's rows
+    (what the scheduler knows, in its order) sit in slots (``slots[row]``); the other slots are free, all
+    padding, and take padding tokens in a forward. The slot count is a bucket (:func:`slot_bucket`: 1, 2,
+    4, 8, then multiples of 8), so a forward's shapes stay fixed while requests come and go within it (what
+    a compiled or CUDA-graph step needs): a joining row takes a free slot (only its own columns are
+    copied), a leaving row frees its slot (metadata only), and the arena is copied only when it grows to
+    the next bucket or shrinks below half of it.
+
+    Row ``b`` holds its columns contiguously from column 0: ``lengths[b]`` of them (cached pieces, then every
+    token it was fed, in order); every column from there on is padding. Each row writes its next tokens
     at its own next column, never at a column shared with longer rows, so a row's keys sit at the same
     columns and its attention reduces over the same blocks whether it runs alone or batched: with
     capacities in whole :data:`GROW_COLUMNS` (the CPU attention kernel's key block), its logits are
     bit for bit the same beside any neighbours, in bf16 as in fp32 (``tests/test_rows.py``). The
     capacity grows by :data:`GROW_COLUMNS` at a time, so most steps write in place and keep every
-    tensor's shape. ``attention`` holds per row its own attention rule (``row_attention.py``; APE's
-    merge) or ``None``; ``next_positions`` per row the virtual position after its last fed token, and
-    ``fed`` how many of its columns were fed as tokens (after its pieces): what :meth:`rewind` may drop.
+    tensor's shape. Per row: ``attention``, its own attention rule (``row_attention.py``; APE's merge) or
+    ``None``; ``next_positions``, the virtual position after its last fed token; ``fed``, how many of its
+    columns were fed as tokens (after its pieces): what :meth:`rewind` may drop.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -164,10 +172,14 @@ class RowPool:
     attention: list[RowRule | None] | None = None  # None: no row has its own rule
     next_positions: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # the slot of each row (default: row b in slot b)
 
     def __post_init__(self) -> None:
+        if not self.slots:
+            self.slots = list(range(self.positions.shape[0]))
         if not self.lengths:
-            self.lengths = [int(n) for n in (self.positions != PAD_POSITION).sum(1).tolist()]
+            real = (self.positions != PAD_POSITION).sum(1).tolist()
+            self.lengths = [int(real[slot]) for slot in self.slots]
         if self.documents is None:
             self.documents = torch.zeros_like(self.positions)
         if self.attention is None:
@@ -179,6 +191,10 @@ class RowPool:
 
     @property
     def rows(self) -> int:
+        return len(self.slots)
+
+    @property
+    def slot_count(self) -> int:
         return self.positions.shape[0]
 
     @property
@@ -192,18 +208,20 @@ class RowPool:
 
     @classmethod
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
-              dtype: torch.dtype, attention: list[RowRule | None] | None = None) -> RowPool:
-        """Lay out ``rows`` (each a list of pieces) from column 0, right-padded to whole :data:`GROW_COLUMNS`:
-        one copy per piece.
+              dtype: torch.dtype, attention: list[RowRule | None] | None = None,
+              slots: int | None = None) -> RowPool:
+        """Lay out ``rows`` (each a list of pieces) from column 0 of slots ``0 ..``, right-padded to whole
+        :data:`GROW_COLUMNS`: one copy per piece. ``slots``: how many slots (default: exactly the rows).
 
         ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
         ``attention``: per row, its own attention rule or ``None``.
         """
         layers, heads, dim = shape
+        count = len(rows) if slots is None else slots
         widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
         capacity = _room(max(widths, default=0))
-        buffer = torch.zeros(layers, 2, len(rows), heads, capacity, dim, device=device, dtype=dtype)
-        positions = torch.full((len(rows), capacity), PAD_POSITION, dtype=torch.long)
+        buffer = torch.zeros(layers, 2, count, heads, capacity, dim, device=device, dtype=dtype)
+        positions = torch.full((count, capacity), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
         documents = torch.zeros_like(positions)
@@ -220,35 +238,84 @@ class RowPool:
                 column += length
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
                    questions.to(device), lengths=widths, documents=documents.to(device),
-                   attention=list(attention) if attention is not None else None)
+                   attention=list(attention) if attention is not None else None, slots=list(range(len(rows))))
 
+    @torch.inference_mode()
     def merge(self, other: RowPool) -> None:
-        """Append ``other``'s rows after this pool's rows (the smaller side is padded on the right)."""
+        """Add ``other``'s rows after this pool's rows, each in a free slot (the arena grows to the next bucket when
+        it has too few; the side with fewer columns is padded on the right). Only ``other``'s rows are copied."""
+        free = self._free_slots()
+        if len(free) < other.rows:
+            self.resize_slots(slot_bucket(self.rows + other.rows))
+            free = self._free_slots()
         capacity = max(self.capacity, other.capacity)
-        (layers, *ids), (other_layers, *other_ids) = self._padded(capacity), other._padded(capacity)
-        self.layers = [(torch.cat([k, ok]), torch.cat([v, ov])) for (k, v), (ok, ov) in zip(layers, other_layers)]
-        self.positions, self.contexts, self.questions, self.documents = (
-            torch.cat(pair) for pair in zip(ids, other_ids))
+        if capacity > self.capacity:
+            self._reserve(capacity)
+        (other_layers, *other_ids) = other._padded(capacity)
+        targets = free[:other.rows]
+        index = torch.tensor(targets, dtype=torch.long, device=self.positions.device)
+        source = torch.tensor(other.slots, dtype=torch.long, device=self.positions.device)
+        for (keys, values), (their_keys, their_values) in zip(self.layers, other_layers):
+            keys.index_copy_(0, index, their_keys.index_select(0, source))
+            values.index_copy_(0, index, their_values.index_select(0, source))
+        for mine, theirs in zip((self.positions, self.contexts, self.questions, self.documents), other_ids):
+            mine.index_copy_(0, index, theirs.index_select(0, source))
+        self.slots = self.slots + targets
         self.attention = self.attention + other.attention
         self.lengths = self.lengths + other.lengths
         self.next_positions = self.next_positions + other.next_positions
         self.fed = self.fed + other.fed
 
+    @torch.inference_mode()
     def keep_rows(self, keep: list[int]) -> None:
-        """Drop every row not in ``keep`` (finished or cancelled requests), and the room no remaining row needs."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.positions.device)
+        """Keep only the rows ``keep`` (in that order): the others' slots are freed (their metadata becomes padding,
+        nothing is copied); the arena is compacted when its rows would fit a bucket under half its slots (so rows
+        coming and going around a bucket's edge do not copy it back and forth), and the room no remaining row needs
+        is trimmed."""
+        freed = sorted(set(self.slots) - {self.slots[row] for row in keep})
+        self.slots = [self.slots[row] for row in keep]
+        self.attention = [self.attention[row] for row in keep]
+        self.lengths = [self.lengths[row] for row in keep]
+        self.next_positions = [self.next_positions[row] for row in keep]
+        self.fed = [self.fed[row] for row in keep]
+        if freed:
+            index = torch.tensor(freed, dtype=torch.long, device=self.positions.device)
+            self.positions.index_fill_(0, index, PAD_POSITION)
+            self.contexts.index_fill_(0, index, PAD_ID)
+            self.questions.index_fill_(0, index, PAD_ID)
+            self.documents.index_fill_(0, index, 0)
+        if slot_bucket(self.rows) < self.slot_count // 2:  # under a quarter full: worth one copy of what remains
+            self._compact(slot_bucket(self.rows))
+        if self.capacity >= _room(self.width) + GROW_COLUMNS:  # a long row left: trim the room nobody needs
+            self.layers, self.positions, self.contexts, self.questions, self.documents = self._trimmed(
+                _room(self.width))
+
+    def _free_slots(self) -> list[int]:
+        used = set(self.slots)
+        return [slot for slot in range(self.slot_count) if slot not in used]
+
+    @torch.inference_mode()
+    def resize_slots(self, count: int) -> None:
+        """Grow the arena to ``count`` slots (new slots free, all padding): one copy of the arena."""
+        extra = count - self.slot_count
+        if extra <= 0:
+            return
+        self.layers = [(_pad_rows(k, extra, 0), _pad_rows(v, extra, 0)) for k, v in self.layers]
+        self.positions = _pad_rows(self.positions, extra, PAD_POSITION)
+        self.contexts = _pad_rows(self.contexts, extra, PAD_ID)
+        self.questions = _pad_rows(self.questions, extra, PAD_ID)
+        self.documents = _pad_rows(self.documents, extra, 0)
+
+    def _compact(self, count: int) -> None:
+        """Move the rows to slots ``0 ..`` of an arena of ``count`` slots (one copy of the rows kept)."""
+        index = torch.tensor(self.slots, dtype=torch.long, device=self.positions.device)
         self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
         self.positions = self.positions.index_select(0, index)
         self.contexts = self.contexts.index_select(0, index)
         self.questions = self.questions.index_select(0, index)
         self.documents = self.documents.index_select(0, index)
-        self.attention = [self.attention[row] for row in keep]
-        self.lengths = [self.lengths[row] for row in keep]
-        self.next_positions = [self.next_positions[row] for row in keep]
-        self.fed = [self.fed[row] for row in keep]
-        if self.capacity >= _room(self.width) + GROW_COLUMNS:  # a long row left: trim the room nobody needs
-            self.layers, self.positions, self.contexts, self.questions, self.documents = self._trimmed(
-                _room(self.width))
+        self.slots = list(range(len(self.slots)))
+        self.resize_slots(count)
 
     @torch.inference_mode()
     def rewind(self, rows: dict[int, int]) -> None:
@@ -266,20 +333,20 @@ class RowPool:
             if dropped > self.fed[row]:
                 raise AssertionError(f"row {row}: rewinding to position {position} would drop {dropped} columns, "
                                      f"more than the {self.fed[row]} it was fed")
-            end = self.lengths[row]
+            slot, end = self.slots[row], self.lengths[row]
             span = slice(end - dropped, end)
-            self.positions[row, span] = PAD_POSITION
-            self.contexts[row, span] = PAD_ID
-            self.questions[row, span] = PAD_ID
-            self.documents[row, span] = 0
+            self.positions[slot, span] = PAD_POSITION
+            self.contexts[slot, span] = PAD_ID
+            self.questions[slot, span] = PAD_ID
+            self.documents[slot, span] = 0
             self.lengths[row] -= dropped
             self.fed[row] -= dropped
             self.next_positions[row] = position
 
     def select(self, rows: list[int]) -> RowPool:
-        """A copy of some rows, same columns: to run a forward of their own (:meth:`take_columns` brings back
-        what it appended). Copies those rows' whole buffers."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+        """A copy of some rows, same columns, one slot each: to run a forward of their own (:meth:`take_columns`
+        brings back what it appended). Copies those rows' whole buffers."""
+        index = torch.tensor([self.slots[r] for r in rows], dtype=torch.long, device=self.positions.device)
         return RowPool([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers],
                        self.positions.index_select(0, index), self.contexts.index_select(0, index),
                        self.questions.index_select(0, index), lengths=[self.lengths[r] for r in rows],
@@ -293,7 +360,7 @@ class RowPool:
         start = min(self.lengths[r] for r in rows)
         end = max(selected.lengths)
         self._reserve(end)
-        index = torch.tensor(rows, dtype=torch.long, device=self.positions.device)
+        index = torch.tensor([self.slots[r] for r in rows], dtype=torch.long, device=self.positions.device)
         new = slice(start, end)  # from the shortest row's old end: the others' older columns are the same in both
         for (keys, values), (their_keys, their_values) in zip(self.layers, selected.layers):
             keys[index, :, new] = their_keys[:, :, new]
@@ -327,65 +394,64 @@ class RowPool:
         return ([(cut(k, 2), cut(v, 2)) for k, v in self.layers], cut(self.positions, 1), cut(self.contexts, 1),
                 cut(self.questions, 1), cut(self.documents, 1))
 
+    def slot_lengths(self) -> list[int]:
+        """Per slot, its row's length (0 for a free slot)."""
+        lengths = [0] * self.slot_count
+        for row, slot in enumerate(self.slots):
+            lengths[slot] = self.lengths[row]
+        return lengths
+
     @torch.inference_mode()
     def forward(self, model: torch.nn.Module, runs: list[list[Run]], pad_token: int,
-                kernel: str = "eager") -> list[torch.Tensor]:
-        """Append every row's runs in ONE forward pass; return per row the logits after each run ([runs, V], fp32).
+                kernel: str = "eager", step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Append every row's runs in ONE forward pass over every slot; return per row the logits after each run
+        ([runs, V], fp32).
 
-        Rows are padded to the longest step; a row's padding tokens are written after its real ones with an
-        infinite virtual position (no real token sees them; the row's next tokens overwrite them), and only
-        the columns that end a run are sent through the LM head. ``kernel``: ``"eager"`` (boolean mask, the
+        Rows are padded to the longest step; a row's padding tokens (and a free slot's) are written after its real
+        ones with an infinite virtual position (no real token sees them; the row's next tokens overwrite them), and
+        only the columns that end a run are sent through the LM head. ``kernel``: ``"eager"`` (boolean mask, the
         model's own attention) or ``"flex"`` (block mask, FlexAttention; see :func:`visibility_block_mask`), as
         resolved by ``flex.resolve_kernel``. Rows with their own attention rule (``attention``) read their row
-        of the boolean mask (built for those rows only on the flex kernel).
+        of the boolean mask (built for those rows only on the flex kernel). ``step``: a compiled form of
+        :func:`decode_step` to run instead of the eager forward when every row takes at most one token and none
+        has its own rule (:mod:`~ctx_integrations.engine.core.compiled_step`).
         """
         device = self.positions.device
         fed = [sum(len(r.ids) for r in row) for row in runs]
-        step = max(fed, default=0)
-        if step == 0:
+        width = max(fed, default=0)
+        if width == 0:
             return [torch.empty(0) for _ in runs]
-        ids = torch.full((self.rows, step), pad_token, dtype=torch.long)
-        positions = torch.full((self.rows, step), PAD_POSITION, dtype=torch.long)
+        slots = self.slot_count
+        ids = torch.full((slots, width), pad_token, dtype=torch.long)
+        positions = torch.full((slots, width), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
         ends: list[list[int]] = []
         for b, row in enumerate(runs):
-            column, row_ends = 0, []
+            slot, column, row_ends = self.slots[b], 0, []
             for run in row:
                 span = slice(column, column + len(run.ids))
-                ids[b, span] = torch.tensor(run.ids)
-                positions[b, span] = torch.arange(run.first_position, run.first_position + len(run.ids))
-                contexts[b, span], questions[b, span] = run.context, run.question
+                ids[slot, span] = torch.tensor(run.ids)
+                positions[slot, span] = torch.arange(run.first_position, run.first_position + len(run.ids))
+                contexts[slot, span], questions[slot, span] = run.context, run.question
                 column += len(run.ids)
                 row_ends.append(column - 1)
             ends.append(row_ends)
-        self._reserve(self.width + step)
-        columns = torch.tensor(self.lengths, dtype=torch.long).unsqueeze(1) + torch.arange(step)
+        self._reserve(self.width + width)
+        columns = torch.tensor(self.slot_lengths(), dtype=torch.long).unsqueeze(1) + torch.arange(width)
         ids, positions, contexts, questions, columns = (
             t.to(device) for t in (ids, positions, contexts, questions, columns))
-        rows = torch.arange(self.rows, device=device).unsqueeze(1)
-        self.positions[rows, columns], self.contexts[rows, columns] = positions, contexts
-        self.questions[rows, columns], self.documents[rows, columns] = questions, 0
-        layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
-        flex = kernel == "flex"
-        rules = [(b, rule, ends[b][-1]) for b, rule in enumerate(self.attention) if rule is not None and ends[b]]
-        extra = {}
-        if rules:
-            extra = {"row_base": FLEX_ATTENTION if flex else model.config._attn_implementation, "row_rules": rules,
-                     "row_documents": self.documents}
-            if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
-                extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
-        keep = sorted({c for row in ends for c in row})
-        cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
-        rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-        keep_all = keep == list(range(step))
+        rows = torch.arange(slots, device=device).unsqueeze(1)
+        rules = [(self.slots[b], rule, ends[b][-1]) for b, rule in enumerate(self.attention)
+                 if rule is not None and ends[b]]
         try:
-            mask = visibility_block_mask(*layout) if flex else visibility(*layout)
-            swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
-            with attention_swapped(model, swap) if swap else nullcontext():
-                out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
-                            **extra)
+            if step is not None and width == 1 and not rules:
+                logits = step(model, ids, positions, contexts, questions, rows, columns, self.positions,
+                              self.contexts, self.questions, self.documents, self.layers)
+                column_of = {0: 0}
+            else:
+                logits, column_of = self._eager_forward(model, kernel, ids, positions, contexts, questions, rows,
+                                                        columns, ends, rules)
         except BaseException:
             self.positions[rows, columns] = PAD_POSITION  # the columns stay unused: no row may see what was written
             self.contexts[rows, columns] = self.questions[rows, columns] = PAD_ID
@@ -396,9 +462,64 @@ class RowPool:
             if row:
                 self.next_positions[b] = row[-1].first_position + len(row[-1].ids)
         self.forwards += 1
-        logits = out.logits.float()
-        column_of = {c: i for i, c in enumerate(keep)}
-        return [logits[b, [column_of[c] for c in row_ends]] for b, row_ends in enumerate(ends)]
+        return [logits[self.slots[b], [column_of[c] for c in row_ends]] for b, row_ends in enumerate(ends)]
+
+    def _eager_forward(self, model: torch.nn.Module, kernel: str, ids: torch.Tensor, positions: torch.Tensor,
+                       contexts: torch.Tensor, questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
+                       ends: list[list[int]], rules: list[tuple[int, RowRule, int]]
+                       ) -> tuple[torch.Tensor, dict[int, int]]:
+        """The forward as transformers runs it (the reference): fp32 logits of the kept columns, and where each is."""
+        device = self.positions.device
+        self.positions[rows, columns], self.contexts[rows, columns] = positions, contexts
+        self.questions[rows, columns], self.documents[rows, columns] = questions, 0
+        layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
+        flex = kernel == "flex"
+        extra = {}
+        if rules:
+            extra = {"row_base": FLEX_ATTENTION if flex else model.config._attn_implementation, "row_rules": rules,
+                     "row_documents": self.documents}
+            if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
+                extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
+        keep = sorted({c for row in ends for c in row})
+        step = ids.shape[1]
+        cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
+        rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
+        keep_all = keep == list(range(step))
+        mask = visibility_block_mask(*layout) if flex else visibility(*layout)
+        swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
+        with attention_swapped(model, swap) if swap else nullcontext():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
+                        **extra)
+        return out.logits.float(), {c: i for i, c in enumerate(keep)}
+
+
+def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
+                questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,
+                k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
+                layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One token per slot through the model, as one pure function of tensors (what ``torch.compile`` and CUDA
+    graphs capture): the step's metadata written at each slot's column, the mask from the visibility rule,
+    the keys written in place, fp32 logits ``[slots, 1, V]``. Every shape is the arena's, fixed within a bucket
+    of (slots, capacity), so a compiled step neither breaks its graph nor recompiles while requests come, go
+    and decode within the bucket (``tests/test_compiled_step.py``)."""
+    k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
+    documents[rows, columns] = 0
+    mask = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
+    cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers])
+    rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache, use_cache=True)
+    return out.logits.float()
+
+
+def slot_bucket(rows: int) -> int:
+    """The arena's slot count for ``rows`` rows: 0, 1, 2, 4, 8, then the next multiple of 8 (vLLM's CUDA-graph
+    batch sizes follow the same shape): at most 2x the rows for small batches, +7 for large ones."""
+    if rows <= 0:
+        return 0
+    if rows <= 8:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 8) * 8
 
 
 # The pool's capacity grows (and is trimmed) in steps of this many columns: the key block of torch's CPU flash
@@ -416,6 +537,12 @@ def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """Right-pad a ``[rows, heads, columns, dim]`` tensor with zeros to ``width`` columns (itself if it has them)."""
     missing = width - tensor.shape[2]
     return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, 0, missing))
+
+
+def _pad_rows(tensor: torch.Tensor, extra: int, value: float) -> torch.Tensor:
+    """``tensor`` with ``extra`` more rows (dim 0) filled with ``value``."""
+    pad = torch.full((extra, *tensor.shape[1:]), value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, pad])
 
 
 def _pad_ids(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:

@@ -11,24 +11,31 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
-from ctx_integrations.engine.core.rows import RowPool, Run
+from ctx_integrations.engine.core.rows import RowPool, Run, slot_bucket
 from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
 
 
 class ModelRunner:
     """One loaded model's batched forwards over the row pool (eager boolean mask or FlexAttention block mask)."""
 
-    def __init__(self, loaded: LoadedModel, attention_kernel: str):
+    def __init__(self, loaded: LoadedModel, attention_kernel: str, compile_mode: str | None = None):
         self._loaded = weakref.ref(loaded)
         self.attention_kernel = attention_kernel  # resolved by flex.resolve_kernel: "eager" or "flex"
+        self.compile_mode = compile_mode  # resolved by compiled_step.resolve_compile_mode: None or a torch mode
         self.pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
         self.pool: RowPool | None = None
+        # the decode step of the running pool, compiled (CUDA graphs per bucket on a GPU); None: the eager forward.
+        # Only for the model's own SDPA / eager attention: the step passes it a boolean mask.
+        compilable = loaded.model.config._attn_implementation in ("sdpa", "eager")
+        self.step = GuardedStep(compiled_decode_step(compile_mode), compile_mode) if compile_mode and compilable \
+            else None
 
     @property
     def loaded(self) -> LoadedModel:
@@ -42,7 +49,7 @@ class ModelRunner:
         if self.pool is not None and step.decode:
             self.pool.rewind(dict(step.rewind))
             try:
-                out.decoded = self._run(self.pool, step.decode, out)
+                out.decoded = self._run(self.pool, step.decode, out, self.step)
             except Exception as error:  # noqa: BLE001 - the scheduler fails the requests this forward held
                 out.decode_error = error
         if step.joining:
@@ -57,6 +64,7 @@ class ModelRunner:
                 out.join_error = error
             else:
                 if self.pool is None:
+                    joining.resize_slots(slot_bucket(joining.rows))
                     self.pool = joining
                 else:
                     self.pool.merge(joining)
@@ -68,7 +76,8 @@ class ModelRunner:
         elif self.pool is not None:
             self.pool.keep_rows(keep)
 
-    def _run(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
+    def _run(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput,
+             step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The rows' forwards: one per distinct number of tokens the rows take this step (batch invariance).
 
         A row's tokens always go through a forward whose query length is its own token count, never padded
@@ -78,7 +87,9 @@ class ModelRunner:
         row's logits are then bit for bit those it gets alone. The group with the most rows runs in place
         (the other rows take no token in that forward); every other group (RAPID's verifications, IPPD's
         stacks, prompts of other lengths joining together) runs on a copy of its rows
-        (:meth:`RowPool.select`), whose new columns are brought back after.
+        (:meth:`RowPool.select`), whose new columns are brought back after. ``step``: the compiled decode step
+        the in-place forward runs when it takes one token per row (the running pool only: its shapes are the
+        arena's, fixed within a bucket).
         """
         tokens = [sum(len(run.ids) for run in row) for row in runs]
         groups: dict[int, list[int]] = {}
@@ -86,10 +97,10 @@ class ModelRunner:
             if count:
                 groups.setdefault(count, []).append(b)
         if len(groups) <= 1:
-            return self._forward(pool, runs, out)
+            return self._forward(pool, runs, out, step)
         in_place = max(groups, key=lambda count: (len(groups[count]), -count))
         logits = self._forward(pool, [list(row) if count == in_place else [] for row, count in zip(runs, tokens)],
-                               out)
+                               out, step)
         for count, rows in groups.items():
             if count == in_place:
                 continue
@@ -99,9 +110,11 @@ class ModelRunner:
             pool.take_columns(rows, selected)
         return logits
 
-    def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput) -> list[torch.Tensor]:
+    def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput,
+                 step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
         started = time.perf_counter()
-        logits = pool.forward(self.loaded.model, [list(row) for row in runs], self.pad_token, self.attention_kernel)
+        logits = pool.forward(self.loaded.model, [list(row) for row in runs], self.pad_token, self.attention_kernel,
+                              step)
         out.forward_s += time.perf_counter() - started
         out.forwards += 1
         out.rows = max(out.rows, pool.rows)

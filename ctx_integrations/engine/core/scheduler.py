@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import sys
 import threading
 import time
@@ -48,11 +49,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ctx_integrations.engine.core.compiled_step import resolve_compile_mode
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
@@ -78,48 +80,67 @@ class RequestCancelledError(CtxIntegrationsError, RuntimeError):
     """The request was cancelled by its caller (a closed stream, a cancelled task) before it finished."""
 
 
-@dataclass
-class Submission:
-    """One request on its way through the scheduler.
+_REQUEST_IDS = itertools.count(1)
 
-    ``plan`` builds the job on the scheduler thread (it may run the model: cache misses);
-    ``prefetch`` runs first on the loader thread (disk reads only); ``finish`` turns the job's
-    results into what the caller's future receives. ``job`` and ``kv_bytes`` (the KV bytes it
-    reserves while it runs) are set when it is planned.
+
+class Request:
+    """One request on its way through the scheduler (vLLM v1's ``Request``): its id, its work and its status.
+
+    What the request is and asks for lives in its subclass (the engine's :mod:`~ctx_integrations.engine.core.requests`:
+    a mode's answer over prepared documents, a chat, a warm-up; RAPID's drafter row): :meth:`plan` builds its
+    job on the scheduler thread (it may run the model: cache misses), :meth:`prefetch` runs first on the loader
+    thread (disk reads only) and :meth:`finish` turns the finished job's results into what the caller's future
+    receives. The scheduler keeps the rest here: ``job`` and ``kv_bytes`` (the KV bytes it reserves while it
+    runs) once planned, the deadline, the caller's future and cancellation, and ``status``: ``"waiting"``,
+    ``"running"``, then ``"finished"``, ``"failed"``, ``"cancelled"`` or ``"timed_out"``.
     """
 
-    plan: Callable[[], Job]
-    finish: Callable[[Job], Any]
-    owner: object
-    prefetch: Callable[[], None] | None = None
-    deadline: float | None = None
-    job: Job | None = None
-    kv_bytes: int = 0
-    waited: bool = False  # held at least once for KV bytes
-    future: Future = field(default_factory=Future)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-    error: BaseException | None = None  # set during a step, handed to the caller when the step retires it
+    def __init__(self, owner: object, *, timeout: float | None = None, started: float | None = None):
+        self.request_id = f"req-{next(_REQUEST_IDS)}"
+        self.owner = owner
+        self.submitted = time.perf_counter() if started is None else started  # the call's start: its timeout's too
+        self.deadline = None if timeout is None else self.submitted + timeout
+        self.job: Job | None = None
+        self.kv_bytes = 0
+        self.waited = False  # held at least once for KV bytes
+        self.future: Future = Future()
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None  # set during a step, handed to the caller when the step retires it
+        self.status = "waiting"
+
+    def plan(self) -> Job:
+        """The request's job (on the scheduler's thread)."""
+        raise NotImplementedError
+
+    def prefetch(self) -> None:
+        """Read what the job needs from slow tiers (on the loader thread, before :meth:`plan`); by default nothing."""
+
+    def finish(self, job: Job) -> Any:
+        """What the caller receives once ``job`` (the request's last) is done."""
+        raise NotImplementedError
 
     @property
     def over(self) -> bool:
         """Failed during this step, or already handed back (its caller cancelled the future)."""
         return self.error is not None or self.future.done()
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.request_id} {self.status}>"
+
 
 class RequestHandle:
-    """The caller's side of a submission: wait for it (sync or async) or cancel it."""
+    """The caller's side of a request: wait for it (sync or async) or cancel it."""
 
-    def __init__(self, submission: Submission, scheduler: Scheduler):
-        self._submission, self._scheduler = submission, scheduler
+    def __init__(self, request: Request, scheduler: Scheduler):
+        self._request, self._scheduler = request, scheduler
 
     @property
     def future(self) -> Future:
-        return self._submission.future
+        return self._request.future
 
     def cancel(self) -> None:
         """Stop the request at the next step boundary and free its rows (a no-op once it finished)."""
-        self._submission.cancelled.set()
+        self._request.cancelled.set()
         self._scheduler.wake()
 
     def result(self) -> Any:
@@ -206,9 +227,9 @@ def contained(error: BaseException) -> BaseException:
     return wrapped
 
 
-def _timeout_error(submission: Submission) -> RequestTimeoutError:
+def _timeout_error(request: Request) -> RequestTimeoutError:
     return RequestTimeoutError(
-        f"the request ran past its timeout ({submission.deadline - submission.submitted:.3g} s) and was "
+        f"the request ran past its timeout ({request.deadline - request.submitted:.3g} s) and was "
         "cancelled: raise timeout=..., lower max_new_tokens, or send fewer concurrent requests")
 
 
@@ -228,42 +249,42 @@ class Scheduler:
         self.threads = threads
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
-        self._loading: list[Submission] = []  # on the loader thread
-        self._ready: deque[Submission] = deque()  # prefetched, waiting for admission
-        self._held: Submission | None = None  # planned, waiting for KV bytes (the head of the queue)
-        self._batch: RowTable[PooledJob, Submission] = RowTable()  # the running pooled jobs, in row order
-        self._exclusive: list[tuple[ExclusiveJob, Submission]] = []
-        self._dropped: list[Submission] = []  # failed this step, settled when the step retires them
-        self._deadlines: list[Submission] = []  # requests with a deadline, until they are over (the watcher's)
+        self._loading: list[Request] = []  # on the loader thread
+        self._ready: deque[Request] = deque()  # prefetched, waiting for admission
+        self._held: Request | None = None  # planned, waiting for KV bytes (the head of the queue)
+        self._batch: RowTable[PooledJob, Request] = RowTable()  # the running pooled jobs, in row order
+        self._exclusive: list[tuple[ExclusiveJob, Request]] = []
+        self._dropped: list[Request] = []  # failed this step, settled when the step retires them
+        self._deadlines: list[Request] = []  # requests with a deadline, until they are over (the watcher's)
         self._thread: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-kv-loader")
 
     # -- the caller's side ---------------------------------------------------------------------------
-    def submit(self, submission: Submission, max_queued: int | None = None) -> RequestHandle:
+    def submit(self, request: Request, max_queued: int | None = None) -> RequestHandle:
         """Queue a request; refuse it at once with :class:`EngineOverloadedError` when its owner's queue is full."""
-        return self.submit_all([submission], max_queued)[0]
+        return self.submit_all([request], max_queued)[0]
 
-    def submit_all(self, submissions: list[Submission], max_queued: int | None = None) -> list[RequestHandle]:
+    def submit_all(self, requests: list[Request], max_queued: int | None = None) -> list[RequestHandle]:
         """Queue several requests all or nothing (``generate_many``): when they do not all fit in their owner's
         queue, none is queued and :class:`EngineOverloadedError` is raised, so a refusal leaves no request
         behind running for nobody."""
         with self._cond:
-            owner = submissions[0].owner
+            owner = requests[0].owner
             waiting = len(self._waiting(owner))
-            if max_queued is not None and waiting + len(submissions) > max_queued:
-                many = f"these {len(submissions)} requests do not fit: " if len(submissions) > 1 else ""
+            if max_queued is not None and waiting + len(requests) > max_queued:
+                many = f"these {len(requests)} requests do not fit: " if len(requests) > 1 else ""
                 raise EngineOverloadedError(
                     f"{many}{waiting} requests are already waiting (max_queued_requests={max_queued}): retry later, "
                     "send fewer at once, or raise Engine(max_queued_requests=...)")
-            self._loading.extend(submissions)
-            self._deadlines.extend(s for s in submissions if s.deadline is not None)
+            self._loading.extend(requests)
+            self._deadlines.extend(s for s in requests if s.deadline is not None)
             self._ensure_thread()
             self._cond.notify_all()  # the watcher may need to wake earlier for a new deadline
-        for submission in submissions:
-            self._loader.submit(self._prefetch, submission)
-        return [RequestHandle(submission, self) for submission in submissions]
+        for request in requests:
+            self._loader.submit(self._prefetch, request)
+        return [RequestHandle(request, self) for request in requests]
 
     def wake(self) -> None:
         with self._cond:
@@ -274,7 +295,7 @@ class Scheduler:
         """The batch's attention kernel, the runner's (resolved by ``scheduler_for``): ``"eager"`` or ``"flex"``."""
         return self.runner.attention_kernel
 
-    def _waiting(self, owner: object | None) -> list[Submission]:
+    def _waiting(self, owner: object | None) -> list[Request]:
         """Requests not running yet (holding ``_cond``): loading, ready, or planned and waiting for KV bytes."""
         held = [self._held] if self._held is not None and not self._held.over else []  # timed out: dropped next step
         return [s for s in (*self._loading, *self._ready, *held) if owner is None or s.owner is owner]
@@ -298,16 +319,16 @@ class Scheduler:
     def _reserved(self) -> int:
         return sum(s.kv_bytes for _, s, _ in self._batch.entries) + sum(s.kv_bytes for _, s in self._exclusive)
 
-    def _prefetch(self, submission: Submission) -> None:
+    def _prefetch(self, request: Request) -> None:
         try:
-            if submission.prefetch is not None and not (submission.cancelled.is_set() or submission.over):
-                submission.prefetch()
+            if not (request.cancelled.is_set() or request.over):
+                request.prefetch()
         except Exception:  # noqa: BLE001 - a failed read is retried (and reported) by the job's own lookup
             pass
         with self._cond:
-            if submission in self._loading:
-                self._loading.remove(submission)
-                self._ready.append(submission)
+            if request in self._loading:
+                self._loading.remove(request)
+                self._ready.append(request)
             self._cond.notify_all()
 
     def _ensure_thread(self) -> None:
@@ -331,23 +352,24 @@ class Scheduler:
         with self._cond:
             while not self._stopping:
                 now = time.perf_counter()
-                for submission in self._deadlines:
-                    if not submission.over and submission.deadline <= now:
-                        self._time_out_now(submission)
+                for request in self._deadlines:
+                    if not request.over and request.deadline <= now:
+                        self._time_out_now(request)
                 self._deadlines = [s for s in self._deadlines if not s.over]
                 if not self._deadlines:
                     break
                 self._cond.wait(timeout=min(s.deadline for s in self._deadlines) - now)
             self._watcher = None
 
-    def _time_out_now(self, submission: Submission) -> None:
+    def _time_out_now(self, request: Request) -> None:
         """The watcher's side of a timeout (holding ``_cond``): a request still waiting leaves the queue now."""
-        if submission in self._loading:
-            self._loading.remove(submission)
-        elif submission in self._ready:
-            self._ready.remove(submission)
+        if request in self._loading:
+            self._loading.remove(request)
+        elif request in self._ready:
+            self._ready.remove(request)
         # a held request stays where it is: the step loop drops it (and closes its job) at its next step
-        if _settle(submission.future, error=_timeout_error(submission)):
+        if _settle(request.future, error=_timeout_error(request)):
+            request.status = "timed_out"
             self.stats.timed_out += 1
         self._cond.notify_all()  # a step loop asleep over waiting jobs retires a running one now
 
@@ -387,7 +409,7 @@ class Scheduler:
         if not self._stopping:  # idle: give the memory a burst of requests grew back to the system
             release_freed_memory()
 
-    def _wait_for_work(self) -> list[Submission] | None:
+    def _wait_for_work(self) -> list[Request] | None:
         """The requests to admit at the next step, or None when the loop ends (stopping, or idle for a while).
 
         A batch whose every job is :attr:`~PooledJob.waiting` (on a drafter running on another model's
@@ -405,10 +427,10 @@ class Scheduler:
     def _has_work(self) -> bool:
         """Whether a step has something to do (holding ``_cond``)."""
         return bool(self._ready or self._held or self._exclusive or any(
-            not job.waiting or submission.over or submission.cancelled.is_set()
-            for job, submission, _ in self._batch.entries))
+            not job.waiting or request.over or request.cancelled.is_set()
+            for job, request, _ in self._batch.entries))
 
-    def _fail_all(self, admit: list[Submission], error: BaseException) -> None:
+    def _fail_all(self, admit: list[Request], error: BaseException) -> None:
         """Fail every running request and the ones being admitted, and start over with an empty pool.
 
         The last guard of the step loop: without it an unexpected error would end the thread and every
@@ -419,15 +441,15 @@ class Scheduler:
             held, self._held = self._held, None
             self._batch, self._exclusive = RowTable(), []
         self.runner.keep_rows([])
-        for submission in (*running, *admit, *([held] if held is not None else [])):
-            if submission.job is not None:
-                submission.job.close()
-            self._fail(submission, error)
+        for request in (*running, *admit, *([held] if held is not None else [])):
+            if request.job is not None:
+                request.job.close()
+            self._fail(request, error)
         dropped, self._dropped = self._dropped, []
-        for submission in dropped:
-            _settle(submission.future, error=submission.error)
+        for request in dropped:
+            _settle(request.future, error=request.error)
 
-    def _take_ready(self) -> list[Submission]:
+    def _take_ready(self) -> list[Request]:
         """The requests to plan this step, in queue order: the held one first, then every ready one."""
         admit = [self._held] if self._held is not None else []
         self._held = None
@@ -435,22 +457,23 @@ class Scheduler:
         self._ready.clear()
         return admit
 
-    def _step(self, admit: list[Submission], started: float) -> None:
+    def _step(self, admit: list[Request], started: float) -> None:
         self._expire()
         joining = self._plan(admit)
-        for job, submission, _ in (*self._batch.entries, *joining.entries):
-            if not submission.over:
-                self._guard(submission, job.prepare)
+        for job, request, _ in (*self._batch.entries, *joining.entries):
+            if not request.over:
+                self._guard(request, job.prepare)
         output = self.runner.execute(ScheduledStep(
             decode=self._batch.runs(), joining=[row for job, _, _ in joining.entries for row in job.rows()],
             joining_runs=joining.runs(),
             joining_attention=[rule for job, _, _ in joining.entries for rule in job.row_attention()],
-            rewind=self._batch.rewinds()))
+            rewind=self._batch.rewinds(), decode_requests=self._batch.requests(),
+            joining_requests=joining.requests()))
         self._consume(output, joining)
         exclusive_started = time.perf_counter()
-        for job, submission in list(self._exclusive):
-            if not self._expired(submission):
-                self._guard(submission, job.step)
+        for job, request in list(self._exclusive):
+            if not self._expired(request):
+                self._guard(request, job.step)
         self._count(output, time.perf_counter() - exclusive_started if self._exclusive else 0.0, started)
         self._retire()
 
@@ -465,118 +488,121 @@ class Scheduler:
         self.stats.peak_rows = max(self.stats.peak_rows, output.rows)
         self.stats.rows_stepped += output.rows
 
-    def _plan(self, admit: list[Submission]) -> RowTable[PooledJob, Submission]:
+    def _plan(self, admit: list[Request]) -> RowTable[PooledJob, Request]:
         """Plan the waiting requests in order and admit them while their KV bytes fit the batch's budget.
 
         The first request that does not fit is held (planned, its bytes known) and the ones behind it go
         back to the queue: nothing overtakes it, so a large request is never starved by small ones.
         Exclusive jobs join the exclusive list; pooled ones are returned, to be prefilled this step.
         """
-        joining: RowTable[PooledJob, Submission] = RowTable()
+        joining: RowTable[PooledJob, Request] = RowTable()
         reserved = self._reserved()
-        for index, submission in enumerate(admit):
-            if self._expired(submission):
-                if submission.job is not None:
-                    submission.job.close()
+        for index, request in enumerate(admit):
+            if self._expired(request):
+                if request.job is not None:
+                    request.job.close()
                 continue
-            if submission.job is None:
-                self._build(submission)
-            job = submission.job
-            if submission.over:  # could not be built, or timed out (the watcher) while its plan computed caches
+            if request.job is None:
+                self._build(request)
+            job = request.job
+            if request.over:  # could not be built, or timed out (the watcher) while its plan computed caches
                 if job is not None:
                     job.close()
                 continue
-            if reserved + submission.kv_bytes > self.max_batch_bytes and (reserved or joining.entries):
+            if reserved + request.kv_bytes > self.max_batch_bytes and (reserved or joining.entries):
                 with self._cond:
-                    self._held = submission
+                    self._held = request
                     self._ready.extendleft(reversed(admit[index + 1:]))
-                self.stats.held += not submission.waited  # requests that waited, not the steps they waited
-                submission.waited = True
+                self.stats.held += not request.waited  # requests that waited, not the steps they waited
+                request.waited = True
                 break
-            reserved += submission.kv_bytes
+            reserved += request.kv_bytes
+            request.status = "running"
             if isinstance(job, ExclusiveJob):
                 with self._cond:
-                    self._exclusive.append((job, submission))
+                    self._exclusive.append((job, request))
             else:
-                joining.entries.append((job, submission, len(job.rows())))
+                joining.entries.append((job, request, len(job.rows())))
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, reserved)
         return joining
 
-    def _build(self, submission: Submission) -> None:
+    def _build(self, request: Request) -> None:
         """Plan the request's job and size its KV bytes; a job that cannot be built, or never fits, fails alone."""
         try:
-            job = submission.plan()
+            job = request.plan()
             needed = self._bytes_needed(job)
             if not isinstance(job, ExclusiveJob):
                 job.rows()  # a mode whose rows cannot be laid out fails here, alone
         except BaseException as error:  # noqa: BLE001 - a request that cannot be planned fails alone
-            self._fail(submission, contained(error))
+            self._fail(request, contained(error))
             return
-        submission.job, submission.kv_bytes = job, needed
+        request.job, request.kv_bytes = job, needed
 
-    def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Submission]) -> None:
+    def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Request]) -> None:
         """Each job chooses its tokens from its own rows' logits on the device; all choices are read back in
         ONE transfer for the whole batch, then each job emits its own; joining jobs become running ones."""
-        taking: list[tuple[PooledJob, Submission, list[torch.Tensor]]] = []
+        taking: list[tuple[PooledJob, Request, list[torch.Tensor]]] = []
         if output.decode_error is not None:  # a failed batched forward fails every request in it
-            for _, submission, _ in self._batch.entries:
-                self._fail(submission, output.decode_error)
+            for _, request, _ in self._batch.entries:
+                self._fail(request, output.decode_error)
         elif output.decoded is not None:
             taking.extend(entry for entry in self._batch.split(output.decoded) if not entry[1].over)
         if output.join_error is not None:  # the joint prefill failed: fail the requests it held
-            for _, submission, _ in joining.entries:
-                self._fail(submission, output.join_error)
+            for _, request, _ in joining.entries:
+                self._fail(request, output.join_error)
         elif output.joined is not None:
             taking.extend(entry for entry in joining.split(output.joined) if not entry[1].over)
             with self._cond:
                 self._batch.extend(joining)
         proposals = []
-        for job, submission, logits in taking:
+        for job, request, logits in taking:
             try:
-                proposals.append((job, submission, job.propose(logits)))
+                proposals.append((job, request, job.propose(logits)))
             except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
-                self._fail(submission, contained(error))
+                self._fail(request, contained(error))
         if not proposals:
             return
         values = torch.cat([proposal for _, _, proposal in proposals]).tolist()  # the step's one read back
         offset = 0
-        for job, submission, proposal in proposals:
-            self._guard(submission, job.accept, values[offset:offset + proposal.numel()])
+        for job, request, proposal in proposals:
+            self._guard(request, job.accept, values[offset:offset + proposal.numel()])
             offset += proposal.numel()
 
-    def _guard(self, submission: Submission, call: Callable[..., None], *args: Any) -> None:
+    def _guard(self, request: Request, call: Callable[..., None], *args: Any) -> None:
         try:
             call(*args)
         except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its on_token raised)
-            self._fail(submission, contained(error))
+            self._fail(request, contained(error))
 
-    def _expired(self, submission: Submission) -> bool:
+    def _expired(self, request: Request) -> bool:
         """Whether the request must not run on: over already, or cancelled / timed out (then failed now)."""
-        if submission.over:
+        if request.over:
             return True
-        if submission.cancelled.is_set():
+        if request.cancelled.is_set():
             self.stats.cancelled += 1
-            self._fail(submission, RequestCancelledError("the request was cancelled by its caller"), count=False)
-        elif submission.deadline is not None and time.perf_counter() > submission.deadline:
+            self._fail(request, RequestCancelledError("the request was cancelled by its caller"), count=False)
+        elif request.deadline is not None and time.perf_counter() > request.deadline:
             self.stats.timed_out += 1
-            self._fail(submission, _timeout_error(submission), count=False)
-        return submission.over
+            self._fail(request, _timeout_error(request), count=False)
+        return request.over
 
     def _expire(self) -> None:
-        for _, submission, _ in self._batch.entries:
-            self._expired(submission)
-        for _, submission in self._exclusive:
-            self._expired(submission)
+        for _, request, _ in self._batch.entries:
+            self._expired(request)
+        for _, request in self._exclusive:
+            self._expired(request)
 
-    def _fail(self, submission: Submission, error: BaseException, count: bool = True) -> None:
+    def _fail(self, request: Request, error: BaseException, count: bool = True) -> None:
         """Mark a request failed; its caller gets the error when the step retires it (never before its rows left).
 
         ``count``: an error of the request itself (not a cancellation or a timeout, counted apart).
         """
-        if not submission.over:
-            submission.error = error
+        if not request.over:
+            request.error = error
+            request.status = ("cancelled" if isinstance(error, RequestCancelledError) else
+                              "timed_out" if isinstance(error, RequestTimeoutError) else "failed")
             self.stats.failed += count
-            self._dropped.append(submission)
+            self._dropped.append(request)
 
     def _retire(self) -> None:
         """Hand back finished answers and errors; drop the rows of every request that is over, and the rows a
@@ -586,38 +612,38 @@ class Scheduler:
         after its answer arrives no longer sees its own request running.
         """
         with self._cond:
-            keep, finished = self._batch.retire(lambda job, submission: submission.over or job.done)
+            keep, finished = self._batch.retire(lambda job, request: request.over or job.done)
             still = []
-            for job, submission in self._exclusive:
-                if submission.over or job.done:
-                    finished.append((job, submission))
+            for job, request in self._exclusive:
+                if request.over or job.done:
+                    finished.append((job, request))
                 else:
-                    still.append((job, submission))
+                    still.append((job, request))
             self._exclusive = still
         if keep is not None:
             self.runner.keep_rows(keep)
         for job, _ in finished:
             job.close()
-        for job, submission in finished:
-            if not submission.over and not self._follow_up(job, submission):
-                self._finish(job, submission)
+        for job, request in finished:
+            if not request.over and not self._follow_up(job, request):
+                self._finish(job, request)
         dropped, self._dropped = self._dropped, []
-        for submission in dropped:
-            _settle(submission.future, error=submission.error)
+        for request in dropped:
+            _settle(request.future, error=request.error)
 
-    def _follow_up(self, job: Job, submission: Submission) -> bool:
+    def _follow_up(self, job: Job, request: Request) -> bool:
         """Queue the job that carries the request on (:meth:`Job.follow_up`) at the head of the queue; whether
         there was one (a follow-up that cannot be built, or can never fit, fails the request)."""
         try:
             follow = job.follow_up()
             if follow is None:
                 return False
-            submission.job, submission.kv_bytes = follow, self._bytes_needed(follow)
+            request.job, request.kv_bytes = follow, self._bytes_needed(follow)
         except BaseException as error:  # noqa: BLE001 - e.g. the reduce prompt does not fit the window
-            self._fail(submission, contained(error))  # settled with the step's other failures, right after
+            self._fail(request, contained(error))  # settled with the step's other failures, right after
             return True
         with self._cond:
-            self._ready.appendleft(submission)
+            self._ready.appendleft(request)
         return True
 
     def _bytes_needed(self, job: Job) -> int:
@@ -632,15 +658,17 @@ class Scheduler:
                 "Engine(max_batch_bytes=...) (--max-batch-bytes on the command line)")
         return needed
 
-    def _finish(self, job: Job, submission: Submission) -> None:
+    def _finish(self, job: Job, request: Request) -> None:
         try:
-            result = submission.finish(job)
+            result = request.finish(job)
         except BaseException as error:  # noqa: BLE001 - e.g. a mode's result hook or on_token failed: this request alone
             self.stats.failed += 1
-            _settle(submission.future, error=contained(error))
+            request.status = "failed"
+            _settle(request.future, error=contained(error))
             return
         self.stats.answered += 1
-        _settle(submission.future, result)
+        request.status = "finished"
+        _settle(request.future, result)
 
 
 _SCHEDULERS: weakref.WeakKeyDictionary[torch.nn.Module, Scheduler] = weakref.WeakKeyDictionary()
@@ -659,7 +687,8 @@ def _stop_all() -> None:
 
 
 def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
-                  max_batch_bytes: int | None = None, threads: int | None = None) -> Scheduler:
+                  max_batch_bytes: int | None = None, threads: int | None = None,
+                  compile_mode: str | None = "auto") -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
     ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes
@@ -669,12 +698,14 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
     model share all three, so a second engine asking for other values is refused rather than silently ignored.
     """
     kernel = resolve_kernel(attention_kernel, loaded.device)
+    compiled = resolve_compile_mode(compile_mode, loaded.device)
     with _SCHEDULERS_LOCK:
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
-            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel), kv_bytes_per_token(loaded),
-                                                              budget, threads or default_threads())
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel, compiled),
+                                                              kv_bytes_per_token(loaded), budget,
+                                                              threads or default_threads())
             _LIVE.add(scheduler)
         elif threads is not None and scheduler.threads != threads:
             raise InvalidOptionError(
@@ -686,6 +717,11 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
                 f"this model's scheduler already runs with max_batch_bytes={scheduler.max_batch_bytes}, and every "
                 f"engine on one model shares it: build this engine with the same value (or none), or load the model "
                 f"again for max_batch_bytes={max_batch_bytes}")
+        elif scheduler.runner.compile_mode != compiled:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs its decode step with compile_mode="
+                f"{scheduler.runner.compile_mode!r}, and every engine on one model shares it: build this engine with "
+                f"the same compile_mode, or load the model again for compile_mode={compile_mode!r}")
         elif scheduler.attention_kernel != kernel:
             raise InvalidOptionError(
                 f"this model's scheduler already runs its row pool with attention_kernel="

@@ -18,20 +18,20 @@ import torch
 from transformers import StaticCache
 
 from ctx_integrations.engine.core.cache import SequenceBatch
+from ctx_integrations.engine.core.compiled_step import COMPILE_MODES, resolve_compile_mode
 from ctx_integrations.errors import InvalidOptionError
-
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def check_compile_mode(mode: object) -> None:
     """Refuse anything but ``None`` or a ``torch.compile`` mode, by name, before any work."""
-    if mode not in COMPILE_MODES:
-        raise InvalidOptionError(f"compile_mode must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
+    if mode not in COMPILE_MODES or mode == "auto":
+        raise InvalidOptionError(f"compile_mode must be one of "
+                                 f"{', '.join(repr(m) for m in COMPILE_MODES if m != 'auto')}, got {mode!r}")
 
 
 def default_compile_mode(device: torch.device) -> str | None:
     """``"reduce-overhead"`` (CUDA graphs) on CUDA; ``None`` (eager) elsewhere (compiling costs more than it saves)."""
-    return "reduce-overhead" if device.type == "cuda" else None
+    return resolve_compile_mode("auto", device)
 
 
 class StaticSequences:

@@ -32,7 +32,9 @@ class ScheduledStep:
     ``None`` (empty: none has one). Joining rows are prefilled in a forward of their own and appended
     after the running rows (docs/scheduler.md says why). ``rewind``: running rows (batch index) whose
     columns at virtual positions ``>=`` the given one are dropped before the decode forward (a
-    speculative row's rejected drafts).
+    speculative row's rejected drafts). ``decode_requests`` / ``joining_requests``: the step keyed by
+    request id (vLLM v1's ``SchedulerOutput``): each request's id and how many consecutive rows it has, in
+    batch order; the runner needs only the rows, the ids name them (logs, metrics, a failed row's request).
     """
 
     decode: Sequence[Sequence[Run]] = ()
@@ -40,6 +42,8 @@ class ScheduledStep:
     joining_runs: Sequence[Sequence[Run]] = ()
     joining_attention: Sequence[object | None] = ()
     rewind: Mapping[int, int] = field(default_factory=dict)
+    decode_requests: Sequence[tuple[str, int]] = ()  # (request id, its rows) in batch order: whose rows are which
+    joining_requests: Sequence[tuple[str, int]] = ()
 
 
 @dataclass
@@ -89,6 +93,10 @@ class RowTable(Generic[J, S]):
     @property
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.entries)
+
+    def requests(self) -> list[tuple[str, int]]:
+        """Each request's id and row count, in batch order (the step keyed by request id)."""
+        return [(str(getattr(request, "request_id", request)), rows) for _, request, rows in self.entries]
 
     def runs(self) -> list[list[Run]]:
         """Every row's runs this step, in batch order."""

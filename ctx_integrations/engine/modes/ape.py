@@ -226,15 +226,15 @@ class _ApeInputs:
 def _ape_inputs(ctx: DecodeContext) -> _ApeInputs:
     """Check the request (window, per-request budget, a model whose attention can be swapped) and get its caches."""
     engine, layout = ctx.engine, ctx.engine.layout
-    suffix = layout.suffix_ids(ctx.query)
-    token_ids = [layout.context_ids(d.text) for d in ctx.documents]
-    prefix_len, longest = len(layout.prefix_ids), max(len(ids) for ids in token_ids)
+    suffix = list(ctx.suffix_ids)
+    prefix_len, longest = len(layout.prefix_ids), max(p.tokens for p in ctx.prepared)
     # Documents share positions, so only the longest one (not their sum) counts against the window.
     ctx.check_window(prefix_len + longest + len(suffix), "the longest document with the question")
     with ape_attention_swapped(engine.loaded.model):  # refuse a model that cannot take the swap before any work
         pass
-    ctx.check_streams(1, prefix_len + sum(map(len, token_ids)) + len(suffix) + ctx.stop.max_new_tokens, "APE's caches")
-    caches = engine.store.documents_tokens(layout, token_ids, stats=ctx.cache)
+    ctx.check_streams(1, prefix_len + sum(p.tokens for p in ctx.prepared) + len(suffix) + ctx.stop.max_new_tokens,
+                      "APE's caches")
+    caches = engine.store.documents_prepared(layout, ctx.prepared, stats=ctx.cache)
     return _ApeInputs(suffix, engine.store.prefix(layout), caches, prefix_len, prefix_len + longest)
 
 

@@ -13,7 +13,7 @@ their own streams).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 
 import torch
@@ -47,18 +47,17 @@ def prompt_job(ctx: DecodeContext, ids: list[int],
     return FusedJob(ctx, [Stream((), tuple(ids), 0)], single_stream, finish)
 
 
-def concatenated_ids(ctx: DecodeContext, texts: list[str], what: str | None = None) -> list[int]:
-    """``prefix + texts + question`` as one prompt, refused when it does not fit the window."""
-    layout = ctx.engine.layout
-    ids = layout.prefix_ids + [t for text in texts for t in layout.context_ids(text)] + layout.suffix_ids(ctx.query)
-    ctx.check_window(len(ids), what or f"the concatenation of {len(texts)} documents")
+def concatenated_ids(ctx: DecodeContext, contexts: Sequence[Sequence[int]], what: str | None = None) -> list[int]:
+    """``prefix + contexts + question`` as one prompt (each context's tokens given), refused when it does not fit."""
+    ids = ctx.engine.layout.prefix_ids + [t for context in contexts for t in context] + list(ctx.suffix_ids)
+    ctx.check_window(len(ids), what or f"the concatenation of {len(contexts)} documents")
     return ids
 
 
 @register_mode("concat")
 def run_concat(ctx: DecodeContext) -> FusedJob:
     """Corpus in context ("All"): every document in one prompt, in the given order."""
-    return prompt_job(ctx, concatenated_ids(ctx, [d.text for d in ctx.documents]))
+    return prompt_job(ctx, concatenated_ids(ctx, [prepared.ids for prepared in ctx.prepared]))
 
 
 @register_mode("truncated")
@@ -70,9 +69,8 @@ def run_truncated(ctx: DecodeContext, *, context_tokens: int | None = None) -> F
     and what is lost is the start of the context. ``extra["dropped_tokens"]`` says how many were cut.
     """
     context_tokens = optional_whole_number("context_tokens", context_tokens, minimum=1)
-    layout = ctx.engine.layout
-    prefix, suffix = layout.prefix_ids, layout.suffix_ids(ctx.query)
-    context = [t for d in ctx.documents for t in layout.context_ids(d.text)]
+    prefix, suffix = ctx.engine.layout.prefix_ids, list(ctx.suffix_ids)
+    context = [t for prepared in ctx.prepared for t in prepared.ids]
     room = ctx.engine.loaded.max_positions - len(prefix) - len(suffix) - ctx.stop.max_new_tokens
     ctx.check_window(len(prefix) + len(suffix) + 1, "the prompt without context")
     keep = min(room, context_tokens or room, len(context))
@@ -94,12 +92,12 @@ def run_single(ctx: DecodeContext) -> FusedJob:
     """Corpus in context ("Single"): only the top-1 document by score, decoded from its cached KV."""
     engine, layout = ctx.engine, ctx.engine.layout
     top = top_document(ctx.documents)
-    context_ids, suffix = layout.context_ids(ctx.documents[top].text), layout.suffix_ids(ctx.query)
+    chosen, suffix = ctx.prepared[top], ctx.suffix_ids
     prefix_len = len(layout.prefix_ids)
-    ctx.check_window(prefix_len + len(context_ids) + len(suffix), f"document {top}")
-    ctx.check_streams(1, prefix_len + len(context_ids) + len(suffix) + ctx.stop.max_new_tokens, "single")
+    ctx.check_window(prefix_len + chosen.tokens + len(suffix), f"document {top}")
+    ctx.check_streams(1, prefix_len + chosen.tokens + len(suffix) + ctx.stop.max_new_tokens, "single")
     prefix = engine.store.prefix(layout)
-    document = engine.store.document_tokens(layout, context_ids, stats=ctx.cache)
+    (document,) = engine.store.documents_prepared(layout, [chosen], stats=ctx.cache)
     stream = Stream((Piece(prefix.kv, 0), Piece(document.kv, prefix_len)), tuple(suffix), prefix_len + document.length)
 
     def finish(result: DecodeResult) -> DecodeResult:
@@ -109,8 +107,9 @@ def run_single(ctx: DecodeContext) -> FusedJob:
     return FusedJob(ctx, [stream], single_stream, finish)
 
 
-def map_inputs(layout: PromptLayout, texts: list[str], summary_tokens: int, window: int) -> list[tuple[int, list[int]]]:
-    """(document index, context token ids) of every map-step input, in order.
+def map_inputs(layout: PromptLayout, contexts: Sequence[Sequence[int]], summary_tokens: int,
+               window: int) -> list[tuple[int, list[int]]]:
+    """(document index, context token ids) of every map-step input, in order (``contexts``: each document's tokens).
 
     A document whose summary prompt (prefix + document + suffix + ``summary_tokens``) fits ``window``
     is one input (its cache is the document's own); a longer one is cut into consecutive token pieces
@@ -122,8 +121,8 @@ def map_inputs(layout: PromptLayout, texts: list[str], summary_tokens: int, wind
             f"map_reduce's summary prompt with summary_tokens={summary_tokens} already needs "
             f"{window - room + 1} of the model's {window} positions before any document: lower summary_tokens")
     inputs = []
-    for index, text in enumerate(texts):
-        ids = layout.context_ids(text)
+    for index, ids in enumerate(contexts):
+        ids = list(ids)
         inputs.extend((index, ids[start:start + room]) for start in range(0, len(ids), room))
     return inputs
 
@@ -143,7 +142,11 @@ def _map_plan(ctx: DecodeContext, summary_tokens: int) -> tuple[PromptLayout, li
     loaded = ctx.engine.loaded
     summary_layout = PromptLayout(loaded.tokenizer, SUMMARY_SYSTEM_PROMPT, SUMMARY_QUESTION_TEMPLATE)
     suffix = summary_layout.suffix_ids("")
-    inputs = map_inputs(summary_layout, [d.text for d in ctx.documents], summary_tokens, loaded.max_positions)
+    if summary_layout.context_template == ctx.engine.layout.context_template:  # the same tokens: prepared already
+        contexts = [prepared.ids for prepared in ctx.prepared]
+    else:
+        contexts = [summary_layout.context_ids(d.text) for d in ctx.documents]
+    inputs = map_inputs(summary_layout, contexts, summary_tokens, loaded.max_positions)
     longest = len(summary_layout.prefix_ids) + max(len(ids) for _, ids in inputs) + len(suffix)
     ctx.check_streams(len(inputs), longest + summary_tokens, "map_reduce's map step (one stream per input)")
     return summary_layout, inputs, suffix
@@ -152,7 +155,9 @@ def _map_plan(ctx: DecodeContext, summary_tokens: int) -> tuple[PromptLayout, li
 def _reduce_job(ctx: DecodeContext, inputs: list[tuple[int, list[int]]], summaries: list[DecodeResult]) -> FusedJob:
     """The reduce step: the QA prompt over each document's summaries, one stream."""
     ctx.timings["map_s"] = time.perf_counter() - ctx.started
-    ids = concatenated_ids(ctx, reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries]),
+    layout = ctx.engine.layout
+    texts = reduce_texts(ctx.documents, [i for i, _ in inputs], [s.text for s in summaries])
+    ids = concatenated_ids(ctx, [layout.context_ids(text) for text in texts],
                            f"map_reduce's reduce step (the summaries of {len(ctx.documents)} documents: lower "
                            "summary_tokens)")
 

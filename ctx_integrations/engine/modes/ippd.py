@@ -136,10 +136,10 @@ class StackedJob(PooledJob):
         """Per waiting question, in stack order: its token, the token's log-probability, the score to check, then
         its log-probabilities when its sampler asks for them (every question's sampler asks the same)."""
         first_step = "prefill_s" not in self.contexts[0].timings
-        if first_step:
-            prefill = time.perf_counter() - self.contexts[0].started
+        if first_step:  # each question's own clock: its ctx was prepared (and its clock started) a moment apart
+            now = time.perf_counter()
             for ctx in self.contexts:
-                ctx.timings["prefill_s"] = prefill
+                ctx.timings["prefill_s"] = now - ctx.started
         values = []
         for stack, row in zip(self._live, logits):
             for question, scores in zip(self._waiting[stack], row):
@@ -207,8 +207,8 @@ def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = No
     for index, ctx in enumerate(contexts):
         texts = tuple(d.text for d in ctx.documents)
         if texts not in group_ids:
-            group_ids[texts] = [t for text in texts for t in layout.context_ids(text)]
-        suffix = layout.suffix_ids(ctx.query)
+            group_ids[texts] = [t for prepared in ctx.prepared for t in prepared.ids]
+        suffix = list(ctx.suffix_ids)
         ctx.check_window(prefix_len + len(group_ids[texts]) + len(suffix), f"question {index} with its documents")
         position = prefix_len + len(group_ids[texts]) + len(suffix)
         emitter = Emitter(loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)

@@ -136,7 +136,7 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
     pieces = ctx.engine.loaded.word_pieces if switch == "word" else None  # PCEDFusion checks switch
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation, switch=switch, word_pieces=pieces)
-    ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens([d.text for d in ctx.documents]), "PCED's streams")
+    ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens(ctx.prepared), "PCED's streams")
 
     def finish(result: DecodeResult) -> DecodeResult:
         used = job.state.carry  # the beta the answer was decoded with (None: no step ran)

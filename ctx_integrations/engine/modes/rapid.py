@@ -28,9 +28,10 @@ import numpy as np
 from ctx_integrations.engine.core.decoding import DecodeResult, StopCriteria, single_stream
 from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.jobs import FusedJob, Stream
+from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
 from ctx_integrations.engine.core.rows import Piece
-from ctx_integrations.engine.core.scheduler import Submission
+from ctx_integrations.engine.core.scheduler import Request
 from ctx_integrations.engine.core.validation import choice, real_number, whole_number
 from ctx_integrations.engine.modes.speculative import check_tail_rule
 from ctx_integrations.engine.modes.speculative_rows import DraftChannel, DraftJob, DraftRow, RapidJob, SequenceRow
@@ -235,9 +236,9 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     check_tail_rule(tail_rule)
     draft_engine = check_drafter(ctx.engine, drafter)
     engine, layout = ctx.engine, ctx.engine.layout
-    context_ids = [layout.context_ids(d.text) for d in ctx.documents]
+    context_ids = [list(p.ids) for p in ctx.prepared]
     long_ids = [t for ids in context_ids for t in ids]
-    suffix, prefix_len = layout.suffix_ids(ctx.query), len(layout.prefix_ids)
+    suffix, prefix_len = list(ctx.suffix_ids), len(layout.prefix_ids)
     ctx.check_window(prefix_len + len(long_ids) + len(suffix), "the long context (all documents)")
     ctx.check_streams(2, prefix_len + len(long_ids) + len(suffix) + ctx.stop.max_new_tokens + gamma,
                       "RAPID's target and drafter streams")
@@ -276,12 +277,25 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     job = RapidJob(ctx, target_pieces, SequenceRow(prefix_len + long_kv.length), suffix, kv_tokens=target_tokens,
                    channel=channel, **settings)
 
-    def plan_drafter() -> DraftJob:  # on the drafter model's scheduler thread: its prefix cache may be computed
-        return DraftJob([Piece(draft_engine.store.prefix(layout).kv, 0)], draft, channel, draft_tokens)
-
-    handle = draft_engine.scheduler.submit(Submission(plan_drafter, lambda _: None, draft_engine))
+    handle = draft_engine.scheduler.submit(DraftRequest(draft_engine, layout, draft, channel, draft_tokens))
     handle.future.add_done_callback(_report_drafter_failure(channel))
     return job
+
+
+class DraftRequest(Request):
+    """RAPID's drafter row as a request of the drafter model's own scheduler (a drafter model of its own)."""
+
+    def __init__(self, draft_engine: EngineParts, layout: PromptLayout, draft: DraftRow, channel: DraftChannel,
+                 tokens: int):
+        super().__init__(draft_engine)
+        self.layout, self.draft, self.channel, self.tokens = layout, draft, channel, tokens
+
+    def plan(self) -> DraftJob:  # on the drafter model's scheduler thread: its prefix cache may be computed
+        prefix = self.owner.store.prefix(self.layout)
+        return DraftJob([Piece(prefix.kv, 0)], self.draft, self.channel, self.tokens)
+
+    def finish(self, job: DraftJob) -> None:
+        return None
 
 
 def _target_alone(ctx: DecodeContext, job: RapidJob, pieces: list[Piece], suffix: list[int]) -> FusedJob | None:

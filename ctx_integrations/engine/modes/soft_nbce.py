@@ -18,6 +18,7 @@ mode. The chunk index per token is kept in ``Answer.extra["trace_chunks"]``, and
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -229,20 +230,23 @@ def split_documents(tokenizer: object, texts: list[str], chunk_tokens: int | Non
     """Cut each text into consecutive pieces of at most ``chunk_tokens`` tokens (``None``: no cutting).
 
     Pieces are cut on token boundaries and decoded back to text, so a chunk is cached and looked up
-    like any document; a text that fits in one chunk is returned unchanged.
+    like any document; a text that fits in one chunk is returned unchanged. Each text's pieces are
+    remembered (:func:`_pieces`), so a document asked about again is not tokenised again.
     """
     check_chunk_tokens(chunk_tokens)
-    chunks: list[Chunk] = []
-    for index, text in enumerate(texts):
-        ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
-        if chunk_tokens is None or len(ids) <= chunk_tokens:
-            chunks.append(Chunk(text, index))
-            continue
-        for start in range(0, len(ids), chunk_tokens):
-            piece = tokenizer.decode(ids[start:start + chunk_tokens])
-            if piece.strip():
-                chunks.append(Chunk(piece, index))
-    return chunks
+    return [Chunk(piece, index) for index, text in enumerate(texts) for piece in _pieces(tokenizer, text, chunk_tokens)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(tokenizer: object, text: str, chunk_tokens: int | None) -> tuple[str, ...]:
+    """One text's chunks (the text itself when it fits one), memoised per tokenizer, text and size."""
+    if chunk_tokens is None:
+        return (text,)
+    ids = tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
+    if len(ids) <= chunk_tokens:
+        return (text,)
+    pieces = (tokenizer.decode(ids[start:start + chunk_tokens]) for start in range(0, len(ids), chunk_tokens))
+    return tuple(piece for piece in pieces if piece.strip())
 
 
 def fitting_chunk_tokens(ctx: DecodeContext, chunk_tokens: int | None) -> int | None:
@@ -254,8 +258,7 @@ def fitting_chunk_tokens(ctx: DecodeContext, chunk_tokens: int | None) -> int | 
     check_chunk_tokens(chunk_tokens)
     if chunk_tokens is None:
         return None
-    layout = ctx.engine.layout
-    fixed = len(layout.prefix_ids) + len(layout.suffix_ids(ctx.query)) + ctx.stop.max_new_tokens
+    fixed = len(ctx.engine.layout.prefix_ids) + len(ctx.suffix_ids) + ctx.stop.max_new_tokens
     room = ctx.engine.loaded.max_positions - fixed - _RETOKENIZE_SLACK
     if room < 1:
         raise DocumentTooLongError(
@@ -268,7 +271,8 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
     """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents."""
     size = fitting_chunk_tokens(ctx, chunk_tokens)
     chunks = split_documents(ctx.engine.loaded.tokenizer, [d.text for d in ctx.documents], size)
-    ctx.check_streams(len(chunks) + 1, ctx.stream_tokens([c.text for c in chunks]), "the chunk streams")
+    prepared = ctx.engine.texts.prepare_all([c.text for c in chunks])  # whole documents: ctx.prepared's, memoised
+    ctx.check_streams(len(chunks) + 1, ctx.stream_tokens(prepared), "the chunk streams")
     sources = [c.document for c in chunks]
 
     def finish(result: DecodeResult) -> DecodeResult:
@@ -278,7 +282,7 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
         result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
         return result
 
-    return expert_streams_job(ctx, rule, contexts=[c.text for c in chunks], with_context_free=True, finish=finish)
+    return expert_streams_job(ctx, rule, contexts=prepared, with_context_free=True, finish=finish)
 
 
 @register_mode("soft_nbce")

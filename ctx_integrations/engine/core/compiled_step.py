@@ -1,0 +1,82 @@
+"""The row pool's decode step under ``torch.compile``: CUDA graphs per bucket of (slots, capacity) on a GPU.
+
+A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth limit: every step launched
+its ~30 layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is
+the step as one pure function of the arena's tensors, whose shapes change only when the arena moves to
+another bucket of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by
+a 512-column block; ``torch.compile(mode="reduce-overhead")`` captures it once per bucket as a CUDA graph
+(as vLLM captures one per batch size) and replays it at every later step of the bucket. On the CPU the
+compile costs minutes for seconds of gain, so the default there is the eager step; the CPU tests run the
+step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and assert that it takes
+one graph, never breaks and never recompiles within a bucket (``tests/test_compiled_step.py``), which is
+the precondition a GPU then only has to confirm.
+
+``compile_mode`` values: ``"auto"`` (``"reduce-overhead"`` on CUDA, ``None`` elsewhere), ``None`` (the
+eager step, the reference) or a ``torch.compile`` mode. A step that fails to compile or run compiled warns
+once and the engine goes on with the eager step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from ctx_integrations.errors import InvalidOptionError
+
+COMPILE_MODES = (None, "auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Shapes one compiled step may be specialised to before Dynamo stops compiling new ones (its default is 8):
+# every (slot bucket, capacity) pair the arena visits is one.
+RECOMPILE_LIMIT = 64
+
+
+def check_compile_mode(mode: object) -> None:
+    """Refuse anything but ``None``, ``"auto"`` or a ``torch.compile`` mode, by name, before any work."""
+    if mode not in COMPILE_MODES:
+        raise InvalidOptionError(f"compile_mode must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
+
+
+def resolve_compile_mode(mode: str | None, device: torch.device) -> str | None:
+    """``"auto"``: ``"reduce-overhead"`` (CUDA graphs) on CUDA, ``None`` (eager) elsewhere; other values as given."""
+    check_compile_mode(mode)
+    if mode == "auto":
+        return "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return mode
+
+
+@functools.cache
+def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``decode_step`` compiled with ``mode`` (one compiled function per mode and backend, shared by every model:
+    Dynamo guards on the tensors it is given, so each model and bucket gets its own graph)."""
+    from ctx_integrations.engine.core.rows import decode_step
+
+    options = {} if backend != "inductor" else {"mode": mode}
+    compiled = torch.compile(decode_step, dynamic=False, backend=backend, **options)
+
+    def step(*args: object) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return step
+
+
+class GuardedStep:
+    """A compiled step that falls back to the eager one for good, with one warning, the first time it fails."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], mode: str):
+        self.step, self.mode, self.failed = step, mode, False
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        from ctx_integrations.engine.core.rows import decode_step
+
+        if not self.failed:
+            try:
+                return self.step(*args)
+            except Exception as error:  # noqa: BLE001 - compile errors come in many types; the request must not fail
+                self.failed = True
+                warnings.warn(f"the compiled decode step (compile_mode={self.mode!r}) failed ({type(error).__name__}: "
+                              f"{str(error)[:200]}); decoding goes on with the eager step", RuntimeWarning,
+                              stacklevel=2)
+        return decode_step(*args)

@@ -1,0 +1,110 @@
+"""The row pool's decode step under ``torch.compile``: one graph, no graph break, no recompile within a bucket of
+(slots, capacity), answers equal to the eager step's; and the arena of slots under it.
+
+On a GPU the step is compiled with ``mode="reduce-overhead"`` (CUDA graphs); here Dynamo traces it with the
+``"eager"`` backend (no code generation: seconds instead of minutes), which is what decides graph breaks and
+recompiles. Bugs caught: a Python value read from a tensor inside the step (a graph break, or a recompile at every
+step), a shape that changes while requests come and go within a bucket (a recompile per join), the compiled step
+fed other slots' tokens or writing at the wrong columns (other answers than the eager engine's), a failed compile
+that fails the request instead of falling back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core import compiled_step
+from ctx_integrations.engine.core import runner as runner_module
+from ctx_integrations.engine.core.rows import slot_bucket
+from ctx_integrations.errors import InvalidOptionError
+from tests.helpers import tiny_loaded
+
+DOCS = ["Marrowgate is the capital of Veloria and lies on the river Ast.",
+        "The mayor of Marrowgate is Ilsa Brenn, elected in 2019.",
+        "The Lantern Fair is held every October; smoked eel with plums is served there."]
+REQUESTS = [dict(query="Who is the mayor?", documents=DOCS, mode="pced"),
+            dict(query="When is the fair?", documents=DOCS[1:], mode="soft_nbce", chunk_tokens=8),
+            dict(query="Where is Marrowgate?", documents=DOCS[:2], mode="concat")]
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Engines built now compile their step with Dynamo's ``eager`` backend; Dynamo's counters start at zero."""
+    monkeypatch.setattr(runner_module, "compiled_decode_step",
+                        lambda mode: compiled_step.compiled_decode_step(mode, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def _answers(engine: Engine, max_new_tokens: int = 24) -> list[list[int]]:
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(**{**r, "max_new_tokens": max_new_tokens}) for r in REQUESTS))
+
+    return [a.token_ids for a in asyncio.run(together())]
+
+
+def test_the_compiled_step_is_one_graph_per_bucket_that_never_breaks_nor_recompiles_within_it(traced):
+    seed_model = dict(family="llama", seed=3, position_sensitive=True)
+    eager = _answers(Engine(tiny_loaded(**seed_model), compile_mode=None))
+    engine = Engine(tiny_loaded(**seed_model), compile_mode="default")
+    buckets: list[tuple[int, int]] = []  # (slots, capacity) of every compiled step, in order
+    step = engine.scheduler.runner.step.step
+
+    def recording(*args):
+        buckets.append((args[1].shape[0], args[7].shape[1]))
+        return step(*args)
+
+    engine.scheduler.runner.step.step = recording
+    compiled = _answers(engine)
+    assert compiled == eager and all(len(ids) >= 20 for ids in compiled)  # the same tokens as the eager step
+    assert not traced["graph_break"], dict(traced["graph_break"])
+    # PCED's experts, soft_nbce's chunk rows and concat's row share the arena and leave it as their answers end:
+    # one graph per bucket visited, never a second one for the same bucket, and >= 20 steps within one bucket
+    assert traced["stats"]["unique_graphs"] == len(set(buckets)), (dict(traced["stats"]), buckets)
+    runs = [len(list(group)) for _, group in itertools.groupby(buckets)]
+    assert max(runs) >= 20, buckets
+    assert all(slots == slot_bucket(slots) for slots, _ in buckets) and {c for _, c in buckets} == {512}
+
+
+def test_another_bucket_is_one_more_graph_and_a_failed_compile_falls_back_with_one_warning(traced, monkeypatch):
+    engine = Engine(tiny_loaded("llama", seed=3), compile_mode="default")
+    engine.generate("Who?", DOCS[:1], mode="concat", max_new_tokens=6)  # 1 slot
+    engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6)  # 4 slots: another bucket
+    assert traced["stats"]["unique_graphs"] == 2 and not traced["graph_break"]
+
+    def broken(*args):
+        raise RuntimeError("NoValidChoicesError: No choices to select")
+
+    engine.scheduler.runner.step.step = broken  # what a compile failing on a GPU looks like from here
+    expected = Engine(tiny_loaded("llama", seed=3), compile_mode=None).generate("Who?", DOCS, mode="pced",
+                                                                              max_new_tokens=6).token_ids
+    with pytest.warns(RuntimeWarning, match="compiled decode step .* failed .*eager step"):
+        assert engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6).token_ids == expected
+    assert engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6).token_ids == expected  # no second warning
+
+
+def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_of_a_model():
+    assert compiled_step.resolve_compile_mode("auto", torch.device("cpu")) is None
+    assert compiled_step.resolve_compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
+    assert compiled_step.resolve_compile_mode("max-autotune", torch.device("cpu")) == "max-autotune"
+    with pytest.raises(InvalidOptionError, match="compile_mode must be one of"):
+        Engine(tiny_loaded("llama", seed=9), compile_mode="fast")
+    loaded = tiny_loaded("llama", seed=10)
+    Engine(loaded)  # auto: eager on the CPU
+    with pytest.raises(InvalidOptionError, match="compile_mode=None"):
+        Engine(loaded, compile_mode="default")
+    assert Engine(loaded, compile_mode=None).scheduler.runner.step is None
+
+
+@pytest.mark.parametrize(("rows", "slots"), [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24),
+                                             (64, 64), (65, 72)])
+def test_slot_buckets(rows, slots):
+    assert slot_bucket(rows) == slots
