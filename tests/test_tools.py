@@ -160,7 +160,8 @@ def test_one_call_only_without_parallel_calls_and_auto_calls_are_valid(engine):
 
 def test_the_embedded_model_calls_a_tool(embedded_engine):
     tools = [WEATHER, ADD]
-    answer = embedded_engine.chat(MESSAGES, tools=tools, tool_choice="required", max_new_tokens=48)
+    answer = embedded_engine.chat(MESSAGES, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                  max_new_tokens=48)
     assert answer.finish_reason == "eos" and [c.name for c in answer.tool_calls] == ["get_weather"]
     _valid_calls(answer.tool_calls)
     assert json.loads(answer.tool_calls[0].openai()["function"]["arguments"])["city"] == "Paris"

@@ -71,6 +71,20 @@ class Answer:
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
 
+    def token_logprobs(self, tokenizer: Any) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs.content``: per token (that has one; ``SamplingParams.logprobs``) its text, its
+        log-probability, the UTF-8 bytes of its text and the most likely alternatives in the same shape.
+
+        ``tokenizer`` decodes each token on its own (``engine.loaded.tokenizer``); a token that holds part of
+        a character decodes to U+FFFD.
+        """
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tokenizer.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(step.token_id, step.logprob), "top_logprobs": [entry(t, lp) for t, lp in step.top_logprobs]}
+                for step in self.trace if step.logprob is not None]
+
     def citations(self, tokenizer: Any, threshold: float = DEFAULT_THRESHOLD) -> list[SentenceCitation]:
         """Sentence-level citations: per sentence, the documents that won >= ``threshold`` of its content tokens.
 

@@ -31,7 +31,8 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _ANY_OBJECT = json.dumps({"type": "object"})
 
 
-def _xgrammar() -> Any:
+def load_xgrammar() -> Any:
+    """The xgrammar module, or the error naming the extra that installs it."""
     try:
         import xgrammar
     except ImportError:
@@ -142,7 +143,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]):
-        xgr = _xgrammar()
+        xgr = load_xgrammar()
         self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=sorted(stop_token_ids))
@@ -199,7 +200,7 @@ class TokenConstraint:
     """One answer's place in its format: masks the scores of the next token and accepts the token chosen."""
 
     def __init__(self, compiled: CompiledFormat):
-        xgr = _xgrammar()
+        xgr = load_xgrammar()
         self._xgr, self.vocab_size = xgr, compiled.grammar.tokenizer_info.vocab_size
         self.matcher = xgr.GrammarMatcher(compiled.grammar)
         self.allowed = compiled.allowed

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ctx_integrations.engine.core.structured import StructuredOutput, _schema_text
+from ctx_integrations.engine.core.structured import StructuredOutput, _schema_text, load_xgrammar
 from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (and a dot, as vLLM allows)
@@ -140,11 +140,17 @@ class ToolCallFormat:
 
     def structured(self, tools: Sequence[Tool], choice: str | Tool, parallel: bool = True) -> StructuredOutput:
         """The structural tag that holds an answer to ``choice`` over ``tools`` (``choice != "none"``)."""
+        xgr = load_xgrammar()
+
         def tag(tool: Tool) -> dict[str, Any]:
+            # the arguments as compact JSON (the structural tag's own JSON content lets whitespace in anywhere)
+            try:
+                grammar = xgr.Grammar.from_json_schema(tool.parameters, any_whitespace=False, strict_mode=True)
+            except (RuntimeError, ValueError, TypeError) as error:
+                raise InvalidStructuredOutputError(f"tool {tool.name!r}: its parameters schema cannot be compiled: "
+                                                   f"{error}", "tools") from None
             return {"type": "tag", "begin": self._opening + tool.name + '", "' + self.arguments_key + '": ',
-                    "content": {"type": "json_schema", "json_schema": json.loads(tool.parameters),
-                                "max_whitespace_cnt": 1},
-                    "end": "}" + self.end}
+                    "content": {"type": "grammar", "grammar": str(grammar)}, "end": "}" + self.end}
 
         trigger = self.begin or self._opening
         if isinstance(choice, Tool):
@@ -214,6 +220,36 @@ def tool_request(tools: Sequence[Any] | None, choice: Any = None, parallel: bool
         raise InvalidOptionError("give tools or a structured output format (response_format), not both: a tool's "
                                  "parameters are its arguments' schema")
     return ToolRequest(offered, picked, parallel)
+
+
+class CallFilter:
+    """A streamed answer's text with its tool calls held back: what comes before the first call's opening is
+    passed on as it arrives (less a tail that may be the start of the opening), nothing after it; the rest of
+    the answer's text comes from :meth:`rest` once the calls are read back from the whole answer."""
+
+    def __init__(self, fmt: ToolCallFormat):
+        self.marker = fmt.begin or '{"' + fmt.name_key + '"'
+        self.seen, self.sent, self.calling = "", 0, False
+
+    def push(self, piece: str) -> str:
+        self.seen += piece
+        if self.calling:
+            return ""
+        at = self.seen.find(self.marker)
+        if at >= 0:
+            self.calling, safe = True, at
+        else:
+            held = next((n for n in range(min(len(self.marker) - 1, len(self.seen)), 0, -1)
+                         if self.marker.startswith(self.seen[-n:])), 0)
+            safe = len(self.seen) - held
+        out = self.seen[self.sent:safe]
+        self.sent = max(self.sent, safe)
+        return out
+
+    def rest(self, content: str) -> str:
+        """What of the answer's final text (its calls taken out) was not passed on yet."""
+        sent = self.seen[:self.sent].strip()
+        return content[len(sent):] if content.startswith(sent) else ""
 
 
 HERMES = ToolCallFormat()
