@@ -25,8 +25,8 @@ Sections (``--only a,b``), each against the strongest baseline a user would run,
 - ``cache``: load time of 64 x 2048-token caches from each tier: device memory, pinned host memory
   (``engine/core/transfer.py``), pageable host memory, disk (safetensors; the files were just written,
   so this reads the OS page cache);
-- ``decode``: decode steps/s of N cached streams (1 + N documents, PCED's batch) with the growing
-  ``DynamicCache`` vs ``engine/core/static_decode.py``'s fixed-shape step (CUDA graphs on CUDA; its
+- ``decode``: decode steps/s of N cached streams (1 + N documents, PCED's batch) with
+  the pool's eager step vs its compiled step (``Engine(compile_mode=...)``: CUDA graphs on CUDA; its
   one-off compile time is its own column);
 - ``peer``: plain transformers ``generate`` (greedy, the model's default SDPA attention, ``DynamicCache``)
   over the same concatenated prompt the engine's ``concat`` reads: TTFT, total, decode tokens/s;
@@ -99,7 +99,6 @@ from ctx_integrations.engine.core.model import (  # noqa: E402
     load_tokenizer,
     model_identity,
 )
-from ctx_integrations.engine.core.static_decode import StaticSequences  # noqa: E402
 from ctx_integrations.engine.core.transfer import prefetch, to_host  # noqa: E402
 
 SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache", "decode", "peer", "bandwidth")
@@ -707,42 +706,40 @@ def plan_cache(bench: Bench) -> Plan:
 
 
 def decode_case(bench: Bench, n: int) -> Case:
+    """The pool's decode step over 1 + N rows (PCED's batch: the amateur and one expert per document), eager and
+    compiled (``Engine(compile_mode=...)``: CUDA graphs per bucket on CUDA): steps/s of one PCED answer after its
+    prefill. The compiled row is the engine's default on CUDA; on the CPU (the dry run) only the eager step runs
+    (compiling there costs minutes for a tiny model)."""
     s = bench.shapes
     steps = 4 * s.new_tokens
 
     def run() -> list[dict]:
         docs = bench.corpus.documents(n, s.doc_tokens, seed=100 + n)
         engine = bench.engine()
-        layout, store, model = engine.layout, engine.store, engine.loaded.model
-        suffix = torch.tensor([layout.suffix_ids(QUESTION)] * (n + 1), device=bench.device)
-
-        def streams():
-            batch = batch_sequences(store.prefix(layout), [None] + store.documents(layout, docs))
-            return batch, forward_sequences(model, batch, suffix).argmax(-1, keepdim=True)
-
-        def decode(step, tokens) -> None:
-            for _ in range(steps):
-                tokens = step(tokens).argmax(-1, keepdim=True)
-
-        out = []
-        for method in ("dynamic cache", "static cache (compiled on CUDA)"):
-            times = []
-            for _ in range(1 + s.repeats):  # the first call pays the compile / graph capture
-                batch, tokens = streams()
-                if method.startswith("dynamic"):
-                    step = lambda t, batch=batch: forward_sequences(model, batch, t)  # noqa: E731
-                else:
-                    step = StaticSequences(model, batch, max_new_tokens=steps).step
-                times.append(bench.clock(lambda step=step, tokens=tokens: decode(step, tokens))[1])
-            seconds = statistics.median(times[1:])
-            out.append({"method": method, "steps": steps, "first_call_s": times[0], "steps_per_s": steps / seconds})
+        engine.warm(docs)
+        runner = engine.scheduler.runner
+        compiled, out = runner.step, []
+        methods = [("eager step", None)] + ([("compiled step (CUDA graphs)", compiled)] if compiled is not None else [])
+        try:
+            for method, step in methods:
+                runner.step = step  # the same scheduler and caches, its decode step switched
+                times = []
+                for _ in range(1 + s.repeats):  # the first call pays the compile / graph capture
+                    answer = engine.generate(QUESTION, docs, mode="pced", max_new_tokens=steps)
+                    rate = (len(answer.token_ids) - 1) / max(answer.timings["total_s"] - answer.timings["ttft_s"],
+                                                              1e-9)
+                    times.append((answer.timings["total_s"], rate))
+                out.append({"method": method, "steps": steps, "first_call_s": times[0][0],
+                            "steps_per_s": statistics.median(rate for _, rate in times[1:])})
+        finally:
+            runner.step = compiled
         for row in out:
             row["speedup"] = row["steps_per_s"] / out[0]["steps_per_s"]
         return out
 
     calls = 2 * bench.calls() * (prefill_s(s.doc_tokens, n) + decode_s(steps, n + 1, s.doc_tokens))
-    static = REF_STATIC_COMPILE_S if bench.device.type == "cuda" else 0.0
-    return Case("decode", {"documents": n, "doc_tokens": s.doc_tokens}, run, bench.prior(calls) + static)
+    compile_s = REF_STATIC_COMPILE_S if bench.device.type == "cuda" else 0.0
+    return Case("decode", {"documents": n, "doc_tokens": s.doc_tokens}, run, bench.prior(calls) + compile_s)
 
 
 def plan_decode(bench: Bench) -> Plan:

@@ -27,8 +27,10 @@ def test_map_reduce_maps_with_the_summary_prompt_and_reduces_over_the_summaries(
     assert answer.token_ids == greedy_reference(loaded, reduce_ids + layout.suffix_ids(QUESTION), 8)
 
 
-def test_map_reduce_refuses_an_unknown_compile_mode_by_name(tiny_engine):
+def test_map_reduce_has_no_compile_mode_of_its_own_the_engine_has_it(tiny_engine):
+    """MapReduce's exclusive compiled path is gone: every request decodes in the pool, whose step the engine compiles
+    (``Engine(compile_mode=...)``); a compile_mode given to the mode is refused, not ignored."""
     from ctx_integrations.errors import InvalidOptionError
 
-    with pytest.raises(InvalidOptionError, match="compile_mode must be one of"):
-        tiny_engine.generate(QUESTION, DOCS, mode="map_reduce", compile_mode="fastest")
+    with pytest.raises(InvalidOptionError, match="does not accept compile_mode; its options are: summary_tokens"):
+        tiny_engine.generate(QUESTION, DOCS, mode="map_reduce", compile_mode="reduce-overhead")

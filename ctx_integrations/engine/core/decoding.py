@@ -3,8 +3,8 @@
 ``TokenSampler`` picks a token from scores, ``StopCriteria`` says when to stop, ``IncrementalText`` turns
 token ids into streamed text, and ``Emitter`` records one answer as it is decoded (trace, streaming,
 stopping, time to first token). The scheduler's pooled jobs use these with the shared row pool
-(``rows.py``); exclusive jobs (flex APE, compiled MapReduce) run their own streams with ``forward_sequences``
-and the step generators ``fused_steps`` / ``independent_steps``, which yield after every forward pass.
+(``rows.py``); the exclusive job of APE on the flex kernel runs its own streams with ``forward_sequences``
+and the step generator ``fused_steps``, which yields after every forward pass.
 """
 
 from __future__ import annotations
@@ -503,24 +503,4 @@ def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: obje
         if emitter.push(step):
             return emitter.result()
         logits = forward(torch.full((batch, 1), step.token_id, device=device))
-        yield
-
-
-def independent_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,
-                      sampler: TokenSampler, stop: StopCriteria) -> Generator[None, None, list[DecodeResult]]:
-    """Decode B independent answers in one batch (each stream picks its own token), e.g. MapReduce's map step.
-
-    Each stream samples with its own :meth:`TokenSampler.unconstrained` copy of ``sampler`` (one generator, its
-    own penalty counts): these are side answers, never held to the request's format."""
-    batch, device, logits = first_logits.shape[0], first_logits.device, first_logits
-    emitters = [Emitter(tokenizer, stop) for _ in range(batch)]
-    samplers = [sampler.unconstrained() for _ in range(batch)]
-    while True:
-        chosen = [samplers[b](logits[b]) for b in range(batch)]
-        for emitter, row_sampler, token in zip(emitters, samplers, chosen):
-            row_sampler.accept(token)
-            emitter.push(TraceStep(token, None, 0.0))
-        if all(e.done for e in emitters):
-            return [e.result() for e in emitters]
-        logits = forward(torch.tensor(chosen, device=device).unsqueeze(1))
         yield

@@ -46,7 +46,7 @@ from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
 from ctx_integrations.engine.core.tools import ToolRequest, tool_request
-from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
+from ctx_integrations.engine.core.validation import flag, optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -123,7 +123,12 @@ class Engine:
     cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). ``compile_mode``: the row pool's
     decode step under ``torch.compile`` (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"``
     (``"reduce-overhead"``, CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere),
-    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. Every answer's
+    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. ``batch_invariant``: on the CPU, run
+    the pool's forwards with kernels whose rows round the same whatever the batch
+    (:mod:`~ctx_integrations.engine.core.batch_invariant`: short GEMMs padded to a measured height, the math
+    attention kernel), so a request's logits are bit for bit those it gets alone in fp32 as in bf16, at a
+    measured cost (docs/scheduler.md#batch-invariance); ``False`` (default): bf16 rows are invariant on an
+    AVX512-BF16 CPU, fp32 rows may move by ~3e-5 with the batch's size. Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
@@ -138,7 +143,7 @@ class Engine:
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
                  context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
-                 threads: int | None = None, compile_mode: str | None = "auto"):
+                 threads: int | None = None, compile_mode: str | None = "auto", batch_invariant: bool = False):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
@@ -156,7 +161,8 @@ class Engine:
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded, attention_kernel,
                                        optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
-                                       optional_whole_number("threads", threads, minimum=1), compile_mode)
+                                       optional_whole_number("threads", threads, minimum=1), compile_mode,
+                                       flag("batch_invariant", batch_invariant))
         self._closed = False
 
     @classmethod
@@ -413,15 +419,20 @@ class Engine:
         return AnswerStream(start, lambda answers: answers[0])
 
     # -- caches, state -------------------------------------------------------------------------------
-    def warm(self, documents: Sequence[Any]) -> dict[str, int]:
+    def warm(self, documents: Sequence[Any], progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """Compute (or load) the KV cache of every document now, e.g. at ingestion; returns the lookup counts.
 
         Runs on the scheduler's thread like every use of the model (between other requests' steps).
+        ``progress(done, total)``: called on that thread after each batched forward, with how many of the
+        ``total`` documents have their cache; it must return at once (record the counts, print them from another
+        thread: :class:`~ctx_integrations.progress.Progress` does), since every other request waits meanwhile.
         """
+        if progress is not None and not callable(progress):
+            raise InvalidOptionError(f"progress must be a callable taking (done, total), got {type(progress).__name__}")
         docs = prepare_documents(documents)
         ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1),
                             prepared=self.texts.prepare_all([doc.text for doc in docs]))
-        return self._submit(WarmRequest(self, ctx)).result()
+        return self._submit(WarmRequest(self, ctx, progress)).result()
 
     def stats(self) -> dict[str, Any]:
         """Serving and cache counters: queue depth, running requests and rows, answers, cache hits per tier,

@@ -11,7 +11,7 @@ sampling settings (in the contexts' sampler and stop criteria) and, from the sch
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -106,9 +106,9 @@ class ChatRequest(Request):
 class WarmRequest(Request):
     """Compute (or load) the caches of prepared documents, one batched forward per step (``Engine.warm``)."""
 
-    def __init__(self, engine: Any, ctx: DecodeContext):
+    def __init__(self, engine: Any, ctx: DecodeContext, progress: Callable[[int, int], None] | None = None):
         super().__init__(engine)
-        self.ctx = ctx
+        self.ctx, self.progress = ctx, progress
 
     def prefetch(self) -> None:
         self.owner.store.prefetch(self.ctx.prepared)
@@ -117,8 +117,12 @@ class WarmRequest(Request):
         return ExclusiveJob([self.ctx], self._steps())
 
     def _steps(self) -> Generator[None, None, list[DecodeResult]]:
-        # one step per batched forward of the store: other requests run (and time out) in between
-        yield from self.owner.store.documents_in_steps(self.owner.layout, self.ctx.prepared, stats=self.ctx.cache)
+        # one step per batched forward of the store: other requests run (and time out) in between; after each,
+        # progress(documents with their cache, all documents) on this thread, the scheduler's
+        for ready in self.owner.store.documents_in_steps(self.owner.layout, self.ctx.prepared, stats=self.ctx.cache):
+            if self.progress is not None:
+                self.progress(ready, len(self.ctx.prepared))
+            yield
         return []
 
     def finish(self, job: Job) -> dict[str, int]:

@@ -6,36 +6,30 @@ of the baseline). ``truncated``: the same prompt cut to the last context tokens 
 These three are one-stream pooled jobs. ``map_reduce``: a batched map step summarises every
 document, then one prompt answers from the concatenated summaries; a document whose summary prompt
 would not fit the model's window is cut into token pieces that do (:func:`map_inputs`), each
-summarised on its own, so the map step never runs past the window (an exclusive job: two phases with
-their own streams).
+summarised on its own, so the map step never runs past the window (a pooled job whose follow-up job is
+the reduce step).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
-from transformers import DynamicCache
 
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.cache import SequenceBatch, batch_sequences
 from ctx_integrations.engine.core.decoding import (
     DecodeResult,
     Emitter,
     StopCriteria,
     TraceStep,
-    forward_sequences,
-    fused_steps,
-    independent_steps,
     single_stream,
 )
-from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, PooledJob, Stream, single_result
+from ctx_integrations.engine.core.jobs import FusedJob, Job, PooledJob, Stream
 from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMARY_SYSTEM_PROMPT, PromptLayout
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece, Run
-from ctx_integrations.engine.core.static_decode import StaticSequences, check_compile_mode
 from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
 from ctx_integrations.errors import DocumentTooLongError
 
@@ -238,50 +232,16 @@ def _map_job(ctx: DecodeContext, summary_tokens: int) -> MapJob:
                   lambda summaries: _reduce_job(ctx, inputs, summaries))
 
 
-def _map_reduce_steps(ctx: DecodeContext, summary_tokens: int,
-                      compile_mode: str) -> Generator[None, None, DecodeResult]:
-    """MapReduce on its own compiled static caches (``compile_mode``): one forward of its own per step."""
-    engine, loaded = ctx.engine, ctx.engine.loaded
-    summary_layout, inputs, suffix = _map_plan(ctx, summary_tokens)
-    context_ids = [ids for _, ids in inputs]
-    prefix = engine.store.prefix(summary_layout)
-    caches = engine.store.documents_tokens(summary_layout, context_ids, stats=ctx.cache, persist=False)
-    streams = batch_sequences(prefix, caches)
-    suffix_batch = torch.tensor([suffix], device=loaded.device).expand(len(context_ids), -1)
-    first_logits = forward_sequences(loaded.model, streams, suffix_batch)
-    mapping = StaticSequences(loaded.model, streams, summary_tokens, compile_mode)  # one token per stream per step
-    yield
-    map_stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
-    summaries = yield from independent_steps(mapping.step, loaded.tokenizer, first_logits, ctx.sampler, map_stop)
-    reduce_job = _reduce_job(ctx, inputs, summaries)
-    ids = list(reduce_job.streams[0].prompt)
-    reduce = SequenceBatch(DynamicCache(), torch.zeros(1, 0, dtype=torch.long, device=loaded.device),
-                         torch.zeros(1, dtype=torch.long, device=loaded.device))
-    first_logits = forward_sequences(loaded.model, reduce, torch.tensor([ids], device=loaded.device))
-    reducing = StaticSequences(loaded.model, reduce, ctx.stop.max_new_tokens, compile_mode)
-    ctx.timings["prefill_s"] = time.perf_counter() - ctx.started
-    yield
-    result = yield from fused_steps(reducing.step, loaded.tokenizer, first_logits, single_stream, ctx.sampler, ctx.stop,
-                                    ctx.on_token, ctx.started)
-    return reduce_job.finish(result)
-
-
 @register_mode("map_reduce")
-def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96, compile_mode: str | None = None) -> Job:
+def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> Job:
     """MapReduce: summarise each document (from cached KV), then answer from the summaries.
 
     Documents too long for the summary prompt are summarised piece by piece (:func:`map_inputs`); the
     reduce prompt joins each document's piece summaries in order. If the summaries together do not fit
     the window the reduce step raises ``DocumentTooLongError`` (lower ``summary_tokens``). Both steps run
     as rows of the scheduler's shared batch, beside other requests: the map step one row per input
-    (:class:`MapJob`), then the reduce step one row (its follow-up job). ``compile_mode``: ``None`` (the
-    default: pooled) or a ``torch.compile`` mode, e.g. ``"reduce-overhead"`` (CUDA graphs on a GPU; the
-    first request of each shape pays the compile): compiled steps need fixed shapes of their own, so the
-    request then runs as an exclusive job on its own static caches (``static_decode.py``), one forward of
-    its own per scheduler step.
+    (:class:`MapJob`), then the reduce step one row (its follow-up job); with the engine's compiled decode
+    step (``Engine(compile_mode=...)``, CUDA graphs by default on CUDA) like every pooled request.
     """
     summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
-    check_compile_mode(compile_mode)
-    if compile_mode is None:
-        return _map_job(ctx, summary_tokens)
-    return ExclusiveJob([ctx], single_result(_map_reduce_steps(ctx, summary_tokens, compile_mode)))
+    return _map_job(ctx, summary_tokens)
