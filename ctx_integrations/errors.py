@@ -144,6 +144,17 @@ class InvalidStructuredOutputError(InvalidOptionError):
         self.field = field
 
 
+class IncompleteStructuredOutputError(CtxIntegrationsError, ValueError):
+    """A structured answer (a JSON value or a tool call) asked to be parsed was cut before it was complete: by
+    ``max_tokens`` (``finish_reason == "length"``) or a stop string. Raised instead of parsing what is there
+    (nothing, or a partial object): raise ``max_tokens``, drop the stop string, or bound the schema's strings and
+    arrays (``maxLength``, ``maxItems``). ``text`` is the cut answer."""
+
+    def __init__(self, message: str, text: str = ""):
+        super().__init__(message)
+        self.text = text
+
+
 class NoAllowedTokenError(NonFiniteScoresError):
     """Structured output: the mode's fused scores give every token the format allows next a score of ``-inf``
     (a mode whose rule keeps only a nucleus of the vocabulary, e.g. Soft-NBCE), so no valid token can be chosen."""

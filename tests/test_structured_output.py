@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from ctx_integrations import Engine, SamplingParams
 from ctx_integrations.engine.core.decoding import TokenSampler
-from ctx_integrations.engine.core.structured import StructuredOutput, TokenConstraint
+from ctx_integrations.engine.core.structured import StructuredOutput, TokenConstraint, bounded_integers
 from ctx_integrations.errors import (
     InvalidOptionError,
     InvalidStructuredOutputError,
@@ -187,3 +187,25 @@ def test_json_strings_never_hold_raw_control_characters(engine):
         scores = torch.zeros(49152)
         scores[unit], scores[letter] = 10.0, 5.0
         assert sampler(scores) == letter
+
+
+UNBOUNDED = {"type": "object", "properties": {"rank": {"type": "integer"}}, "required": ["rank"]}
+
+
+def test_unbounded_integers_are_held_to_the_interoperable_range(engine):
+    """A random model writes digits while it may (here until max_tokens, unheld); held to +-(2**53 - 1), it closes
+    the object within the budget. The schema given stays what answers are valid against."""
+    answer = engine.chat([{"role": "user", "content": "Name a city and its rank."}],
+                         sampling=SamplingParams(max_tokens=64, structured=StructuredOutput(json=UNBOUNDED)))
+    assert answer.finish_reason == "eos" and abs(_valid(answer.text, UNBOUNDED)["rank"]) <= 2**53 - 1
+    bounded = json.loads(bounded_integers(json.dumps({
+        "type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 0},
+                                         "d": {"type": "integer", "default": {"type": "integer"}},
+                                         "l": {"type": "array", "items": {"type": ["integer", "null"]}}},
+        "$defs": {"x": {"type": "integer", "maximum": 5}}})))
+    assert bounded["properties"]["n"] == {"type": "integer", "exclusiveMinimum": 0, "maximum": 2**53 - 1}
+    assert bounded["properties"]["d"]["default"] == {"type": "integer"}  # data, not a schema
+    assert bounded["properties"]["l"]["items"] == {"type": ["integer", "null"], "minimum": -(2**53) + 1,
+                                                   "maximum": 2**53 - 1}
+    assert bounded["$defs"]["x"] == {"type": "integer", "maximum": 5, "minimum": -(2**53) + 1}
+    assert StructuredOutput(json=UNBOUNDED).schema() == UNBOUNDED  # what answers are checked against is the user's

@@ -176,3 +176,11 @@ def test_native_formats_are_held_and_read_back(template):
                              sampling=SamplingParams(max_tokens=96, temperature=1.0, seed=4))
         _valid_calls(answer.tool_calls)
         assert answer.tool_calls or choice == "auto"
+
+
+def test_unbounded_integer_arguments_are_held_to_the_interoperable_range(engine):
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    answer = engine.chat(MESSAGES, tools=[add], tool_choice="add", max_new_tokens=80)
+    assert answer.finish_reason == "eos" and [call.name for call in answer.tool_calls] == ["add"]
+    assert all(abs(value) <= 2**53 - 1 for value in answer.tool_calls[0].arguments.values())

@@ -10,7 +10,10 @@ with ``finish_reason == "length"`` and the text cut short).
 
 JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between tokens, so a small model cannot
 spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
-every answer is valid against the schema). xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
+every answer is valid against the schema). An integer the schema leaves unbounded is held to JSON's interoperable range,
+±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's included, takes exactly; otherwise a model,
+a small one especially, can write digits until ``max_tokens`` and the answer is cut): still valid against the
+schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
 without it, asking for structured output raises :class:`~ctx_integrations.errors.MissingDependencyError` and
 everything else works.
 """
@@ -58,6 +61,33 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(parsed, ensure_ascii=False)
     except (TypeError, ValueError) as error:
         raise InvalidStructuredOutputError(f"the JSON schema cannot be written as JSON: {error}") from None
+
+
+INTEROPERABLE_INTEGERS = (-(2**53) + 1, 2**53 - 1)  # RFC 8259 section 6
+# keys whose values are JSON data, not schemas: an integer schema inside them is not to be bounded
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+
+
+def bounded_integers(schema_text: str) -> str:
+    """``schema_text`` with every ``integer`` the schema leaves unbounded below or above held to JSON's interoperable
+    range (:data:`INTEROPERABLE_INTEGERS`); bounds it gives are kept. What xgrammar compiles, never what
+    :meth:`StructuredOutput.schema` returns: a narrowing, so every answer is still valid against the schema as given."""
+
+    def bound(node: Any) -> Any:
+        if isinstance(node, list):
+            return [bound(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: value if key in _DATA_KEYS else bound(value) for key, value in node.items()}
+        kinds = out.get("type")
+        if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+            if "minimum" not in out and "exclusiveMinimum" not in out:
+                out["minimum"] = INTEROPERABLE_INTEGERS[0]
+            if "maximum" not in out and "exclusiveMaximum" not in out:
+                out["maximum"] = INTEROPERABLE_INTEGERS[1]
+        return out
+
+    return json.dumps(bound(json.loads(schema_text)), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -170,7 +200,8 @@ class GrammarCompiler:
         compiler, allowed = self._compiler, None
         try:
             if output.json is not None:
-                grammar = compiler.compile_json_schema(output.json, any_whitespace=False, strict_mode=True)
+                grammar = compiler.compile_json_schema(bounded_integers(output.json), any_whitespace=False,
+                                                       strict_mode=True)
             elif output.json_object:
                 grammar = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             elif output.regex is not None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ctx_integrations.engine.core.structured import StructuredOutput, _schema_text, load_xgrammar
+from ctx_integrations.engine.core.structured import StructuredOutput, _schema_text, bounded_integers, load_xgrammar
 from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (and a dot, as vLLM allows)
@@ -145,7 +145,8 @@ class ToolCallFormat:
         def tag(tool: Tool) -> dict[str, Any]:
             # the arguments as compact JSON (the structural tag's own JSON content lets whitespace in anywhere)
             try:
-                grammar = xgr.Grammar.from_json_schema(tool.parameters, any_whitespace=False, strict_mode=True)
+                grammar = xgr.Grammar.from_json_schema(bounded_integers(tool.parameters), any_whitespace=False,
+                                                       strict_mode=True)
             except (RuntimeError, ValueError, TypeError) as error:
                 raise InvalidStructuredOutputError(f"tool {tool.name!r}: its parameters schema cannot be compiled: "
                                                    f"{error}", "tools") from None
