@@ -22,6 +22,7 @@ from ctx_integrations.engine.core.decoding import DecodeResult, single_stream
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.registry import DecodeContext, answers_many, resolve_mode
 from ctx_integrations.engine.core.scheduler import Request
+from ctx_integrations.engine.core.tools import ToolRequest
 
 # Below this, the tokens after the first came out with it (a speculative round accepted the whole answer).
 _BURST_S = 1e-3
@@ -87,15 +88,19 @@ class ModeRequest(Request):
 class ChatRequest(Request):
     """A conversation without documents (mode ``"chat"``): one stream over the rendered conversation's tokens."""
 
-    def __init__(self, engine: Any, ctx: DecodeContext, ids: list[int], *, timeout: float | None = None):
+    def __init__(self, engine: Any, ctx: DecodeContext, ids: list[int], *, timeout: float | None = None,
+                 tools: ToolRequest | None = None):
         super().__init__(engine, timeout=timeout, started=ctx.started)
-        self.ctx, self.ids = ctx, tuple(ids)
+        self.ctx, self.ids, self.tools = ctx, tuple(ids), tools
 
     def plan(self) -> Job:
         return FusedJob(self.ctx, [Stream((), self.ids, 0)], single_stream)
 
     def finish(self, job: Job) -> list[Answer]:
-        return [answer_of(self.ctx, job.results()[0], CHAT_MODE, {}, len(self.ids))]
+        answer = answer_of(self.ctx, job.results()[0], CHAT_MODE, {}, len(self.ids))
+        if self.tools is not None:  # the calls, read back from the text in the model's call format
+            answer.text, answer.tool_calls = self.owner.layout.tool_format.parse(answer.text, self.tools.tools)
+        return [answer]
 
 
 class WarmRequest(Request):

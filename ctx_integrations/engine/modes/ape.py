@@ -24,13 +24,13 @@ import math
 import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import CachedKV, concatenated_stream
-from ctx_integrations.engine.core.decoding import DecodeResult, TraceStep, forward_sequences, fused_steps, single_stream
+from ctx_integrations.engine.core.decoding import DecodeResult, forward_sequences, fused_steps, single_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -498,6 +498,6 @@ def _attribute(result: DecodeResult, masses: list[torch.Tensor], layers: int) ->
         mass = torch.stack(masses[i * layers:(i + 1) * layers]).mean(0)
         share = mass / mass.sum().clamp_min(1e-12)
         winner = int(share.argmax())
-        result.trace[i] = TraceStep(step.token_id, winner, float(share[winner]))
+        result.trace[i] = replace(step, document=winner, score=float(share[winner]))
         shares.append([round(float(x), 4) for x in share])
     result.extra["attention_mass"] = shares

@@ -21,11 +21,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -163,6 +163,10 @@ class SoftNBCEFusion:
     log-prior (its document's, from :func:`~ctx_integrations.engine.modes.priors.log_prior`), so a chunk the
     retriever ranked low cannot take the weight with a confident (low-entropy) wrong token.
     """
+
+    # structured output masks the streams before this rule, so each nucleus is taken among the tokens the format
+    # allows (masking the fused scores afterwards could leave none: a JSON brace outside every nucleus)
+    format_masks_streams = True
 
     def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper",
                  gamma: float = 0.0, log_prior: Sequence[float] | torch.Tensor | None = None):
@@ -305,8 +309,8 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
 
     def finish(result: DecodeResult) -> DecodeResult:
         result.extra["trace_chunks"] = [step.document for step in result.trace]
-        result.trace = [TraceStep(step.token_id, None if step.document is None else sources[step.document],
-                                  step.score) for step in result.trace]
+        result.trace = [replace(step, document=None if step.document is None else sources[step.document])
+                        for step in result.trace]
         result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
         return result
 
