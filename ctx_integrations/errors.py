@@ -155,6 +155,12 @@ class IncompleteStructuredOutputError(CtxIntegrationsError, ValueError):
         self.text = text
 
 
+class NoToolCallError(CtxIntegrationsError, ValueError):
+    """A tool call was asked for (``get_tool_calls_from_response``, ``predict_and_call``) but the model, offered tools
+    with ``tool_choice="auto"``, answered in text: require a call (``tool_required=True`` or ``tool_choice=<name>``,
+    held by constrained decoding), or take the text."""
+
+
 class NoAllowedTokenError(NonFiniteScoresError):
     """Structured output: the mode's fused scores give every token the format allows next a score of ``-inf``
     (a mode whose rule keeps only a nucleus of the vocabulary, e.g. Soft-NBCE), so no valid token can be chosen."""

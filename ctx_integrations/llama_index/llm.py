@@ -25,8 +25,8 @@ import asyncio
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from contextlib import aclosing, closing
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
@@ -40,12 +40,15 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.settings import Settings
+from llama_index.core.types import PydanticProgramMode
 
 from ctx_integrations.adapters import (
     USER_CACHE_DIR,
@@ -60,14 +63,22 @@ from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.sampling import SamplingParams
+from ctx_integrations.engine.core.structured import from_response_format
 from ctx_integrations.engine.core.token_stream import AnswerStream
+from ctx_integrations.engine.core.tools import CallFilter
 from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.llama_index.events import CompletionReport
+from ctx_integrations.llama_index.tools import answer_message, to_chat_messages, tool_selections
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 dispatcher = instrument.get_dispatcher(__name__)
 
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
-_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "response_format")
+_TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only: a completion has nowhere to put calls
+# the pydantic program modes whose programs this LLM holds to the schema (the others are other LLMs' programs)
+_PROGRAM_MODES = (PydanticProgramMode.DEFAULT, PydanticProgramMode.FUNCTION, PydanticProgramMode.LLM)
 # The template arguments LlamaIndex's stock response synthesizers fill with the retrieved nodes' joined text
 # (QA / summary prompts: context_str; refine prompts: context_msg), in every prompt of llama-index-core 0.14.
 _STUFFED_CONTEXT_ARGS = ("context_str", "context_msg")
@@ -87,48 +98,69 @@ def _stuffs_context(prompt: BasePromptTemplate, prompt_args: Mapping[str, Any]) 
     return any(isinstance(given.get(name), str) and given[name].strip() for name in _STUFFED_CONTEXT_ARGS)
 
 
-def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex messages -> ``[{"role", "content"}]`` for the chat template (tool/other roles speak as user)."""
-    return [{"role": _ROLES.get(m.role, "user"), "content": m.content or ""} for m in messages]
-
-
 @dataclass
 class _Request:
     """One resolved call: the engine, the conversation and the decoding settings."""
 
     engine: Engine
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling: SamplingParams
+    tools: dict[str, Any] = field(default_factory=dict)  # Engine.chat's tools, tool_choice, parallel_tool_calls
+    answer: Answer | None = None  # a stream's, once it ends
 
     def run(self) -> Answer:
-        return self.engine.chat(self.messages, sampling=self.sampling)
+        return self.engine.chat(self.messages, sampling=self.sampling, **self.tools)
 
     def stream(self) -> Iterator[str]:
-        return self.engine.stream_chat(self.messages, sampling=self.sampling)
+        return self.engine.stream_chat(self.messages, sampling=self.sampling, **self.tools)
 
     async def arun(self) -> Answer:
-        return await self.engine.achat(self.messages, sampling=self.sampling)
+        return await self.engine.achat(self.messages, sampling=self.sampling, **self.tools)
 
     def astream(self) -> AnswerStream:
-        return self.engine.astream_chat(self.messages, sampling=self.sampling)
+        return self.engine.astream_chat(self.messages, sampling=self.sampling, **self.tools)
+
+    def calls(self) -> CallFilter | None:
+        """With tools, the filter that holds the calls' markup back from the streamed text."""
+        return CallFilter(self.engine.layout.tool_format) if self.tools.get("tools") else None
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
         prompt = answer.prompt_tokens
-        return {"usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
-                          "total_tokens": prompt + len(answer.token_ids)},
-                "model": self.engine.loaded.name, "timings": dict(answer.timings),
-                "finish_reason": answer.finish_reason}
+        raw = {"usage": {"prompt_tokens": prompt, "completion_tokens": len(answer.token_ids),
+                         "total_tokens": prompt + len(answer.token_ids)},
+               "model": self.engine.loaded.name, "timings": dict(answer.timings),
+               "finish_reason": answer.finish_reason}
+        if self.tools.get("tools") and answer.finish_reason != "eos":
+            raw["tool_call_cut"] = self._call_cut(answer)
+        return raw
+
+    def _call_cut(self, answer: Answer) -> bool:
+        """Whether the answer stopped inside a tool call: one was required, or its opening was written."""
+        forced = self.tools.get("tool_choice") not in (None, "auto", "none")
+        return forced or CallFilter(self.engine.layout.tool_format).marker in answer.text
 
 
-class ExpertDecoderLLM(CustomLLM):
+class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
     """A LlamaIndex LLM over a local :class:`~ctx_integrations.Engine` (``engine=None``: the embedded default).
 
     ``complete`` / ``stream_complete`` / ``chat`` / ``stream_chat`` and their async versions (``Engine.achat``
     / ``astream_chat``: the event loop keeps running; closing an async stream early cancels the request).
     Streaming yields one response per decoded piece of text (``delta``), then an empty-delta response whose
     ``raw`` holds token usage and timings. Per-call options: ``max_new_tokens`` (alias ``max_tokens``),
-    ``temperature``, ``top_p``, ``seed``, ``stop``.
+    ``temperature``, ``top_p``, ``seed``, ``stop``, ``response_format`` (OpenAI's, or a pydantic class: the answer
+    is held to it); ``chat`` also ``tools`` (OpenAI's tool dicts), ``tool_choice``, ``parallel_tool_calls``.
+
+    A function-calling LLM (``metadata.is_function_calling_model``, LlamaIndex's ``FunctionCallingLLM``):
+    ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` get their calls as ``ToolCallBlock``s, each
+    valid against its tool's schema, because the engine holds the call to it token by token
+    (:mod:`~ctx_integrations.engine.core.tools`); so ``structured_predict`` / ``astructured_predict`` /
+    ``stream_structured_predict`` / ``as_structured_llm`` (LlamaIndex's ``FunctionCallingProgram``, the schema as
+    the one tool the model must call) return objects valid against the schema, even from a 135M model. An
+    answer cut by ``max_new_tokens`` before its call was complete raises
+    :class:`~ctx_integrations.errors.IncompleteStructuredOutputError` (raise the budget).
+    ``pydantic_program_mode``: ``DEFAULT`` / ``FUNCTION`` (held by constrained decoding) or ``LLM`` (LlamaIndex's
+    text-and-parse program, not held); the other modes are other LLMs' programs and are refused.
 
     ``model_name`` (alias ``model``), like ``HuggingFaceLLM(model_name=...)``: load that model instead of the
     embedded one (a local folder, a ``.gguf`` file, a hub id in the Hugging Face cache, a fetched catalog alias),
@@ -168,6 +200,10 @@ class ExpertDecoderLLM(CustomLLM):
                     raise InvalidOptionError(f"give {name} or its alias {alias}, not both")
                 data[name] = data.pop(alias)
         super().__init__(**data)
+        if self.pydantic_program_mode not in _PROGRAM_MODES:
+            raise InvalidOptionError(f"pydantic_program_mode {self.pydantic_program_mode.value!r} is another LLM's "
+                                     "program: use PydanticProgramMode.DEFAULT (structured output held to the schema "
+                                     "by constrained tool calls) or LLM (text, then parsed)")
         check_engine(self.engine, self.cache_dir)
         self._load_name = check_model(self.model_name, self.engine)
 
@@ -185,19 +221,25 @@ class ExpertDecoderLLM(CustomLLM):
         """The model's real window, this LLM's answer budget and the model's name."""
         loaded = self.resolved_engine.loaded
         return LLMMetadata(context_window=loaded.max_positions, num_output=self.max_new_tokens, is_chat_model=True,
-                           model_name=loaded.name, system_role=MessageRole.SYSTEM)
+                           is_function_calling_model=True, model_name=loaded.name, system_role=MessageRole.SYSTEM)
 
     # ----------------------------------------------------------------- requests
 
-    def _request(self, engine: Engine, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> _Request:
+    def _request(self, engine: Engine, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                 chat: bool = False) -> _Request:
         if "max_tokens" in kwargs:
             kwargs = {**kwargs, "max_new_tokens": kwargs["max_tokens"]}
             del kwargs["max_tokens"]
-        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
+        options = _CALL_OPTIONS + _TOOL_OPTIONS if chat else _CALL_OPTIONS
+        unknown = sorted(set(kwargs) - set(options))
         if unknown:
-            raise InvalidOptionError(f"ExpertDecoderLLM does not accept {', '.join(unknown)}; per-call options are: "
-                                     f"{', '.join(_CALL_OPTIONS)}")
-        return _Request(engine, messages, self.sampling_params(kwargs))
+            where = "" if chat or set(unknown) - set(_TOOL_OPTIONS) else (
+                " (tools are offered in chat: chat(messages, tools=...), chat_with_tools or predict_and_call)")
+            raise InvalidOptionError(f"ExpertDecoderLLM{'' if chat else '.complete'} does not accept "
+                                     f"{', '.join(unknown)}{where}; per-call options are: {', '.join(options)}")
+        sampling = replace(self.sampling_params(kwargs), structured=from_response_format(kwargs.get("response_format")))
+        tools = {name: kwargs[name] for name in _TOOL_OPTIONS if kwargs.get(name) is not None}
+        return _Request(engine, messages, sampling, tools)
 
     def sampling_params(self, overrides: Mapping[str, Any] | None = None) -> SamplingParams:
         """This LLM's decoding settings as one :class:`~ctx_integrations.SamplingParams`, with ``overrides``
@@ -212,9 +254,9 @@ class ExpertDecoderLLM(CustomLLM):
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": "user", "content": prompt}]
 
-    async def _arequest(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> _Request:
+    async def _arequest(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], chat: bool = False) -> _Request:
         engine = await asyncio.to_thread(resolve_engine, self.engine, self.cache_dir, self._load_name)  # may load
-        return self._request(engine, messages, kwargs)
+        return self._request(engine, messages, kwargs, chat)
 
     # ----------------------------------------------------------------- completion
 
@@ -246,27 +288,75 @@ class ExpertDecoderLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._request(self.resolved_engine, to_chat_messages(messages), kwargs)
+        """Answer the conversation; with ``tools``, the calls made are ``ToolCallBlock``s in the message."""
+        request = self._request(self.resolved_engine, to_chat_messages(messages), kwargs, chat=True)
         answer = request.run()
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text),
-                            raw=request.raw(answer))
+        return ChatResponse(message=answer_message(answer), raw=request.raw(answer))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        request = self._request(self.resolved_engine, to_chat_messages(messages), kwargs)
-        return _chat_chunks(_completion_chunks(request))
+        """:meth:`chat`, streamed; with ``tools`` the calls' markup is held back and the last response carries
+        the calls (as ``FunctionAgent`` reads them)."""
+        request = self._request(self.resolved_engine, to_chat_messages(messages), kwargs, chat=True)
+        return _chat_chunks(_completion_chunks(request), request)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = await self._arequest(to_chat_messages(messages), kwargs)
+        request = await self._arequest(to_chat_messages(messages), kwargs, chat=True)
         answer = await request.arun()
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text),
-                            raw=request.raw(answer))
+        return ChatResponse(message=answer_message(answer), raw=request.raw(answer))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        request = await self._arequest(to_chat_messages(messages), kwargs)
-        return _achat_chunks(_acompletion_chunks(request))
+        request = await self._arequest(to_chat_messages(messages), kwargs, chat=True)
+        return _achat_chunks(_acompletion_chunks(request), request)
+
+    # ----------------------------------------------------------------- function calling (FunctionCallingLLM)
+
+    def _prepare_chat_with_tools(self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: str | dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """``chat``'s arguments for ``chat_with_tools`` and the rest: the tools as OpenAI's tool dicts, ``tool_choice``
+        (a tool's name, ``"auto"``, ``"required"``, ``"none"``; left out: ``"required"`` with ``tool_required``, else
+        ``"auto"``, as LlamaIndex's OpenAI LLM resolves it). ``strict`` is accepted: calls keep to the schema anyway."""
+        kwargs.pop("strict", None)
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        if not specs:
+            return {"messages": messages, **kwargs}
+        choice = tool_choice if tool_choice is not None else "required" if tool_required else "auto"
+        return {"messages": messages, "tools": specs, "tool_choice": choice,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def _structured_stream_call(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        """LlamaIndex's streaming program with the call required (its own leaves ``tool_choice`` to the model, and a
+        model that answers in text streams empty objects); the text-and-parse program in ``LLM`` mode."""
+        return self._stream_program(output_cls, prompt).stream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    async def _structured_astream_call(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                       llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        return await self._stream_program(output_cls, prompt).astream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    def _stream_program(self, output_cls: type[BaseModel], prompt: BasePromptTemplate) -> Any:
+        from llama_index.core.program.function_program import FunctionCallingProgram
+        from llama_index.core.program.utils import get_program_for_llm
+
+        if self.pydantic_program_mode == PydanticProgramMode.LLM:
+            return get_program_for_llm(output_cls, prompt, self, pydantic_program_mode=self.pydantic_program_mode)
+        return FunctionCallingProgram.from_defaults(output_cls=output_cls, llm=self, prompt=prompt,
+                                                    tool_choice="required")
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The calls in ``response`` (:func:`~ctx_integrations.llama_index.tools.tool_selections`): none is a
+        ``NoToolCallError``, or an ``IncompleteStructuredOutputError`` when the budget cut the call, unless
+        ``error_on_no_tool_call=False``."""
+        return tool_selections(response, error_on_no_tool_call)
 
     # ----------------------------------------------------------------- prompt templates (stock synthesizers)
 
@@ -408,6 +498,7 @@ def _completion_chunks(request: _Request) -> Iterator[CompletionResponse]:
             try:
                 piece = next(pieces)
             except StopIteration as finished:
+                request.answer = finished.value
                 yield CompletionResponse(text=text, delta="", raw=request.raw(finished.value))
                 return
             text += piece
@@ -424,6 +515,7 @@ async def _acompletion_chunks(request: _Request) -> AsyncIterator[CompletionResp
             yield CompletionResponse(text=text, delta=piece)
     finally:
         await stream.aclose()  # a consumer that stopped early cancels the request
+    request.answer = stream.answer
     yield CompletionResponse(text=text, delta="", raw=request.raw(stream.answer))
 
 
@@ -475,21 +567,45 @@ class ReportedAnswerStream:
         await self._stream.aclose()
 
 
-def _chat_response(chunk: CompletionResponse) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=chunk.text), delta=chunk.delta,
-                        raw=chunk.raw)
+class _ChatChunks:
+    """Completion chunks as chat responses. With tools, each delta passes through the request's
+    :class:`CallFilter` (a call's markup never shows as text) and the last response's message is the whole
+    answer's: its text without the calls, and the calls as ``ToolCallBlock``s."""
+
+    def __init__(self, request: _Request):
+        self.request, self.calls, self.text = request, request.calls(), ""
+
+    def response(self, chunk: CompletionResponse) -> ChatResponse | None:
+        answer = self.request.answer  # set just before the last chunk
+        if self.calls is None:
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=chunk.text),
+                                delta=chunk.delta, raw=chunk.raw)
+        if answer is None:
+            delta = self.calls.push(chunk.delta or "")
+            if not delta:
+                return None
+            self.text += delta
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=self.text), delta=delta)
+        return ChatResponse(message=answer_message(answer), delta=self.calls.rest(answer.text), raw=chunk.raw)
 
 
-def _chat_chunks(chunks: Generator[CompletionResponse, None, None]) -> Iterator[ChatResponse]:
+def _chat_chunks(chunks: Generator[CompletionResponse, None, None], request: _Request) -> Iterator[ChatResponse]:
+    converter = _ChatChunks(request)
     with closing(chunks):  # closing this stream early closes (and so cancels) the decoding one
         for chunk in chunks:
-            yield _chat_response(chunk)
+            response = converter.response(chunk)
+            if response is not None:
+                yield response
 
 
-async def _achat_chunks(chunks: AsyncGenerator[CompletionResponse, None]) -> AsyncIterator[ChatResponse]:
+async def _achat_chunks(chunks: AsyncGenerator[CompletionResponse, None],
+                        request: _Request) -> AsyncIterator[ChatResponse]:
+    converter = _ChatChunks(request)
     async with aclosing(chunks):  # closing this stream early closes (and so cancels) the decoding one
         async for chunk in chunks:
-            yield _chat_response(chunk)
+            response = converter.response(chunk)
+            if response is not None:
+                yield response
 
 
 _warned_settings_llm: set[int] = set()
