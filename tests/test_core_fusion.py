@@ -19,11 +19,14 @@ def reference_jsd(p_logits, q_logits):
     return 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
 
 
-def reference_pced(logits, relevance, beta, gamma, space, aggregation):
-    """docs/methods.md's formulas written out expert by expert, in float64."""
+def reference_pced(logits, relevance, beta, gamma, space, aggregation, prior="paper", tau=0.05):
+    """docs/methods.md's formulas written out expert by expert, in float64. ``prior``: the paper's log r, or
+    the softmax calibration log softmax(r / tau) (then "r" below is softmax(r / tau), which sums to 1)."""
     logits = logits.double()
     s = torch.log_softmax(logits, -1) if space == "logprobs" else logits
     r = torch.tensor(relevance, dtype=torch.float64)
+    if prior == "softmax":
+        r = torch.exp(r / tau) / torch.exp(r / tau).sum()
     rows = []
     for k in range(1, logits.shape[0]):
         b = beta[k - 1]
@@ -41,14 +44,15 @@ def reference_pced(logits, relevance, beta, gamma, space, aggregation):
 @pytest.mark.parametrize("space", ["logprobs", "logits"])
 @pytest.mark.parametrize("aggregation", ["max", "mixture", "product"])
 @pytest.mark.parametrize("beta", [None, 0.0, 0.7])
-def test_fused_scores_equal_reference(space, aggregation, beta):
+@pytest.mark.parametrize("prior", ["paper", "softmax"])
+def test_fused_scores_equal_reference(space, aggregation, beta, prior):
     generator = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 50, generator=generator) * 3
-    relevance = [0.9, 0.2, 0.55, 0.7]
-    rule = PCEDFusion(relevance, beta=beta, gamma=2.5, score_space=space, aggregation=aggregation)
+    relevance = [0.9, 0.75, 0.8, 0.7]  # a dense retriever's narrow band: the softmax prior spreads it
+    rule = PCEDFusion(relevance, beta=beta, gamma=2.5, score_space=space, aggregation=aggregation, prior=prior)
     fused = rule(logits)
     betas = reference_jsd(logits[1:], logits[0].expand(4, -1)).tolist() if beta is None else [beta] * 4
-    expected = reference_pced(logits, relevance, betas, 2.5, space, aggregation)
+    expected = reference_pced(logits, relevance, betas, 2.5, space, aggregation, prior)
     torch.testing.assert_close(fused.scores.double(), expected, rtol=1e-5, atol=1e-5)
     assert fused.evidence.shape == (4, 50)
 
@@ -155,7 +159,7 @@ def test_mixture_and_product_evidence_is_log_weight_plus_expert_log_prob(aggrega
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 30, generator=generator) * 2
     relevance = [0.6, 0.1, 0.3]
-    fused = PCEDFusion(relevance, beta=0.4, gamma=0.0, aggregation=aggregation)(logits)
+    fused = PCEDFusion(relevance, beta=0.4, gamma=0.0, aggregation=aggregation, prior="paper")(logits)
     log_p = torch.log_softmax(logits.double(), -1)
     contrast = torch.log_softmax(1.4 * log_p[1:] - 0.4 * log_p[0], -1)
     expected = torch.log(torch.tensor(relevance, dtype=torch.float64)).unsqueeze(1) + contrast

@@ -120,7 +120,8 @@ def test_answer_and_citations_equal_a_reference_over_separate_prompts(family):
     loaded = tiny_loaded(family, seed=6, position_sensitive=True)
     engine = Engine(loaded)
     scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 10
-    answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps)
+    answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
+                             prior="paper")
     layout = engine.layout
     suffix = layout.suffix_ids(QUESTION)
     prompts = [layout.prefix_ids + suffix] + [layout.prefix_ids + layout.context_ids(d) + suffix for d in DOCS]

@@ -99,7 +99,7 @@ def test_eval_cli_on_a_tiny_model(tmp_path, monkeypatch, capsys):
                    "--modes", "pced,concat", "--max-new-tokens", "2", "--output", str(out), "--no-plots") == 0
     printed = capsys.readouterr().out
     assert "set world: 2 questions" in printed and "| pced | 2 |" in printed and "| concat [n] | 2 |" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["world.json", "world.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["world.json", "world.md", "world.records.jsonl"]
     assert run_cli("eval", "--modes", "pcde") == 2
     assert "unknown mode 'pcde'" in capsys.readouterr().err
     calls = []

@@ -106,8 +106,9 @@ def test_answer_equals_a_reference_over_separate_prompts():
     engine = Engine(loaded)
     scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 16
     answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
-                             switch="word")
-    paper = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps)
+                             switch="word", prior="paper")
+    paper = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
+                            prior="paper")
     tokenizer = loaded.tokenizer
     layout = engine.layout
     suffix = layout.suffix_ids(QUESTION)

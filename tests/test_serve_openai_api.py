@@ -187,17 +187,23 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(key):
     assert backend.jobs == []  # nothing reached the engine
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# fields honoured only with another one, or without another one: what the refusal says to do
+PAIRINGS = {"tool_choice": "tool_choice needs tools", "top_logprobs": "top_logprobs needs logprobs=true",
+            "response_format": "give tools or a JSON response_format, not both", "tools": "leave one of them out"}
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
-    ({**CHAT, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice"),  # without tools
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
+    ({**CHAT, "tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "tools": [TOOL], "ctx": {"top_k": 2}}, "tools"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ({**CHAT, "n": 2}, "n"),
     ({**CHAT, "n": True}, "n"),
     ({**CHAT, "temperatur": 0.5}, "temperatur"),  # a typo is refused, not ignored
     ({**CHAT, "guided_json": {}}, "guided_json"),  # another server's extension
-    ({**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]}, "messages.0.role"),
+    ({**CHAT, "messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages.0.role"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ({**CHAT, "messages": [{"role": "user", "content": ["hi", {"type": "input_audio", "input_audio": {}}]}]},
@@ -216,7 +222,9 @@ def test_openai_requests_the_server_cannot_honour_are_refused_by_name(body, para
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
     field = param.rsplit(".", 1)[-1]
     if field == "role":
-        assert "tool messages: tool calling is not implemented" in error["message"]
+        assert "function messages: the deprecated functions API" in error["message"]
+    elif param in PAIRINGS:
+        assert PAIRINGS[param] in error["message"]
     elif field == "type":
         assert "content: this server reads and writes text only" in error["message"]
     elif field not in REFUSED and field != "stream_options":

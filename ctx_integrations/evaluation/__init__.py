@@ -11,11 +11,13 @@ write_report(report, "eval_results")     # JSON + markdown + two PNG plots (matp
 ```
 
 Sets: :func:`world_set` (invented-world QA with gold support), :func:`secret_code_set` (needs
-``engine.layout``), :func:`musique_set` (the shared MuSiQue dev file). :func:`load_set` builds one by name.
+``engine.layout``), :func:`musique_set` (the shared MuSiQue dev file), :func:`nq_set` (NQ-open questions
+with real retrieval over a passage corpus). :func:`load_set` builds one by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +28,31 @@ from ctx_integrations.evaluation.metrics import (
     citation_precision,
     citation_recall,
     normalize_answer,
+    recall_at_k,
     substring_match,
     token_f1,
 )
+from ctx_integrations.evaluation.nq import DEFAULT_TOP_K, nq_set
 from ctx_integrations.evaluation.report import markdown_table, plot_report, write_report
 from ctx_integrations.evaluation.runner import DEFAULT_MODES, EvalReport, System, default_systems, evaluate
 from ctx_integrations.evaluation.sets import Example, musique_set, secret_code_set, world_set
 
-SETS = ("world", "musique", "secret_code")
+SETS = ("world", "musique", "secret_code", "nq")
 
 
 def load_set(name: str, engine: Any = None, *, n_questions: int | None = None, documents: int | None = None,
-             document_tokens: int | None = None, seed: int = 0, path: str | Path | None = None) -> list[Example]:
-    """Build set ``name`` ("world", "musique", "secret_code"); ``None`` arguments keep each set's defaults.
+             document_tokens: int | None = None, seed: int = 0, path: str | Path | Sequence[str | Path] | None = None,
+             top_k: int | None = None, store_dir: str | Path | None = None,
+             gold_retrieved_only: bool = False) -> list[Example]:
+    """Build set ``name`` ("world", "musique", "secret_code", "nq"); ``None`` arguments keep each set's defaults.
 
-    ``secret_code`` needs ``engine`` (its documents are cut to exact token counts in the engine's layout);
-    ``musique`` reads ``path`` (default ``$CTX_MUSIQUE``).
+    ``secret_code`` needs ``engine`` (its prompt layout cuts documents); ``musique`` reads ``path`` (default
+    ``$CTX_MUSIQUE``); ``nq`` reads ``path``, the passages and the questions files, and retrieves ``top_k``
+    passages per question (8) from a store of the whole corpus (``store_dir``; see :func:`nq_set`).
     """
     sizes = {k: v for k, v in (("documents", documents), ("document_tokens", document_tokens)) if v is not None}
+    if name != "nq" and (top_k is not None or store_dir is not None or gold_retrieved_only):
+        raise InvalidOptionError("top_k, store_dir and gold_retrieved_only are options of the nq set (real retrieval)")
     if name == "world":
         return world_set(n_questions or 8, seed=seed, **sizes)
     if name == "secret_code":
@@ -53,11 +62,24 @@ def load_set(name: str, engine: Any = None, *, n_questions: int | None = None, d
     if name == "musique":
         if sizes:
             raise InvalidOptionError("the musique set has fixed documents: drop documents / document_tokens")
+        if isinstance(path, (list, tuple)):
+            if len(path) != 1:
+                raise InvalidOptionError(f"the musique set reads one file, got {len(path)}")
+            path = path[0]
         return musique_set(path, n_questions or 12)
+    if name == "nq":
+        if sizes:
+            raise InvalidOptionError("the nq set retrieves real passages: use top_k (--top-k) instead of documents / "
+                                     "document_tokens")
+        if path is None or isinstance(path, (str, Path)):
+            raise InvalidOptionError("the nq set needs two files, the passages and the questions (--data PASSAGES "
+                                     "QUESTIONS)")
+        return nq_set(list(path), n_questions or 24, seed=seed, top_k=top_k or DEFAULT_TOP_K, store_dir=store_dir,
+                      gold_retrieved_only=gold_retrieved_only)
     raise InvalidOptionError(f"unknown evaluation set {name!r}: choose one of {', '.join(SETS)}")
 
 
 __all__ = ["DEFAULT_MODES", "SETS", "EvalReport", "Example", "System", "best_f1", "bracket_citations",
            "citation_precision", "citation_recall", "default_systems", "evaluate", "load_set", "markdown_table",
-           "musique_set", "normalize_answer", "plot_report", "secret_code_set", "substring_match", "token_f1",
-           "world_set", "write_report"]
+           "musique_set", "normalize_answer", "nq_set", "plot_report", "recall_at_k", "secret_code_set",
+           "substring_match", "token_f1", "world_set", "write_report"]

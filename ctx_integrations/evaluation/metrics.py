@@ -10,6 +10,7 @@ by is empty and left out of the averages, so "cited nothing" never counts as per
 from __future__ import annotations
 
 import re
+import statistics
 import string
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -65,6 +66,12 @@ def mean_defined(values: Iterable[float | None]) -> float | None:
     return sum(defined) / len(defined) if defined else None
 
 
+def median_defined(values: Iterable[float | None]) -> float | None:
+    """Median of the values that are not ``None`` (``None`` if there are none)."""
+    defined = [v for v in values if v is not None]
+    return statistics.median(defined) if defined else None
+
+
 def bracket_citations(text: str, n_documents: int) -> list[int]:
     """Document indices (0-based) named by ``[n]`` markers (1-based) in ``text``, in order, valid ones only.
 
@@ -78,3 +85,12 @@ def bracket_citations(text: str, n_documents: int) -> list[int]:
             if 0 <= index < n_documents and index not in found:
                 found.append(index)
     return found
+
+
+def recall_at_k(gold_ranks: Sequence[int | None], depth: int) -> dict[str, float]:
+    """``{"recall@k": share}`` for k = 1 .. ``depth``: the share of questions whose gold passage the retriever
+    ranked k-th or better (ranks are 1-based; ``None``: not retrieved at all)."""
+    if not gold_ranks:
+        return {}
+    return {f"recall@{k}": sum(1 for rank in gold_ranks if rank is not None and rank <= k) / len(gold_ranks)
+            for k in range(1, depth + 1)}

@@ -10,8 +10,8 @@ from ctx_integrations.errors import missing_dependency
 from ctx_integrations.evaluation.runner import EvalReport
 
 TABLE_COLUMNS = ("system", "examples", "substring_em", "f1", "citation_precision", "citation_precision_supported",
-                 "citation_recall", "ttft_s", "total_s", "tokens_per_s", "cache_hits", "ttft_vs_concat",
-                 "total_vs_concat")
+                 "citation_recall", "ttft_s", "ttft_median_s", "total_s", "total_median_s", "tokens_per_s",
+                 "cache_hits", "ttft_vs_concat", "total_vs_concat")
 
 
 def _cell(value: Any) -> str:
@@ -23,7 +23,8 @@ def _cell(value: Any) -> str:
 
 
 def markdown_table(report: EvalReport, columns: tuple[str, ...] = TABLE_COLUMNS) -> str:
-    """The summary as a markdown table (``-`` where a metric does not apply), then substring EM per kind."""
+    """The summary as a markdown table (``-`` where a metric does not apply), then substring EM per kind, then the
+    retriever's recall@k where the set knows each gold passage's rank."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in report.rows]
     kinds = [k for k in dict.fromkeys(key for row in report.rows for key in row) if k.startswith("em_")]
@@ -33,6 +34,9 @@ def markdown_table(report: EvalReport, columns: tuple[str, ...] = TABLE_COLUMNS)
                   "|---|" + "---|" * len(kinds)]
         lines += ["| " + row["system"] + " | " + " | ".join(_cell(row.get(k)) for k in kinds) + " |"
                   for row in answering]
+    recall = report.settings.get("retrieval")
+    if recall:
+        lines += ["", "retriever: " + ", ".join(f"{k} {v:.3f}" for k, v in recall.items())]
     return "\n".join(lines)
 
 

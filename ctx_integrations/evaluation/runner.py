@@ -23,6 +23,8 @@ from ctx_integrations.evaluation.metrics import (
     citation_precision,
     citation_recall,
     mean_defined,
+    median_defined,
+    recall_at_k,
     substring_match,
 )
 from ctx_integrations.evaluation.sets import Example
@@ -77,7 +79,9 @@ def evaluate(engine: Any, examples: Sequence[Example], modes: Sequence[str] = DE
              max_new_tokens: int = 20, threshold: float = DEFAULT_THRESHOLD, baselines: bool = True,
              pced_ablation: bool = True, warm: bool = True, set_name: str = "custom",
              systems: Sequence[System] | None = None,
-             progress: Callable[[str], None] | None = None) -> EvalReport:
+             progress: Callable[[str], None] | None = None,
+             done: Sequence[dict[str, Any]] = (),
+             on_record: Callable[[dict[str, Any]], None] | None = None) -> EvalReport:
     """Answer every example with every system and score it; return an :class:`EvalReport`.
 
     engine: an :class:`~ctx_integrations.Engine`. examples: from :mod:`ctx_integrations.evaluation.sets`.
@@ -86,6 +90,10 @@ def evaluate(engine: Any, examples: Sequence[Example], modes: Sequence[str] = DE
     ``cite all``. pced_ablation: add ``pced gamma=0`` when ``pced`` is among the modes. warm: compute
     the documents' KV caches before timing (what ingestion does), so TTFT is that of a warm store.
     systems: replace the systems built from the flags above. progress: called with one line per answer.
+    done: records of an earlier run of the same set (e.g. read back from what ``on_record`` wrote): an
+    (example, system) pair found there is not answered again, and its record joins the report, so a
+    stopped run resumes and a new system can be added to a finished one. on_record: called with each new
+    record as soon as it is scored (write it out, and a long run loses nothing when it is stopped).
     """
     if not examples:
         raise InvalidOptionError("evaluate needs at least one example")
@@ -97,19 +105,37 @@ def evaluate(engine: Any, examples: Sequence[Example], modes: Sequence[str] = DE
         if system.mode is not None and system.mode not in engine.modes:
             raise InvalidOptionError(f"unknown mode {system.mode!r}: choose from {', '.join(engine.modes)}")
     started = time.perf_counter()
-    _warm_up(engine, systems)
+    earlier = {(r["example"], r["system"]): r for r in done}
+    todo = [(e, [s for s in systems if (e.id, s.name) not in earlier]) for e in examples]
+    if any(pending for _, pending in todo):
+        _warm_up(engine, [s for _, pending in todo for s in pending])
     records = []
-    for example in examples:
-        if warm:
+    for example, pending in todo:
+        if warm and any(s.mode is not None for s in pending):
             engine.warm(list(example.documents))
         for system in systems:
+            if system not in pending:
+                records.append(earlier[(example.id, system.name)])
+                continue
             record = _answer(engine, example, system, max_new_tokens, threshold)
             records.append(record)
+            if on_record is not None:
+                on_record(record)
             if progress is not None:
                 progress(f"{example.id} [{system.name}] em={record['substring_em']} {record['text'][:60]!r}")
     settings = {"modes": list(modes), "systems": [s.name for s in systems], "max_new_tokens": max_new_tokens,
-                "threshold": threshold, "warm": warm, "examples": len(examples), "model": engine.loaded.name}
+                "threshold": threshold, "warm": warm, "examples": len(examples), "model": engine.loaded.name,
+                "dtype": str(engine.loaded.dtype).removeprefix("torch."), "retrieval": retrieval_recall(examples)}
     return EvalReport(set_name, records, summarize(records, systems), settings, time.perf_counter() - started)
+
+
+def retrieval_recall(examples: Sequence[Example]) -> dict[str, float] | None:
+    """The retriever's recall@k over the examples whose set knows the gold passage's rank
+    (``meta["gold_rank"]``, 1-based, ``None``: not retrieved); ``None`` when no example does."""
+    ranked = [e for e in examples if "gold_rank" in e.meta]
+    if not ranked:
+        return None
+    return recall_at_k([e.meta["gold_rank"] for e in ranked], max(len(e.documents) for e in ranked))
 
 
 def _warm_up(engine: Any, systems: Sequence[System]) -> None:
@@ -123,6 +149,8 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
     documents = list(example.documents)
     record: dict[str, Any] = {"example": example.id, "kind": example.kind, "system": system.name,
                               "gold": list(example.gold), "has_gold": example.has_gold}
+    if "gold_rank" in example.meta:
+        record["gold_rank"] = example.meta["gold_rank"]
     if system.mode is None:
         cited, text, answer = list(range(len(documents))), "", None
     elif system.cites == "brackets":
@@ -142,7 +170,9 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
         record.update(substring_em=substring_match(text, example.answers), f1=best_f1(text, example.answers),
                       ttft_s=answer.timings["ttft_s"], total_s=answer.timings["total_s"],
                       tokens_per_s=answer.timings["tokens_per_s"], new_tokens=len(answer.token_ids),
-                      cache_hits=answer.cache_hits, cache_misses=answer.cache_misses)
+                      cache_hits=answer.cache_hits, cache_misses=answer.cache_misses,
+                      # the document that won each token (None: no document), for reading losses back
+                      trace=[step.document for step in answer.trace])
     else:
         record.update(substring_em=None, f1=None)
     gold = example.gold if example.has_gold else None
@@ -165,6 +195,8 @@ def summarize(records: Sequence[dict[str, Any]], systems: Sequence[System]) -> l
         row: dict[str, Any] = {"system": system.name, "mode": system.mode, "examples": len(mine)}
         for key in _AVERAGED:
             row[key] = mean_defined(r.get(key) for r in mine)
+        for key in ("ttft_s", "total_s"):  # one slow minute of a shared CPU moves a mean, not a median
+            row[key.replace("_s", "_median_s")] = median_defined(r.get(key) for r in mine)
         # an unanswerable question has no gold support, so any citation of it scores precision 0: this column
         # separates "cites the wrong document" from "answers (and cites) where it should abstain"
         row["citation_precision_supported"] = mean_defined(r.get("citation_precision") for r in mine if r["gold"])

@@ -32,6 +32,7 @@ from typing import Any
 
 from ctx_integrations.documents import Document
 from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.progress import Progress
 from ctx_integrations.retrieval.corpus import display_path, find_files
 from ctx_integrations.retrieval.reading import read_document
 
@@ -205,26 +206,28 @@ def ingest(store: Any, paths: Sequence[str | os.PathLike], count: TokenCounter, 
     in the report's ``skipped`` with the reason, and its stored passages are kept: hidden entries, binary files,
     damaged or encrypted PDFs, files and folders that cannot be read, symbolic links leaving a folder given
     (followed only with ``follow_symlinks``). A file without text (a scanned PDF) simply has no passages.
-    ``progress`` shows tqdm bars on stderr over files and embedded passages (``None``: only when stderr is a
-    terminal).
+    ``progress`` shows on stderr the files read, the passages embedded and the KV caches computed
+    (:class:`~ctx_integrations.progress.Progress`): ``None`` tqdm bars on a terminal and a plain line every few
+    seconds elsewhere (a log, CI), ``True`` bars, ``False`` nothing.
     """
-    from tqdm.auto import tqdm
-
     if max_tokens < MIN_TOKENS:
         raise InvalidOptionError(f"passages need at least {MIN_TOKENS} tokens (got {max_tokens})")
     listing = find_files(paths, follow_symlinks=follow_symlinks)
     report, documents = IngestReport(skipped=list(listing.skipped)), []
-    disable = None if progress is None else not progress  # tqdm's None: off unless stderr is a TTY
-    for path in tqdm(listing.files, desc="reading", unit="file", disable=disable, leave=False):
-        try:
-            documents.extend(file_passages(path, count, max_tokens))
-        except _unreadable() as error:
-            report.skipped.append((path, f"{type(error).__name__}: {error}"))
-        else:
-            report.files += 1
+    with Progress("reading", "file", len(listing.files), show=progress) as reading:
+        for path in listing.files:
+            try:
+                documents.extend(file_passages(path, count, max_tokens))
+            except _unreadable() as error:
+                report.skipped.append((path, f"{type(error).__name__}: {error}"))
+            else:
+                report.files += 1
+            reading.advance()
     report.skipped.sort()
-    with tqdm(total=len(documents), desc="embedding", unit="passage", disable=disable, leave=False) as bar:
-        added = store.add(documents, warm=warm, progress=bar.update)
+    # the caches are computed on the engine's scheduler thread: Progress prints their counts from its own
+    with Progress("embedding", "passage", len(documents), show=progress) as embedding, \
+            Progress("kv caches", "document", show=progress) as caches:
+        added = store.add(documents, warm=warm, progress=embedding.advance, kv_progress=caches.update)
     report.passages, report.cache_misses = len(documents), added.cache_misses
     report.added, report.updated, report.unchanged = added.added, added.updated, added.unchanged
     read = {doc.id for doc in documents}

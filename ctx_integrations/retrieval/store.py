@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -271,13 +271,15 @@ class DocumentStore:
         return [(i, 1.0 - float(d)) for i, d in zip(result["ids"][0], result["distances"][0])]
 
     # -- writing ---------------------------------------------------------------------------------------
-    def add(self, documents: Iterable[Any], *, warm: bool = True, progress: Any = None) -> AddReport:
+    def add(self, documents: Iterable[Any], *, warm: bool = True, progress: Any = None,
+            kv_progress: Callable[[int, int], None] | None = None) -> AddReport:
         """Upsert documents (``Document``, str, or mappings with ``text``); ids default to the content hash.
 
         Unchanged documents (same text and metadata) are not re-embedded. A changed document's old KV
         cache is dropped; with an engine attached and ``warm``, caches of new and changed documents
         (and of unchanged ones whose cache is missing) are computed now. ``progress(n)`` is called
-        as batches are written.
+        as batches are written; ``kv_progress(done, total)`` as caches are computed: once with ``done=0`` before
+        the first, then from the engine's scheduler thread (see :meth:`Engine.warm`), so it must not block.
         """
         docs = self._prepare(documents)
         report = AddReport()
@@ -309,7 +311,7 @@ class DocumentStore:
             self._lexical = None
         self._forget_unreferenced([(old.text, recorded.get(old.id, set())) for old in replaced])  # type: ignore[arg-type]
         if warm and self.engine is not None:
-            self._warm(docs, report)
+            self._warm(docs, report, kv_progress)
         return report
 
     def _prepare(self, documents: Iterable[Any]) -> list[Document]:
@@ -332,11 +334,14 @@ class DocumentStore:
             docs.append(doc)
         return docs
 
-    def _warm(self, docs: Sequence[Document], report: AddReport) -> None:
+    def _warm(self, docs: Sequence[Document], report: AddReport,
+              progress: Callable[[int, int], None] | None = None) -> None:
         engine = self.engine
         todo = [d.text for d in docs if not engine.store.contains(engine.layout, d.text)]
         if todo:
-            counts = engine.warm(todo)
+            if progress is not None:
+                progress(0, len(todo))  # the step starts now (its first count comes after a batched forward)
+            counts = engine.warm(todo, progress=progress)
             report.cache_misses += counts["misses"]
             report.cache_hits += counts["hits"]
         self._record_entries(docs)
@@ -356,14 +361,15 @@ class DocumentStore:
         for batch in _batches(list(updates), self.max_batch_size):
             self._collection.update(ids=list(batch), metadatas=[{ENTRIES_KEY: updates[i]} for i in batch])
 
-    def warm(self, engine: Engine | None = None) -> AddReport:
-        """Compute every missing KV cache of the stored documents (e.g. after ingesting without an engine)."""
+    def warm(self, engine: Engine | None = None, *, progress: Callable[[int, int], None] | None = None) -> AddReport:
+        """Compute every missing KV cache of the stored documents (e.g. after ingesting without an engine);
+        ``progress(done, total)`` as :meth:`add`'s ``kv_progress``."""
         if engine is not None:
             self.engine = engine
         if self.engine is None:
             raise InvalidOptionError("warm() needs an engine: pass one, or call open_engine() first")
         report = AddReport(unchanged=self.count())
-        self._warm(self.all_documents(), report)
+        self._warm(self.all_documents(), report, progress)
         return report
 
     def delete(self, ids: Sequence[str]) -> int:

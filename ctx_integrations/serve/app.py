@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -302,7 +303,28 @@ def _engine_job(query: str, documents: list[dict[str, Any]], mode: str, options:
 
 
 def _finish_reason(answer: dict[str, Any]) -> str:
-    return "length" if answer.get("finish_reason") == "length" else "stop"
+    if answer.get("finish_reason") == "length":  # cut short, calls or not (OpenAI's rule)
+        return "length"
+    return "tool_calls" if answer.get("tool_calls") else "stop"
+
+
+def _tool_calls(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answer's tool calls in OpenAI's shape (arguments as JSON text)."""
+    return [{"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            for call in answer.get("tool_calls") or []]
+
+
+def _message(answer: dict[str, Any]) -> dict[str, Any]:
+    """The assistant's message: its text (``null`` when it only called tools) and its tool calls."""
+    calls = _tool_calls(answer)
+    if not calls:
+        return {"role": "assistant", "content": answer["text"]}
+    return {"role": "assistant", "content": answer["text"] or None, "tool_calls": calls}
+
+
+def _logprobs(answer: dict[str, Any]) -> dict[str, Any] | None:
+    return {"content": answer["logprobs"]} if "logprobs" in answer else None
 
 
 def _usage(answer: dict[str, Any]) -> dict[str, int]:
@@ -396,7 +418,8 @@ async def _chat_job(server: ServerState, body: ChatCompletionRequest) -> dict[st
     """The engine job of a chat request: the conversation as is, or (``ctx``) the last user message over the store."""
     sampling = body.sampling()
     if body.ctx is None or not body.ctx.store:
-        return {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None}
+        return {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None,
+                **body.tool_fields()}
     try:
         query = body.last_user_message()
     except ValueError as error:
@@ -422,7 +445,9 @@ def _chat_chunks(completion_id: str, created: int, model_name: str,
         if "token" in event:
             return [chunk([{"index": 0, "delta": {"content": event["token"]}, "finish_reason": None}])]
         answer = event["answer"]
-        finish = [{"index": 0, "delta": {}, "finish_reason": _finish_reason(answer)}]
+        calls = [{"index": index, **call} for index, call in enumerate(_tool_calls(answer))]
+        finish = [{"index": 0, "delta": {"tool_calls": calls} if calls else {}, "finish_reason": _finish_reason(answer),
+                   "logprobs": _logprobs(answer)}]
         if include_usage:
             return [chunk(finish, {"usage": None, "ctx": answer}), chunk([], {"usage": _usage(answer)})]
         return [chunk(finish, {"usage": _usage(answer), "ctx": answer})]
@@ -445,17 +470,21 @@ async def chat(request: Request, server: State) -> Any:
         answer = await server.backend.answer(job)
         server.metrics.observe_answer(answer)
         return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
-                             "finish_reason": _finish_reason(answer), "logprobs": None}],
+                "choices": [{"index": 0, "message": _message(answer), "finish_reason": _finish_reason(answer),
+                             "logprobs": _logprobs(answer)}],
                 "usage": _usage(answer), "ctx": answer}
 
     return await server.answered("chat", request, work)
 
 
 # -- errors: every status in OpenAI's shape ----------------------------------------------------------------
+# the engine's names of sampling settings whose request field is spelled otherwise
+_REQUEST_FIELDS = {"structured": "response_format", "top_k": "top_k"}
+
 def _library_error_body(error: CtxIntegrationsError) -> tuple[int, dict[str, Any]]:
     status, param = status_of(error)
-    param = getattr(error, "field", None) or param
+    field = getattr(error, "field", None)
+    param = _REQUEST_FIELDS.get(field, field) or param
     return status, error_body(str(error), status, param, getattr(error, "openai_code", None))
 
 

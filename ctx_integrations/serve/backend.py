@@ -6,10 +6,12 @@ plain-dict *jobs* (documents already inline, so a router can see them) and gets 
 app front a Ray Serve deployment (:mod:`ctx_integrations.serve.ray_app`).
 
 A job: ``{"query", "documents": [{"text", "id", "score", "scores", "metadata"}], "mode", "options",
-"sampling": {max_tokens, temperature, top_p, seed, stop}, "timeout"}`` (``"sampling"``: the fields of
-:class:`~ctx_integrations.SamplingParams`); a chat job has
-``"messages"`` instead of query/documents/mode; a batch job has ``"queries"`` and ``"documents"``
-(shared list, or one list per query).
+"sampling": {max_tokens, temperature, top_p, seed, stop, ...}, "timeout"}`` (``"sampling"``: the fields of
+:class:`~ctx_integrations.SamplingParams`, ``structured`` as StructuredOutput's fields); a chat job has
+``"messages"`` instead of query/documents/mode, and ``"tools"`` / ``"tool_choice"`` / ``"parallel_tool_calls"``
+when it offers tools; a batch job has ``"queries"`` and ``"documents"`` (shared list, or one list per query).
+An answer asked for logprobs carries OpenAI's ``"logprobs"`` content (token texts need the tokenizer, which
+only the engine's side has).
 
 A whole answer is awaited from the engine (``agenerate`` / ``achat``: one wake-up of the event loop
 when it is done), a streamed one read from its async stream (``astream`` / ``astream_chat``: one
@@ -30,6 +32,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from ctx_integrations.engine.core.sampling import SamplingParams
+from ctx_integrations.engine.core.structured import StructuredOutput
+from ctx_integrations.engine.core.tools import CallFilter
 
 
 class Backend(Protocol):
@@ -49,7 +53,15 @@ class Backend(Protocol):
 
 
 def _sampling(job: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**job["sampling"])
+    fields = dict(job["sampling"])
+    if "structured" in fields:
+        fields["structured"] = StructuredOutput(**fields["structured"])
+    return SamplingParams(**fields)
+
+
+def _tools(job: dict[str, Any]) -> dict[str, Any]:
+    """A chat job's tool arguments for ``achat`` / ``astream_chat`` (``{}`` without tools)."""
+    return {name: job[name] for name in ("tools", "tool_choice", "parallel_tool_calls") if name in job}
 
 
 class LocalBackend:
@@ -60,33 +72,47 @@ class LocalBackend:
 
     def _open(self, job: dict[str, Any]) -> Any:
         if "messages" in job:
-            return self.engine.astream_chat(job["messages"], sampling=_sampling(job), timeout=job.get("timeout"))
+            return self.engine.astream_chat(job["messages"], sampling=_sampling(job), timeout=job.get("timeout"),
+                                            **_tools(job))
         return self.engine.astream(job["query"], job["documents"], mode=job["mode"], sampling=_sampling(job),
                                    timeout=job.get("timeout"), **job["options"])
 
+    def _dict(self, answer: Any, job: dict[str, Any]) -> dict[str, Any]:
+        """``Answer.to_dict()``, with OpenAI's ``logprobs`` content (token texts) when the job asked for them."""
+        result = answer.to_dict()
+        if job["sampling"].get("logprobs") is not None:
+            result["logprobs"] = answer.token_logprobs(self.engine.loaded.tokenizer)
+        return result
+
     async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Token events; with tools, only the text before the first call (the calls come with the answer)."""
         pieces = await asyncio.to_thread(self._open, job)
+        calls = CallFilter(self.engine.layout.tool_format) if "tools" in job else None
         try:
             async for piece in pieces:
-                yield {"token": piece}
+                text = piece if calls is None else calls.push(piece)
+                if text:
+                    yield {"token": text}
         finally:
             await pieces.aclose()  # cancels the request in the engine if it is still running
-        answer = pieces.answer.to_dict()
-        yield {"answer": answer}
+        if calls is not None and (rest := calls.rest(pieces.answer.text)):
+            yield {"token": rest}
+        yield {"answer": self._dict(pieces.answer, job)}
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
         if "messages" in job:
-            result = await self.engine.achat(job["messages"], sampling=_sampling(job), timeout=job.get("timeout"))
+            result = await self.engine.achat(job["messages"], sampling=_sampling(job), timeout=job.get("timeout"),
+                                             **_tools(job))
         else:
             result = await self.engine.agenerate(job["query"], job["documents"], mode=job["mode"],
                                                  sampling=_sampling(job), timeout=job.get("timeout"), **job["options"])
-        return result.to_dict()
+        return self._dict(result, job)
 
     async def batch(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         answers = await self.engine.agenerate_many(job["queries"], job["documents"], mode=job["mode"],
                                                    sampling=_sampling(job), timeout=job.get("timeout"),
                                                    **job["options"])
-        return [answer.to_dict() for answer in answers]
+        return [self._dict(answer, job) for answer in answers]
 
     def stats(self) -> dict[str, Any]:
         """``engine.stats()``: queue depth, active requests and rows, cache hits and bytes per tier."""

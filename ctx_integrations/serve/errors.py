@@ -41,6 +41,8 @@ _STATUS: tuple[tuple[type[BaseException], int, str | None], ...] = (
     (errors.EmptyDocumentsError, 422, "documents"),
     (errors.DocumentTooLongError, 422, "documents"),
     (errors.ChatTemplateError, 422, "messages"),
+    (errors.InvalidStructuredOutputError, 400, "response_format"),
+    (errors.UnsupportedSamplingError, 400, None),
     (errors.InvalidOptionError, 422, "options"),
     (errors.MissingDependencyError, 501, None),
     (errors.CtxIntegrationsError, 400, None),

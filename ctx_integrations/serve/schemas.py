@@ -14,6 +14,7 @@ other errors are 422, malformed JSON 400.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -28,7 +29,9 @@ from ctx_integrations.serve.unsupported import refuse_unsupported
 _DEFAULT_LIMITS = ServerLimits()
 # keywords the server passes to the engine itself: a mode option of the same name would collide with them
 RESERVED_OPTIONS = frozenset({"query", "queries", "documents", "scores", "top_k", "mode", "stream", "max_new_tokens",
-                              "temperature", "top_p", "seed", "stop", "timeout", "on_token", "messages", "options"})
+                              "temperature", "top_p", "seed", "stop", "timeout", "on_token", "messages", "options",
+                              "token_top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                              "response_format", "logprobs", "sampling"})
 # no mode's knob means anything beyond this magnitude; refusing it here keeps the arithmetic finite
 MAX_OPTION_MAGNITUDE = 1e6
 MAX_OPTION_STRING = 256
@@ -122,8 +125,48 @@ def to_documents(items: list[str | DocumentIn]) -> list[Document]:
     return [Document(item) if isinstance(item, str) else item.to_document() for item in items]
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: a name, and the schema every answer is valid against."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(default=None, description="accepted; every answer keeps to the schema anyway")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (the default), ``json_object`` (JSON mode: any JSON object) or
+    ``json_schema`` (held to the schema); honoured by constrained decoding (``StructuredOutput``)."""
+
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('a json_schema goes with type "json_schema", and only with it')
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """The fields of a :class:`~ctx_integrations.engine.core.structured.StructuredOutput` (``None``: text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is not None:
+            return {"json": json.dumps(self.json_schema.json_schema, ensure_ascii=False)}
+        return None
+
+
 class Sampling(BaseModel):
-    """Decoding settings shared by every endpoint (the engine's keyword arguments)."""
+    """Decoding settings shared by every endpoint (the engine's keyword arguments).
+
+    ``token_top_k`` is vLLM's ``top_k`` (keep the k most likely tokens): on these endpoints ``top_k`` is the
+    number of documents to retrieve. ``logprobs``: how many alternatives to return with each token's
+    log-probability (``null``: none; the answer's ``trace`` carries them).
+    """
 
     model_config = _STRICT
 
@@ -132,13 +175,28 @@ class Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    token_top_k: int = Field(default=0, ge=-1, le=1_000_000, description="0 or -1: every token")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     timeout: float | None = Field(default=None, gt=0.0, description="seconds; past it the request is cancelled")
 
     def sampling_fields(self) -> dict[str, Any]:
         """A job's ``"sampling"``: the fields of :class:`~ctx_integrations.SamplingParams` as a plain dict (it
-        crosses to a Ray replica unchanged); the backend builds the object from it."""
-        return {"max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop": list(self.stop)}
+        crosses to a Ray replica unchanged; the structured-output format as StructuredOutput's fields); the
+        backend builds the object from it. Knobs at their defaults are left out."""
+        fields: dict[str, Any] = {"max_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop)}
+        knobs = {"top_k": (self.token_top_k, 0), "min_p": (self.min_p, 0.0),
+                 "repetition_penalty": (self.repetition_penalty, 1.0),
+                 "frequency_penalty": (self.frequency_penalty, 0.0), "presence_penalty": (self.presence_penalty, 0.0),
+                 "logprobs": (self.logprobs, None),
+                 "structured": (None if self.response_format is None else self.response_format.structured(), None)}
+        fields.update({name: value for name, (value, default) in knobs.items() if value != default})
+        return fields
 
 
 class AnswerRequest(Sampling):
@@ -197,30 +255,119 @@ class BatchRequest(Sampling):
         return self
 
 
-class ChatMessage(BaseModel):
-    """One message: its role and its text (a string, or content parts of type ``text``).
+class FunctionCallIn(BaseModel):
+    """A call's function in an assistant message: its name and its arguments as JSON text (OpenAI's shape)."""
 
-    Other OpenAI message fields (``name``, ``tool_calls``...) and roles (``tool``) are refused by
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """One tool call an assistant message made (sent back in the conversation, before the tool's result)."""
+
+    model_config = _STRICT
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(BaseModel):
+    """One message: its role and its text (a string, or content parts of type ``text``), an assistant's
+    ``tool_calls`` (its content may then be ``null``), or a ``tool`` message carrying a call's result
+    (``tool_call_id`` names the call).
+
+    Other OpenAI message fields (``name``, ``function_call``...) and roles (``function``) are refused by
     :func:`~ctx_integrations.serve.unsupported.refuse_unsupported` before this model sees them.
     """
 
     model_config = _STRICT
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(str(part.get("text", "")) for part in self.content)
 
     @field_validator("content")
     @classmethod
-    def _content_size(cls, content: str | list[dict[str, Any]], info: ValidationInfo) -> Any:
+    def _content_size(cls, content: str | list[dict[str, Any]] | None, info: ValidationInfo) -> Any:
+        if content is None:
+            return content
         texts = [content] if isinstance(content, str) else [str(part.get("text", "")) for part in content]
         check_text("".join(texts), "a message", limits_of(info).max_document_chars,
                    "max_document_chars, --max-document-chars")
         return content
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message names the call it answers (tool_call_id), and only a tool message does")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the engine takes it (OpenAI's shape; ``developer`` speaks as ``system``)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionIn(BaseModel):
+    """A tool's function: its name, what it does and its arguments' JSON schema (OpenAI's shape)."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(default=None, description="accepted; every call keeps to its schema anyway")
+
+
+class ToolIn(BaseModel):
+    """A tool the model may call (only functions)."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionIn
+
+    def as_dict(self) -> dict[str, Any]:
+        function = {"name": self.function.name, "description": self.function.description or ""}
+        if self.function.parameters is not None:
+            function["parameters"] = self.function.parameters
+        return {"type": "function", "function": function}
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function to call."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class RetrievalOptions(BaseModel):
@@ -251,8 +398,10 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` in OpenAI's format: every field here is honoured; any other is refused.
 
-    An OpenAI field this server does not implement (``response_format``, ``tools``, ``logprobs``,
-    ``n`` > 1, ...; the table is :data:`ctx_integrations.serve.unsupported.REFUSED`) or a field nobody
+    ``response_format`` (``json_object``, ``json_schema``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
+    ``logprobs`` / ``top_logprobs`` and vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``)
+    are honoured with the penalties. An OpenAI field this server does not implement (``n`` > 1, ``logit_bias``,
+    ...; the table is :data:`ctx_integrations.serve.unsupported.REFUSED`) or a field nobody
     declared is a 400 naming it, unless its value asks for nothing (``null``, ``n=1``...). ``user``
     is accepted as OpenAI accepts it: it identifies the end user to the provider, and no answer
     depends on it. ``model`` must be one of the served names (checked by the route).
@@ -271,6 +420,17 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolIn] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     ctx: RetrievalOptions | None = None
 
     @model_validator(mode="before")
@@ -286,6 +446,26 @@ class ChatCompletionRequest(BaseModel):
                                       "stream options: leave it out, or send stream=true", {"field": "stream_options"})
         return self
 
+    @model_validator(mode="after")
+    def _fields_that_go_together(self) -> ChatCompletionRequest:
+        """OpenAI's pairings: top_logprobs needs logprobs, tool_choice needs tools; tools and a JSON format are two
+        constraints on one answer; tools answer a conversation, not the store (``ctx``)."""
+        def refuse(field: str, message: str) -> PydanticCustomError:
+            return PydanticCustomError("unsupported_field", "{field}: {message}", {"field": field, "message": message})
+
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refuse("top_logprobs", "top_logprobs needs logprobs=true: send both, or leave top_logprobs out")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise refuse("tool_choice", "tool_choice needs tools: send the tools, or leave tool_choice out")
+        if self.tools and self.tool_choice != "none":
+            if self.response_format is not None and self.response_format.type != "text":
+                raise refuse("response_format", "give tools or a JSON response_format, not both: a tool's parameters "
+                             "are its arguments' schema")
+            if self.ctx is not None and self.ctx.store:
+                raise refuse("tools", "tools are offered to a conversation, not to an answer from the store (ctx): "
+                             "leave one of them out")
+        return self
+
     @field_validator("messages")
     @classmethod
     def _messages_count(cls, messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
@@ -296,12 +476,25 @@ class ChatCompletionRequest(BaseModel):
 
     def sampling(self) -> Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {"token_top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                 "response_format": self.response_format,
+                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
         return Sampling(max_new_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
                         temperature=0.0 if self.temperature is None else self.temperature,
-                        top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop)
+                        top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=stop,
+                        **{name: value for name, value in given.items() if value is not None})
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def tool_fields(self) -> dict[str, Any]:
+        """A chat job's tools (``{}`` without any): OpenAI's tool objects, the choice and parallel calls."""
+        if not self.tools or self.tool_choice == "none":
+            return {}
+        choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return {"tools": [tool.as_dict() for tool in self.tools], "tool_choice": choice or "auto",
+                "parallel_tool_calls": self.parallel_tool_calls is not False}
 
     def last_user_message(self) -> str:
         for message in reversed(self.messages):

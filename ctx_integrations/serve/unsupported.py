@@ -1,13 +1,12 @@
 """OpenAI request fields this server does not implement, refused by name instead of being silently ignored.
 
-A client that sends ``response_format={"type": "json_object"}``, ``tools=[...]`` or ``logprobs=true``
-and gets HTTP 200 with plain prose has no way to know its request was not honoured. So every field of
-a chat-completion request is either honoured (a field of
-:class:`~ctx_integrations.serve.schemas.ChatCompletionRequest`) or refused with a 400 whose ``param``
-names it: the fields listed in :data:`REFUSED` (with what to do instead), and any field nobody
-declared. A refused field is accepted only with a value that asks for nothing: ``null``, or one of
-its ``neutral`` values (``n=1``, ``logprobs=false``, ``response_format={"type": "text"}``, ``tools=[]``),
-which is dropped before the request is validated.
+A client that sends a field the server ignores (``n=3``, ``logit_bias``) and gets HTTP 200 has no way to
+know its request was not honoured. So every field of a chat-completion request is either honoured (a
+field of :class:`~ctx_integrations.serve.schemas.ChatCompletionRequest`: structured output, tools,
+logprobs and the sampling knobs included) or refused with a 400 whose ``param`` names it: the fields
+listed in :data:`REFUSED` (with what to do instead), and any field nobody declared. A refused field is
+accepted only with a value that asks for nothing: ``null``, or one of its ``neutral`` values (``n=1``,
+``logit_bias={}``, ``functions=[]``), which is dropped before the request is validated.
 
 :data:`REFUSED` is the one table to edit when a feature lands: delete the field's entry here and
 declare it on the request model in :mod:`~ctx_integrations.serve.schemas`. Keys are request paths:
@@ -29,30 +28,16 @@ class Refused(NamedTuple):
     neutral: tuple[Any, ...] = ()
 
 
-_TOOLS = "tool calling is not implemented by this server: leave out tools, tool_choice and functions"
-_SAMPLING = "this sampling parameter is not implemented by this server yet: leave it out"
+_FUNCTIONS = ("the deprecated functions API is not implemented by this server: send tools (and tool_choice) "
+              "instead")
 _TEXT_ONLY = "this server reads and writes text only"
 
 REFUSED: dict[str, Refused] = {
-    "response_format": Refused('structured output (json_object, json_schema) is not implemented by this server: ask '
-                               'for the format in the prompt, and send response_format={"type": "text"} or leave it '
-                               "out", ({"type": "text"},)),
-    "tools": Refused(_TOOLS, ([],)),
-    "tool_choice": Refused(_TOOLS, ("none",)),
-    "parallel_tool_calls": Refused(_TOOLS),
-    "functions": Refused(_TOOLS, ([],)),
-    "function_call": Refused(_TOOLS, ("none",)),
-    "logprobs": Refused("log probabilities are not returned by this server: send logprobs=false or leave it out",
-                        (False,)),
-    "top_logprobs": Refused("log probabilities are not returned by this server: leave top_logprobs out", (0,)),
+    "functions": Refused(_FUNCTIONS, ([],)),
+    "function_call": Refused(_FUNCTIONS, ("none",)),
     "n": Refused("this server answers with one choice per request: send n=1 or leave it out, and send several "
                  "requests (with different seeds) for several answers", (1,)),
-    "frequency_penalty": Refused(_SAMPLING, (0,)),
-    "presence_penalty": Refused(_SAMPLING, (0,)),
-    "repetition_penalty": Refused(_SAMPLING, (1,)),
-    "top_k": Refused(_SAMPLING),
-    "min_p": Refused(_SAMPLING, (0,)),
-    "logit_bias": Refused(_SAMPLING, ({},)),
+    "logit_bias": Refused("logit_bias is not implemented by this server: leave it out", ({},)),
     "modalities": Refused(_TEXT_ONLY, (["text"],)),
     "audio": Refused(_TEXT_ONLY),
     "prediction": Refused("predicted outputs are not implemented by this server: leave prediction out"),
@@ -63,14 +48,12 @@ REFUSED: dict[str, Refused] = {
     "metadata": Refused("this server stores no completions, so it keeps no metadata: leave metadata out", ({},)),
     "messages.*.name": Refused("participant names are not passed to the model by this server: put the name in the "
                                "message's content"),
-    "messages.*.tool_calls": Refused(_TOOLS, ([],)),
-    "messages.*.tool_call_id": Refused(_TOOLS),
-    "messages.*.function_call": Refused(_TOOLS),
+    "messages.*.function_call": Refused(_FUNCTIONS),
     "messages.*.refusal": Refused("a refusal is not passed to the model by this server: send it as the content"),
     "messages.*.audio": Refused(_TEXT_ONLY),
 }
 # message roles and content parts that only make sense with the features above
-REFUSED_ROLES: dict[str, str] = {"tool": _TOOLS, "function": _TOOLS}
+REFUSED_ROLES: dict[str, str] = {"function": _FUNCTIONS}
 TEXT_PART_FIELDS = frozenset({"type", "text"})
 
 

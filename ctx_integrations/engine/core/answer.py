@@ -9,6 +9,7 @@ from typing import Any
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, SentenceCitation, answer_citations
 from ctx_integrations.engine.core.decoding import TraceStep
+from ctx_integrations.engine.core.tools import ToolCall
 
 
 @dataclass
@@ -16,7 +17,8 @@ class Answer:
     """Text plus everything needed to cite and time it.
 
     ``trace`` has one entry per generated token: the index (into ``documents``) of the document
-    that won that token and its fused score (``None`` for modes without per-token attribution).
+    that won that token and its fused score (``None`` for modes without per-token attribution), and, when
+    ``SamplingParams.logprobs`` asked for them, its log-probability and the most likely alternatives.
     ``timings`` has at least ``ttft_s``, ``total_s`` and ``tokens_per_s`` (floats), and what they were
     measured under: ``threads`` (torch CPU threads) and ``dtype`` (the compute dtype's name, a string,
     e.g. ``"float32"``). ``prompt_tokens`` is the prompt's length as one concatenation (prefix, documents,
@@ -26,6 +28,8 @@ class Answer:
     pinned host memory in front of a GPU, ``disk``). ``extra`` holds mode-specific details; where a
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
     and ``extra["attribution_note"]`` says why and what to pass instead (APE on the flex kernel).
+    ``tool_calls``: the tools a chat answer called (``Engine.chat(tools=...)``), each valid against its schema;
+    ``text`` is then the answer without them.
     """
 
     text: str
@@ -40,6 +44,7 @@ class Answer:
     cache_hits_by_tier: dict[str, int] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_tokens: int = 0  # the prompt as one concatenation (prefix + documents + question), or the conversation
 
     def __str__(self) -> str:
@@ -57,13 +62,28 @@ class Answer:
         counts = self.citation_counts()
         return {
             "text": self.text, "mode": self.mode, "token_ids": list(self.token_ids),
-            "trace": [{"token_id": s.token_id, "document": s.document, "score": s.score} for s in self.trace],
+            "trace": [_trace_entry(s) for s in self.trace],
             "timings": dict(self.timings), "cache": {"hits": self.cache_hits, "misses": self.cache_misses,
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
+            "tool_calls": [call.to_dict() for call in self.tool_calls],
             "prompt_tokens": self.prompt_tokens,
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }
+
+    def token_logprobs(self, tokenizer: Any) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs.content``: per token (that has one; ``SamplingParams.logprobs``) its text, its
+        log-probability, the UTF-8 bytes of its text and the most likely alternatives in the same shape.
+
+        ``tokenizer`` decodes each token on its own (``engine.loaded.tokenizer``); a token that holds part of
+        a character decodes to U+FFFD.
+        """
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tokenizer.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(step.token_id, step.logprob), "top_logprobs": [entry(t, lp) for t, lp in step.top_logprobs]}
+                for step in self.trace if step.logprob is not None]
 
     def citations(self, tokenizer: Any, threshold: float = DEFAULT_THRESHOLD) -> list[SentenceCitation]:
         """Sentence-level citations: per sentence, the documents that won >= ``threshold`` of its content tokens.
@@ -73,3 +93,12 @@ class Answer:
         context. See :mod:`ctx_integrations.engine.core.citations`.
         """
         return answer_citations(self, tokenizer, threshold)
+
+
+def _trace_entry(step: TraceStep) -> dict[str, Any]:
+    """One trace step as JSON; ``logprob`` and ``top_logprobs`` (``[[token_id, logprob], ...]``) only when asked for."""
+    entry: dict[str, Any] = {"token_id": step.token_id, "document": step.document, "score": step.score}
+    if step.logprob is not None:
+        entry["logprob"] = step.logprob
+        entry["top_logprobs"] = [[token, logprob] for token, logprob in step.top_logprobs]
+    return entry

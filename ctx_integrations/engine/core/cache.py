@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,11 +202,12 @@ class KVCacheStore:
 
     def documents_in_steps(self, layout: PromptLayout, prepared: Sequence[PreparedText], *,
                            stats: CacheStats | None = None,
-                           persist: bool = True) -> Generator[None, None, list[CachedKV]]:
+                           persist: bool = True) -> Generator[int, None, list[CachedKV]]:
         """:meth:`documents_prepared` as a generator that yields after each batched forward and returns the caches.
 
         ``Engine.warm`` runs it as a scheduler job, so other requests run (and time out) between the
-        forwards of a large corpus instead of waiting for all of it.
+        forwards of a large corpus instead of waiting for all of it. Each yield is how many of ``prepared``
+        have their cache by then (found or computed), which ``Engine.warm`` reports as its progress.
         """
         counters = (self.stats,) if stats is None else (self.stats, stats)
         prefix = self.prefix(layout)
@@ -220,10 +221,13 @@ class KVCacheStore:
         for counter in counters:
             counter.misses += len(missing)  # a duplicate within one request is computed once: one miss ...
             counter.memory_hits += duplicates  # ... and served from memory the second time
+        per_key = Counter(key for key, _ in wanted)  # a text given twice is two documents with one cache
+        ready = sum(per_key[key] for key in found)
         for group in _token_budget_groups(missing, self.batch_tokens):
             for (key, ids), kv in zip(group, self._compute_batch([ids for _, ids in group], prefix)):
                 found[key] = self._add(CachedKV(key, ids, kv), persist)
-            yield
+            ready += sum(per_key[key] for key, _ in group)
+            yield ready
         return [found[key] for key, _ in wanted]
 
     def prefetch(self, prepared: Sequence[PreparedText]) -> None:

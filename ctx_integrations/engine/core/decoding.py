@@ -18,7 +18,7 @@ import torch
 
 from ctx_integrations.engine.core.cache import SequenceBatch
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.errors import InvalidOptionError, NonFiniteScoresError
+from ctx_integrations.errors import InvalidOptionError, NoAllowedTokenError, NonFiniteScoresError
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class FusionState:
 
 FIRST_STEP = FusionState()
 FusionRule = Callable[[torch.Tensor, FusionState], FusedStep]
+"""A rule with a true ``format_masks_streams`` attribute gets the streams' logits already masked to the tokens a
+structured-output format allows (rules that keep only a nucleus of each stream: masking their fused scores
+afterwards could leave no allowed token); every other rule's fused scores are masked before the pick."""
 
 
 def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
@@ -59,11 +62,19 @@ def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> Fuse
 
 @dataclass(frozen=True)
 class TraceStep:
-    """Which document produced a token, and its fused score there (``document=None``: no attribution)."""
+    """Which document produced a token, and its fused score there (``document=None``: no attribution).
+
+    ``logprob`` / ``top_logprobs``: when the request asked for log-probabilities (``SamplingParams.logprobs``),
+    the token's log-probability under the mode's fused scores (softmax of the scores the rule produced,
+    before penalties, the format's mask and temperature: vLLM's raw log-probabilities), and the most
+    likely ``(token id, log-probability)`` pairs at that step; ``None`` and ``()`` otherwise.
+    """
 
     token_id: int
     document: int | None
     score: float
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @torch.inference_mode()
@@ -114,6 +125,75 @@ def sampling_knobs(temperature: float, top_p: float, seed: int | None) -> tuple[
     return temperature, top_p, seed
 
 
+def filter_knobs(top_k: int, min_p: float, repetition_penalty: float, frequency_penalty: float,
+                 presence_penalty: float) -> tuple[int, float, float, float, float]:
+    """Check top_k, min_p and the three penalties (typed errors naming the argument); return them normalised.
+
+    ``top_k=-1`` is vLLM's spelling of "off" and is taken as 0. The penalties' ranges are OpenAI's and vLLM's.
+    """
+    from ctx_integrations.engine.core.validation import real_number, whole_number
+
+    top_k = whole_number("top_k", top_k, minimum=-1, hint=" (0 or -1 = every token)")
+    min_p = real_number("min_p", min_p, minimum=0.0, maximum=1.0, hint=" (0 = off)")
+    repetition_penalty = real_number("repetition_penalty", repetition_penalty, minimum=0.0, maximum=100.0,
+                                     min_inclusive=False, hint=" (1 = off)")
+    frequency_penalty = real_number("frequency_penalty", frequency_penalty, minimum=-2.0, maximum=2.0,
+                                    hint=" (0 = off)")
+    presence_penalty = real_number("presence_penalty", presence_penalty, minimum=-2.0, maximum=2.0, hint=" (0 = off)")
+    return max(top_k, 0), min_p, repetition_penalty, frequency_penalty, presence_penalty
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's and vLLM's penalties, over the tokens of the answer so far (not the prompt's).
+
+    ``repetition`` (transformers' and vLLM's ``repetition_penalty``, 1 = off): a token already in the answer has
+    its score divided by it when positive, multiplied by it when negative (the rule of transformers'
+    ``RepetitionPenaltyLogitsProcessor``). ``frequency`` and ``presence`` (OpenAI's, 0 = off): ``score -=
+    frequency * count + presence * (count > 0)``, count being how often the token is in the answer. Applied in
+    that order, as vLLM does, to the mode's fused scores before the pick (greedy too). Only the answer's tokens
+    count: a prompt here is several streams of documents, and penalising the documents' words would push a
+    grounded answer away from the very names and figures it should quote.
+    """
+
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
+
+    def apply(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``scores`` ([V]) penalised by ``counts`` ([V], how often each token is in the answer); a new tensor."""
+        seen = counts > 0
+        if self.repetition != 1.0:
+            scores = torch.where(seen, torch.where(scores > 0, scores / self.repetition, scores * self.repetition),
+                                 scores)
+        if self.frequency != 0.0 or self.presence != 0.0:
+            scores = scores - self.frequency * counts - self.presence * seen.to(scores.dtype)
+        return scores
+
+
+NO_PENALTIES = Penalties()
+
+
+def logprob_values(scores: torch.Tensor, token: torch.Tensor, top: int) -> torch.Tensor:
+    """``[log p(token), then the ``top`` most likely ids, then their log p]`` (float64, on the scores' device), where
+    p = softmax of ``scores``: the values :func:`read_logprobs` turns back into a step's log-probabilities."""
+    logprobs = torch.log_softmax(scores.float(), -1)
+    best = torch.topk(logprobs, top) if top else None
+    parts = [logprobs[token].double().view(1)]
+    if best is not None:
+        parts += [best.indices.double(), best.values.double()]
+    return torch.cat(parts)
+
+
+def read_logprobs(values: Sequence[float], top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The chosen token's log-probability and the ``top`` alternatives, from :func:`logprob_values` read back."""
+    return values[0], tuple((int(i), lp) for i, lp in zip(values[1:1 + top], values[1 + top:1 + 2 * top]))
+
+
 def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
     """A stop string, a list of them or None, as a tuple of strings (anything else: ``InvalidOptionError``)."""
     if isinstance(value, str):
@@ -130,42 +210,107 @@ def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
 
 
 class TokenSampler:
-    """Greedy (temperature 0) or temperature + nucleus sampling with its own seeded generator."""
+    """Chooses one answer's tokens: greedy (temperature 0) or temperature + top_k + top_p (nucleus) + min_p
+    sampling with its own seeded generator, after the answer's penalties and its structured-output constraint.
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+    A sampler belongs to one answer: it keeps the answer's token counts (for the penalties) and its
+    constraint's place in the format, both updated by :meth:`accept` with each token chosen. ``logprobs``
+    (``None``: off) asks every step for the chosen token's log-probability and that many alternatives.
+    With every knob at its default, :meth:`pick` is exactly the plain argmax / nucleus draw.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
+                 min_p: float = 0.0, penalties: Penalties = NO_PENALTIES, constraint: object | None = None,
+                 logprobs: int | None = None, generator: torch.Generator | None = None):
         temperature, top_p, seed = sampling_knobs(temperature, top_p, seed)
-        self.temperature, self.top_p = temperature, top_p
+        top_k, min_p, *_ = filter_knobs(top_k, min_p, penalties.repetition, penalties.frequency, penalties.presence)
+        self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
+        self.penalties, self.constraint, self.logprobs = penalties, constraint, logprobs
+        self.counts: torch.Tensor | None = None  # how often each token is in the answer (penalties only)
+        if generator is not None:
+            self.generator = generator
+            return
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
 
+    def unconstrained(self) -> TokenSampler:
+        """A sampler for a side decode of this answer's request (MapReduce's summaries): the same knobs and
+        generator (so draws stay in one seeded sequence), its own penalty counts, no constraint, no logprobs."""
+        return TokenSampler(self.temperature, self.top_p, top_k=self.top_k, min_p=self.min_p,
+                            penalties=self.penalties, generator=self.generator)
+
+    @property
+    def logprob_width(self) -> int:
+        """How many values :func:`logprob_values` adds to a proposal (0 without logprobs)."""
+        return 0 if self.logprobs is None else 1 + 2 * self.logprobs
+
     def __call__(self, scores: torch.Tensor) -> int:
         token, checked = self.pick(scores)
-        check_finite_scores(float(checked))
+        self.check(float(checked))
         return int(token)
+
+    def adjusted(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores the pick reads: ``scores`` penalised and masked to the format (``scores`` itself when neither
+        applies, so default decoding is bit-for-bit what it was)."""
+        if self.penalties.active:
+            if self.counts is None:
+                self.counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
+            scores = self.penalties.apply(scores.float(), self.counts)
+        if self.constraint is not None:
+            scores = self.constraint.mask(scores)
+        return scores
 
     def pick(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The token (a 0-d tensor on ``scores``' device) and the score whose finiteness the caller checks
-        (:func:`check_finite_scores`) once it reads both back.
+        (:meth:`check`) once it reads both back.
 
         Greedy reads nothing back, so a batch of jobs can read all their tokens in one transfer. Sampling
         reads the scores once: its seeded generator is a CPU one (the same draws on every device), and
-        NaN scores must be refused before ``multinomial`` sees them.
+        NaN scores must be refused before ``multinomial`` sees them. Sampling applies temperature, then
+        top_k (transformers' ``TopKLogitsWarper``), top_p, then min_p (``MinPLogitsWarper``): transformers' order.
         """
+        scores = self.adjusted(scores)
         if self.temperature == 0:
             token = torch.argmax(scores)  # NaN wins argmax, and all -inf gives 0: the caller's check catches both
             return token, scores[token]
         best = scores.max()
-        check_finite_scores(float(best))
-        probs = torch.softmax(scores.float().cpu() / self.temperature, dim=-1)
+        self.check(float(best))
+        logits = scores.float().cpu() / self.temperature
+        if self.top_k:
+            from transformers import TopKLogitsWarper
+
+            logits = TopKLogitsWarper(self.top_k)(None, logits.unsqueeze(0))[0]
+        probs = torch.softmax(logits, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
             keep[0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        if self.min_p:
+            from transformers import MinPLogitsWarper
+
+            probs = torch.softmax(MinPLogitsWarper(self.min_p)(None, probs.log().unsqueeze(0))[0], dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator)[0].to(scores.device), best
+
+    def check(self, best: float) -> None:
+        """Refuse a pick whose best score is not finite (:func:`check_finite_scores`); under a constraint, a best
+        of ``-inf`` means the mode's scores allow none of the tokens the format allows (``NoAllowedTokenError``)."""
+        if self.constraint is not None and best == -math.inf:
+            raise NoAllowedTokenError(
+                "every token the structured-output format allows next has a score of -inf under this mode's fused "
+                "scores, so no valid token can be chosen: use a mode whose scores cover the vocabulary (pced, "
+                "concat, soft_nbce, chat)")
+        check_finite_scores(best)
+
+    def accept(self, token_id: int) -> None:
+        """Take the token chosen (read back) into the answer's counts and its format's matcher."""
+        if self.counts is not None:
+            self.counts[token_id] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
 
 
 class IncrementalText:
@@ -305,9 +450,11 @@ def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
     the most evidence for it, and read nothing back (gpt-fast / nano-vllm keep tokens on the device).
 
     Returns the proposal (float64 ``[token, winner (-1: none), score, the score to check for finiteness]`` on
-    the logits' device, read back later together with every other job's) and the rule's carry;
-    :func:`settle_token` turns the values read into the step.
+    the logits' device, then the log-probabilities when the sampler asks for them, read back later together
+    with every other job's) and the rule's carry; :func:`settle_token` turns the values read into the step.
     """
+    if sampler.constraint is not None and getattr(rule, "format_masks_streams", False):
+        logits = sampler.constraint.mask(logits)  # the rule's nuclei are taken among the tokens the format allows
     fused = rule(logits, state)
     token, checked = sampler.pick(fused.scores)
     if fused.evidence is not None:
@@ -315,22 +462,30 @@ def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
         score = fused.evidence[winner, token]
     else:
         winner, score = torch.full((), -1, device=token.device), fused.scores[token]
-    return torch.stack([token.double(), winner.double(), score.double(), checked.double()]), fused.carry
+    proposal = torch.stack([token.double(), winner.double(), score.double(), checked.double()])
+    if sampler.logprobs is not None:
+        proposal = torch.cat([proposal, logprob_values(fused.scores, token, sampler.logprobs)])
+    return proposal, fused.carry
 
 
-def settle_token(values: Sequence[float], carry: object) -> tuple[TraceStep, FusionState]:
-    """The host half: the step and the state the rule sees next, from a proposal's values read back."""
-    token, winner, score, checked = values
-    check_finite_scores(checked)
+def settle_token(values: Sequence[float], carry: object, sampler: TokenSampler) -> tuple[TraceStep, FusionState]:
+    """The host half: the step and the state the rule sees next, from a proposal's values read back; the token
+    is accepted into the sampler (its penalty counts and its format's matcher)."""
+    token, winner, score, checked = values[:4]
+    sampler.check(checked)
     token_id, won = int(token), (int(winner) if winner >= 0 else None)
-    return TraceStep(token_id, won, score), FusionState(token_id, won, carry)
+    sampler.accept(token_id)
+    if sampler.logprobs is None:
+        return TraceStep(token_id, won, score), FusionState(token_id, won, carry)
+    logprob, top = read_logprobs(values[4:], sampler.logprobs)
+    return TraceStep(token_id, won, score, logprob, top), FusionState(token_id, won, carry)
 
 
 def choose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
                  sampler: TokenSampler) -> tuple[TraceStep, FusionState]:
     """One fused step for a caller on its own (one read back): :func:`propose_token` then :func:`settle_token`."""
     values, carry = propose_token(rule, logits, state, sampler)
-    return settle_token(values.tolist(), carry)
+    return settle_token(values.tolist(), carry, sampler)
 
 
 def fused_steps(forward: Callable[[torch.Tensor], torch.Tensor], tokenizer: object, first_logits: torch.Tensor,

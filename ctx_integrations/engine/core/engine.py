@@ -38,13 +38,15 @@ from ctx_integrations.engine.core.registry import (
     answers_many,
     available_modes,
     check_options,
+    check_sampling,
     resolve_mode,
 )
 from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, WarmRequest
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
 from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
-from ctx_integrations.engine.core.validation import optional_whole_number, question_template_text
+from ctx_integrations.engine.core.tools import ToolRequest, tool_request
+from ctx_integrations.engine.core.validation import flag, optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
@@ -121,7 +123,12 @@ class Engine:
     cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). ``compile_mode``: the row pool's
     decode step under ``torch.compile`` (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"``
     (``"reduce-overhead"``, CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere),
-    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. Every answer's
+    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. ``batch_invariant``: on the CPU, run
+    the pool's forwards with kernels whose rows round the same whatever the batch
+    (:mod:`~ctx_integrations.engine.core.batch_invariant`: short GEMMs padded to a measured height, the math
+    attention kernel), so a request's logits are bit for bit those it gets alone in fp32 as in bf16, at a
+    measured cost (docs/scheduler.md#batch-invariance); ``False`` (default): bf16 rows are invariant on an
+    AVX512-BF16 CPU, fp32 rows may move by ~3e-5 with the batch's size. Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
@@ -136,7 +143,7 @@ class Engine:
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
                  system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
                  context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
-                 threads: int | None = None, compile_mode: str | None = "auto"):
+                 threads: int | None = None, compile_mode: str | None = "auto", batch_invariant: bool = False):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
         self.loaded = loaded
@@ -154,7 +161,8 @@ class Engine:
         self.request_timeout_s = _check_timeout(request_timeout_s)
         self.scheduler = scheduler_for(loaded, attention_kernel,
                                        optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
-                                       optional_whole_number("threads", threads, minimum=1), compile_mode)
+                                       optional_whole_number("threads", threads, minimum=1), compile_mode,
+                                       flag("batch_invariant", batch_invariant))
         self._closed = False
 
     @classmethod
@@ -189,8 +197,8 @@ class Engine:
 
         ``prepare``: tokenise and key its documents here (:meth:`_context`); async callers pass ``False`` so that
         their event loop never tokenises (the scheduler's loader thread does, before the request is planned)."""
-        self._check_call(mode, options)
-        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(),
+        self._check_call(mode, options, sampling)
+        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(0, self._grammar(sampling)),
                             sampling.stop_criteria(self.loaded.eos_token_ids), on_token, prepare=prepare)
         return self._submit(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)))
 
@@ -239,7 +247,8 @@ class Engine:
             raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        self._check_call(mode, options)  # fail at once on a bad mode or option
+        self._check_call(mode, options, settings)  # fail at once on a bad mode, option or sampling setting
+        self._grammar(settings)
         prepare_documents(documents, scores)
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
@@ -262,7 +271,7 @@ class Engine:
               sampling: SamplingParams, timeout: float | None, options: dict[str, Any],
               prepare: bool = True) -> list[RequestHandle]:
         started = time.perf_counter()
-        self._check_call(mode, options)
+        self._check_call(mode, options, sampling)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
             got = "a single string" if isinstance(questions, (str, bytes)) else (
                 f"a {type(questions).__name__}" if not isinstance(questions, Sequence) else "nothing")
@@ -275,7 +284,8 @@ class Engine:
             if scores is not None:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
-        contexts = [self._context(q, list(docs), sampling.sampler(seed_offset=i),
+        grammar = self._grammar(sampling)
+        contexts = [self._context(q, list(docs), sampling.sampler(i, grammar),
                                   sampling.stop_criteria(self.loaded.eos_token_ids), None, started, prepare)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
         timeout = self._timeout(timeout)
@@ -330,35 +340,49 @@ class Engine:
             raise
 
     # -- chat (no documents) -------------------------------------------------------------------------
-    def _chat_request(self, messages: Sequence[dict[str, str]], sampling: SamplingParams,
+    def _chat_request(self, messages: Sequence[dict[str, Any]], sampling: SamplingParams,
                       on_token: Callable[[str], None] | None, timeout: float | None,
-                      ids: list[int] | None = None) -> RequestHandle:
+                      ids: list[int] | None = None, tools: ToolRequest | None = None) -> RequestHandle:
         started = time.perf_counter()
-        ids = conversation_ids(self.layout, messages) if ids is None else ids
+        ids = conversation_ids(self.layout, messages, tools.tools if tools is not None else ()) if ids is None else ids
+        if tools is not None:
+            sampling = tools.sampling(sampling, self.layout.tool_format)
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        ctx = DecodeContext(self, "", [], sampling.sampler(), sampling.stop_criteria(self.loaded.eos_token_ids),
-                            _check_callback(on_token), started=started)
+        ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
+                            sampling.stop_criteria(self.loaded.eos_token_ids), _check_callback(on_token),
+                            started=started)
         # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
-        return self._submit(ChatRequest(self, ctx, ids, timeout=self._timeout(timeout)))
+        return self._submit(ChatRequest(self, ctx, ids, timeout=self._timeout(timeout), tools=tools))
 
-    def chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    def chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
              on_token: Callable[[str], None] | None = None, timeout: float | None = None,
-             sampling: SamplingParams | None = None) -> Answer:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``)."""
+             sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool = True) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``).
+
+        ``tools`` (OpenAI's tool objects), ``tool_choice`` (``"auto"``, the default with tools; ``"none"``,
+        ``"required"`` or a tool's name) and ``parallel_tool_calls``: the model may call tools, in its chat
+        template's call format, each call's arguments valid against its tool's schema
+        (:mod:`~ctx_integrations.engine.core.tools`); the calls are ``Answer.tool_calls`` and ``Answer.text`` is the
+        rest of the answer (a streamed answer's pieces are the raw text, calls included). Messages may carry
+        OpenAI's ``tool_calls`` (assistant) and ``tool`` results.
+        """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        return self._chat_request(messages, settings, on_token, timeout).result()[0]
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        return self._chat_request(messages, settings, on_token, timeout, tools=request).result()[0]
 
-    async def achat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    async def achat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                     stop: Sequence[str] | str = (), timeout: float | None = None,
-                    sampling: SamplingParams | None = None) -> Answer:
+                    sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
+                    tool_choice: Any = None, parallel_tool_calls: bool = True) -> Answer:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
 
         The conversation is templated and tokenised on a worker thread, so a long one never stalls the
@@ -366,38 +390,49 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        ids = await asyncio.to_thread(conversation_ids, self.layout, messages)
-        handle = self._chat_request(messages, settings, None, timeout, ids)
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        ids = await asyncio.to_thread(conversation_ids, self.layout, messages, request.tools if request else ())
+        handle = self._chat_request(messages, settings, None, timeout, ids, request)
         return (await handle.wait())[0]
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **kwargs: Any) -> Generator[str, None, Answer]:
+    def stream_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Generator[str, None, Answer]:
         """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
         return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
 
-    def astream_chat(self, messages: Sequence[dict[str, str]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    def astream_chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                      stop: Sequence[str] | str = (), timeout: float | None = None,
-                     sampling: SamplingParams | None = None) -> AnswerStream:
+                     sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
+                     tool_choice: Any = None, parallel_tool_calls: bool = True) -> AnswerStream:
         """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        ids = conversation_ids(self.layout, messages)  # fail now on a bad conversation; tokenised once, here
+        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
+        # fail now on a bad conversation; tokenised once, here
+        ids = conversation_ids(self.layout, messages, request.tools if request else ())
+        if request is not None:
+            self._grammar(request.sampling(settings, self.layout.tool_format))  # a tool schema that cannot compile
 
         def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._chat_request(messages, settings, on_token, timeout, ids)
+            return self._chat_request(messages, settings, on_token, timeout, ids, request)
 
         return AnswerStream(start, lambda answers: answers[0])
 
     # -- caches, state -------------------------------------------------------------------------------
-    def warm(self, documents: Sequence[Any]) -> dict[str, int]:
+    def warm(self, documents: Sequence[Any], progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """Compute (or load) the KV cache of every document now, e.g. at ingestion; returns the lookup counts.
 
         Runs on the scheduler's thread like every use of the model (between other requests' steps).
+        ``progress(done, total)``: called on that thread after each batched forward, with how many of the
+        ``total`` documents have their cache; it must return at once (record the counts, print them from another
+        thread: :class:`~ctx_integrations.progress.Progress` does), since every other request waits meanwhile.
         """
+        if progress is not None and not callable(progress):
+            raise InvalidOptionError(f"progress must be a callable taking (done, total), got {type(progress).__name__}")
         docs = prepare_documents(documents)
         ctx = DecodeContext(self, "", docs, TokenSampler(), StopCriteria(self.loaded.eos_token_ids, 1),
                             prepared=self.texts.prepare_all([doc.text for doc in docs]))
-        return self._submit(WarmRequest(self, ctx)).result()
+        return self._submit(WarmRequest(self, ctx, progress)).result()
 
     def stats(self) -> dict[str, Any]:
         """Serving and cache counters: queue depth, running requests and rows, answers, cache hits per tier,
@@ -435,9 +470,17 @@ class Engine:
         self.close()
 
     # -- validation ----------------------------------------------------------------------------------
-    def _check_call(self, mode: str, options: dict[str, Any]) -> None:
+    def _check_call(self, mode: str, options: dict[str, Any], sampling: SamplingParams) -> None:
         resolve_mode(mode)
         check_options(mode, options)
+        check_sampling(mode, sampling)
+
+    def _grammar(self, sampling: SamplingParams) -> object | None:
+        """``sampling.structured`` compiled for this model (in the caller's thread: a bad format fails here), or
+        ``None``. xgrammar caches each compiled format, so a format asked for again costs a lookup."""
+        if sampling.structured is None:
+            return None
+        return self.loaded.grammars.compile(sampling.structured)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
                  on_token: Callable[[str], None] | None, started: float | None = None,

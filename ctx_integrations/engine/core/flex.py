@@ -77,16 +77,20 @@ def _shape(query: torch.Tensor, key: torch.Tensor, return_lse: bool) -> tuple:
 
 
 def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
-             return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             return_lse: bool = False, score_mod: Callable[..., torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention with GQA (``query`` [B, H, q, d], ``key``/``value`` [B, Hkv, K, d]); (out, lse or None).
 
-    Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log. A
+    Compiled on CUDA; on CPU the unfused reference (see the module doc). ``lse`` is fp32, natural log.
+    ``score_mod(score, b, h, q, k)``: FlexAttention's hook on each (already scaled) score. A
     compiled kernel that cannot be built for a shape never fails the request: the shape is retried with
     :data:`FALLBACK_KERNEL_OPTIONS`, then computed in query chunks with SDPA under the block mask's dense
-    mask (:func:`_fallback`); either way one warning names the shape, and later calls of that shape go
-    straight to what worked.
+    mask (:func:`_fallback`, which applies ``score_mod`` too); either way one warning names the shape, and later
+    calls of that shape go straight to what worked.
     """
     options: dict[str, object] = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    if score_mod is not None:
+        options["score_mod"] = score_mod
     if return_lse:
         options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
     if _use_compiled(query.device):
@@ -115,7 +119,7 @@ def _recover(shape: tuple, error: Exception | None, query: torch.Tensor, key: to
         kernel = _FAILED_SHAPES[shape]
         if kernel is not None:
             return _compiled_flex()(query, key, value, kernel_options=kernel, **options)
-        return _fallback(query, key, value, block_mask, scale, return_lse)
+        return _fallback(query, key, value, block_mask, scale, return_lse, options.get("score_mod"))
     for kernel in FALLBACK_KERNEL_OPTIONS:
         try:
             result = _compiled_flex()(query, key, value, kernel_options=kernel, **options)
@@ -130,18 +134,19 @@ def _recover(shape: tuple, error: Exception | None, query: torch.Tensor, key: to
     warnings.warn(f"FlexAttention's compiled kernel could not be built for query {shape[0]}, keys {shape[1]}, "
                   f"{shape[2]} ({type(error).__name__}: {str(error)[:200]}); this shape is computed with SDPA in "
                   "query chunks under the block mask instead (slower, same result)", RuntimeWarning, stacklevel=3)
-    return _fallback(query, key, value, block_mask, scale, return_lse)
+    return _fallback(query, key, value, block_mask, scale, return_lse, options.get("score_mod"))
 
 
 FALLBACK_QUERY_CHUNK = 1024  # queries per SDPA call of the fallback: its dense mask is [B, 1, chunk, K]
 
 
 def _fallback(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
-              return_lse: bool) -> object:
+              return_lse: bool, score_mod: Callable[..., torch.Tensor] | None = None) -> object:
     """Attention under ``block_mask`` without the compiled kernel, in query chunks (the mask evaluated per chunk).
 
-    Without ``return_lse``: SDPA over each chunk's dense boolean mask. With it (APE's merge needs the log-sum-exp):
-    the same scores computed explicitly, ``logsumexp`` and ``softmax @ V``, in fp32. A query row that sees no key
+    Without ``return_lse`` and ``score_mod``: SDPA over each chunk's dense boolean mask. With either (APE's merge
+    needs the log-sum-exp, its prior a ``score_mod``): the same scores computed explicitly, ``score_mod`` applied
+    to them with broadcast indices, ``logsumexp`` and ``softmax @ V``, in fp32. A query row that sees no key
     gets zeros and an lse of -inf, as FlexAttention gives. Written by hand: torch has no attention that takes a
     ``mask_mod`` other than FlexAttention itself, whose uncompiled reference materialises every score at once.
     """
@@ -159,11 +164,14 @@ def _fallback(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
         k = torch.arange(kv_len, device=query.device).view(1, 1, 1, kv_len)
         mask = mask_mod(b, torch.zeros_like(b), q, k).expand(batch, 1, rows, kv_len)
         chunk = query[:, :, start:start + rows]
-        if not return_lse:
+        if not return_lse and score_mod is None:
             out = torch.nn.functional.scaled_dot_product_attention(chunk, key, value, attn_mask=mask, scale=scale)
             outs.append(torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out)))
             continue
         scores = (chunk.float() @ key.float().transpose(-1, -2)) * scale
+        if score_mod is not None:
+            heads = torch.arange(query.shape[1], device=query.device).view(1, -1, 1, 1)
+            scores = score_mod(scores, b, heads, q, k)
         scores = scores.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)

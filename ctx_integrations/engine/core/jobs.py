@@ -177,7 +177,7 @@ class FusedJob(PooledJob):
         return values
 
     def accept(self, values: list[float]) -> None:
-        step, self.state = settle_token(values, self._carry)
+        step, self.state = settle_token(values, self._carry, self.ctx.sampler)
         if self.emitter.push(step):
             self._next = [[] for _ in self.streams]
             return

@@ -19,9 +19,13 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from ctx_integrations.documents import user_text
 from ctx_integrations.errors import ChatTemplateError, InvalidOptionError
+
+if TYPE_CHECKING:
+    from ctx_integrations.engine.core.tools import ToolCallFormat
 
 # PCED paper, appendix A.
 PCED_SYSTEM_PROMPT = (
@@ -156,6 +160,13 @@ class PromptLayout:
             tokens.setdefault(text, self.tokenizer.convert_tokens_to_ids(text))
         longest_first = sorted(tokens, key=len, reverse=True)
         return tokens, re.compile("|".join(map(re.escape, longest_first))) if tokens else None
+
+    @cached_property
+    def tool_format(self) -> ToolCallFormat:
+        """How this model writes a tool call, read from its chat template (``tools.probe_format``)."""
+        from ctx_integrations.engine.core.tools import probe_format
+
+        return probe_format(self.tokenizer)
 
     def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
         """Token ids of template text and user text joined, with control ids only from the template's own tokens.

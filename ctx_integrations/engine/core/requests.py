@@ -11,7 +11,7 @@ sampling settings (in the contexts' sampler and stop criteria) and, from the sch
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from ctx_integrations.engine.core.decoding import DecodeResult, single_stream
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
 from ctx_integrations.engine.core.registry import DecodeContext, answers_many, resolve_mode
 from ctx_integrations.engine.core.scheduler import Request
+from ctx_integrations.engine.core.tools import ToolRequest
 
 # Below this, the tokens after the first came out with it (a speculative round accepted the whole answer).
 _BURST_S = 1e-3
@@ -87,23 +88,27 @@ class ModeRequest(Request):
 class ChatRequest(Request):
     """A conversation without documents (mode ``"chat"``): one stream over the rendered conversation's tokens."""
 
-    def __init__(self, engine: Any, ctx: DecodeContext, ids: list[int], *, timeout: float | None = None):
+    def __init__(self, engine: Any, ctx: DecodeContext, ids: list[int], *, timeout: float | None = None,
+                 tools: ToolRequest | None = None):
         super().__init__(engine, timeout=timeout, started=ctx.started)
-        self.ctx, self.ids = ctx, tuple(ids)
+        self.ctx, self.ids, self.tools = ctx, tuple(ids), tools
 
     def plan(self) -> Job:
         return FusedJob(self.ctx, [Stream((), self.ids, 0)], single_stream)
 
     def finish(self, job: Job) -> list[Answer]:
-        return [answer_of(self.ctx, job.results()[0], CHAT_MODE, {}, len(self.ids))]
+        answer = answer_of(self.ctx, job.results()[0], CHAT_MODE, {}, len(self.ids))
+        if self.tools is not None:  # the calls, read back from the text in the model's call format
+            answer.text, answer.tool_calls = self.owner.layout.tool_format.parse(answer.text, self.tools.tools)
+        return [answer]
 
 
 class WarmRequest(Request):
     """Compute (or load) the caches of prepared documents, one batched forward per step (``Engine.warm``)."""
 
-    def __init__(self, engine: Any, ctx: DecodeContext):
+    def __init__(self, engine: Any, ctx: DecodeContext, progress: Callable[[int, int], None] | None = None):
         super().__init__(engine)
-        self.ctx = ctx
+        self.ctx, self.progress = ctx, progress
 
     def prefetch(self) -> None:
         self.owner.store.prefetch(self.ctx.prepared)
@@ -112,8 +117,12 @@ class WarmRequest(Request):
         return ExclusiveJob([self.ctx], self._steps())
 
     def _steps(self) -> Generator[None, None, list[DecodeResult]]:
-        # one step per batched forward of the store: other requests run (and time out) in between
-        yield from self.owner.store.documents_in_steps(self.owner.layout, self.ctx.prepared, stats=self.ctx.cache)
+        # one step per batched forward of the store: other requests run (and time out) in between; after each,
+        # progress(documents with their cache, all documents) on this thread, the scheduler's
+        for ready in self.owner.store.documents_in_steps(self.owner.layout, self.ctx.prepared, stats=self.ctx.cache):
+            if self.progress is not None:
+                self.progress(ready, len(self.ctx.prepared))
+            yield
         return []
 
     def finish(self, job: Job) -> dict[str, int]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 
+from ctx_integrations.engine.core.batch_invariant import batch_invariant_kernels
 from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
@@ -25,8 +27,11 @@ from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
 class ModelRunner:
     """One loaded model's batched forwards over the row pool (eager boolean mask or FlexAttention block mask)."""
 
-    def __init__(self, loaded: LoadedModel, attention_kernel: str, compile_mode: str | None = None):
+    def __init__(self, loaded: LoadedModel, attention_kernel: str, compile_mode: str | None = None,
+                 batch_invariant: bool = False):
         self._loaded = weakref.ref(loaded)
+        # forwards under kernels whose rows round alike in any batch (engine/core/batch_invariant.py)
+        self.batch_invariant = batch_invariant
         self.attention_kernel = attention_kernel  # resolved by flex.resolve_kernel: "eager" or "flex"
         self.compile_mode = compile_mode  # resolved by compiled_step.resolve_compile_mode: None or a torch mode
         self.pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
@@ -113,8 +118,9 @@ class ModelRunner:
     def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput,
                  step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
         started = time.perf_counter()
-        logits = pool.forward(self.loaded.model, [list(row) for row in runs], self.pad_token, self.attention_kernel,
-                              step)
+        with batch_invariant_kernels() if self.batch_invariant else nullcontext():
+            logits = pool.forward(self.loaded.model, [list(row) for row in runs], self.pad_token,
+                                  self.attention_kernel, step)
         out.forward_s += time.perf_counter() - started
         out.forwards += 1
         out.rows = max(out.rows, pool.rows)

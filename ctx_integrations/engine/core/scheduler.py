@@ -688,7 +688,7 @@ def _stop_all() -> None:
 
 def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
                   max_batch_bytes: int | None = None, threads: int | None = None,
-                  compile_mode: str | None = "auto") -> Scheduler:
+                  compile_mode: str | None = "auto", batch_invariant: bool = False) -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
     ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes
@@ -703,7 +703,8 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
         scheduler = _SCHEDULERS.get(loaded.model)
         if scheduler is None:
             budget = max_batch_bytes if max_batch_bytes is not None else default_batch_bytes(loaded)
-            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel, compiled),
+            scheduler = _SCHEDULERS[loaded.model] = Scheduler(ModelRunner(loaded, kernel, compiled,
+                                                                                      batch_invariant),
                                                               kv_bytes_per_token(loaded), budget,
                                                               threads or default_threads())
             _LIVE.add(scheduler)
@@ -722,6 +723,11 @@ def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
                 f"this model's scheduler already runs its decode step with compile_mode="
                 f"{scheduler.runner.compile_mode!r}, and every engine on one model shares it: build this engine with "
                 f"the same compile_mode, or load the model again for compile_mode={compile_mode!r}")
+        elif scheduler.runner.batch_invariant != batch_invariant:
+            raise InvalidOptionError(
+                f"this model's scheduler already runs with batch_invariant={scheduler.runner.batch_invariant}, and "
+                f"every engine on one model shares it: build this engine with the same value, or load the model "
+                f"again for batch_invariant={batch_invariant}")
         elif scheduler.attention_kernel != kernel:
             raise InvalidOptionError(
                 f"this model's scheduler already runs its row pool with attention_kernel="

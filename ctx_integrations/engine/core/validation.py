@@ -69,6 +69,13 @@ def optional_whole_number(name: str, value: Any, *, minimum: int | None = None, 
     return None if value is None else whole_number(name, value, minimum=minimum, maximum=maximum, hint=hint)
 
 
+def flag(name: str, value: Any) -> bool:
+    """``True`` or ``False`` (not ``1``, ``"yes"`` or ``None``, which would be read as one silently)."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True or False, got {_describe(value)}")
+    return value
+
+
 def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """One of ``choices`` (strings only: ``[]`` or ``None`` is refused with the list, not a ``TypeError``)."""
     if not isinstance(value, str) or value not in choices:

@@ -24,19 +24,20 @@ import math
 import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AttentionInterface
 
 from ctx_integrations.engine.core.cache import CachedKV, concatenated_stream
-from ctx_integrations.engine.core.decoding import DecodeResult, TraceStep, forward_sequences, fused_steps, single_stream
+from ctx_integrations.engine.core.decoding import DecodeResult, forward_sequences, fused_steps, single_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream, single_result
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -54,13 +55,22 @@ class ApeLayout:
     # calls append the merged attention mass per document of the last query position (one entry per layer).
     document_ends: tuple[int, ...] = ()
     masses: list[torch.Tensor] | None = field(default=None, compare=False)
+    # the retrieval prior: added to the tempered scores of every key of document i (needs document_ends)
+    document_bias: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         check_knobs(self.temperature, self.scale)
+        if self.document_bias and len(self.document_bias) != len(self.document_ends):
+            raise InvalidOptionError(f"APE got {len(self.document_bias)} document biases for "
+                                     f"{len(self.document_ends)} documents")
         if not 0 <= self.context_start < self.context_end:
             raise InvalidOptionError(f"APE needs a non-empty document span, got [{self.context_start}, "
                                      f"{self.context_end})")
 
+
+# APE's default retrieval prior weight (our variant; 0 = the paper's APE): each document's attention scaled by its
+# softmax prior over the retrieved set, softmax(r / 0.05), relative to the top document's.
+PRIOR_GAMMA = 1.0
 
 # Smallest attention_temperature: the document scores are divided by it, and below ~1e-37 they overflow float32
 # (every token then gets NaN and greedy decoding emits token id 0); below 0.01 the attention is already a hard
@@ -96,6 +106,8 @@ def ape_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     k, v = key.float(), value.float()
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*q, K]
     context = scores[..., start:end] / temperature
+    if ape_layout.document_bias:
+        context = context + column_bias(ape_layout.document_bias, ape_layout.document_ends, context.device)
     outside = torch.cat([scores[..., :start], scores[..., end:]], dim=-1)
     columns = torch.arange(outside.shape[-1], device=query.device)
     own_column = outside.shape[-1] - q_len + torch.arange(q_len, device=query.device)
@@ -138,9 +150,13 @@ class ApeRowAttention:
     scale: float
     documents: int
     masses: list[torch.Tensor] | None = field(default=None, compare=False)
+    document_bias: tuple[float, ...] = ()  # the retrieval prior per document (see ApeLayout), () for none
 
     def __post_init__(self) -> None:
         check_knobs(self.temperature, self.scale)
+        if self.document_bias and len(self.document_bias) != self.documents:
+            raise InvalidOptionError(f"APE got {len(self.document_bias)} document biases for {self.documents} "
+                                     "documents")
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
                  documents: torch.Tensor, scaling: float, last_query: int) -> torch.Tensor:
@@ -152,7 +168,11 @@ class ApeRowAttention:
         scores = torch.matmul(q, key.float().transpose(-1, -2)) * scaling  # [1, Hkv, G*q, K]
         seen = visible.repeat(1, 1, groups, 1)  # [1, 1, G*q, K]
         is_document = (documents > 0)[:, None, None, :]
-        context = (scores / self.temperature).masked_fill(~(seen & is_document), -math.inf)
+        context = scores / self.temperature
+        if self.document_bias:  # index 0 of the table: keys that belong to no document
+            table = torch.tensor((0.0, *self.document_bias), dtype=context.dtype, device=context.device)
+            context = context + table[documents[0]]
+        context = context.masked_fill(~(seen & is_document), -math.inf)
         outside = scores.masked_fill(~(seen & ~is_document), -math.inf)
         p_context, p_outside, weights = merge_softmaxes(context, outside, self.temperature, self.scale)
         out = weights[..., :1] * torch.matmul(p_context, v) + weights[..., 1:] * torch.matmul(p_outside, v)
@@ -162,6 +182,12 @@ class ApeRowAttention:
             mass = torch.zeros(self.documents + 1, dtype=per_key.dtype, device=per_key.device)
             self.masses.append(mass.index_add_(0, documents[0], per_key)[1:].cpu())
         return out.reshape(1, heads, q_len, dim).transpose(1, 2).to(query.dtype)
+
+
+def column_bias(bias: tuple[float, ...], document_ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each document's bias repeated over its key columns ([C], the columns of the concatenated documents)."""
+    lengths = torch.diff(torch.tensor(document_ends), prepend=torch.zeros(1, dtype=torch.long))
+    return torch.repeat_interleave(torch.tensor(bias, dtype=torch.float32), lengths).to(device)
 
 
 def document_mass(p_context: torch.Tensor, context_weight: torch.Tensor, document_ends: tuple[int, ...], groups: int,
@@ -238,14 +264,15 @@ def _ape_inputs(ctx: DecodeContext) -> _ApeInputs:
     return _ApeInputs(suffix, engine.store.prefix(layout), caches, prefix_len, prefix_len + longest)
 
 
-def _ape_row_job(ctx: DecodeContext, attention_temperature: float, scale: float, attribution: bool) -> FusedJob:
+def _ape_row_job(ctx: DecodeContext, attention_temperature: float, scale: float, attribution: bool,
+                 bias: tuple[float, ...] = ()) -> FusedJob:
     """APE as one row of the scheduler's shared batch: the prefix, every document at positions ``L_p ..``
     (marked as documents for the row's merge), then the question; :class:`ApeRowAttention` is the row's rule."""
     inputs = _ape_inputs(ctx)
     pieces = (Piece(inputs.prefix.kv, 0),) + tuple(Piece(cache.kv, inputs.prefix_len, document=index)
                                                    for index, cache in enumerate(inputs.caches, start=1))
     masses: list[torch.Tensor] | None = [] if attribution else None
-    rule = ApeRowAttention(attention_temperature, scale, len(inputs.caches), masses)
+    rule = ApeRowAttention(attention_temperature, scale, len(inputs.caches), masses, bias)
     layers = ctx.engine.loaded.model.config.num_hidden_layers
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     return FusedJob(ctx, [Stream(pieces, tuple(inputs.suffix), inputs.query_position)], single_stream,
@@ -264,7 +291,8 @@ def fits_a_row(config: object) -> bool:
 
 
 def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
-               attribution: bool, unavailable_note: str | None) -> Generator[None, None, DecodeResult]:
+               attribution: bool, unavailable_note: str | None,
+               bias: tuple[float, ...] = ()) -> Generator[None, None, DecodeResult]:
     """APE as an exclusive job on a cache of its own: one forward of its own per scheduler step."""
     engine, inputs = ctx.engine, _ape_inputs(ctx)
     model = engine.loaded.model
@@ -272,7 +300,7 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, k
     ends = tuple(itertools.accumulate(c.length for c in inputs.caches))
     masses: list[torch.Tensor] | None = [] if attribution else None
     streams.forward_kwargs["ape_layout"] = ApeLayout(inputs.prefix_len, inputs.prefix_len + inputs.total,
-                                                     attention_temperature, scale, ends, masses)
+                                                     attention_temperature, scale, ends, masses, bias)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
     implementation = APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION
 
@@ -313,7 +341,8 @@ def attribution_plan(attribution: object, attention_kernel: str, device: object)
 
 @register_mode("ape")
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: float = 0.9,
-            attention_kernel: str = "auto", attribution: bool | None = None) -> Job:
+            attention_kernel: str = "auto", attribution: bool | None = None, gamma: float = PRIOR_GAMMA,
+            prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> Job:
     """Adaptive Parallel Encoding over the documents' cached KV.
 
     attention_temperature: T, divides the question's attention scores over the documents (sharper
@@ -332,12 +361,31 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = 0.9, scale: fl
     eager kernel; FlexAttention does not expose the per-document mass: its answers carry
     ``extra["attribution"] = "unavailable"`` and ``extra["attribution_note"]`` saying why and what to
     pass). ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
+    gamma: weight of a retrieval prior (our variant, the default 1.0; 0 is the paper's APE, which uses no
+    scores): the question's tempered attention scores on every key of document k get
+    gamma * (log_prior_k - max log_prior), so the top document's attention is unchanged and a low-ranked
+    one's is scaled down by its prior (measured on NQ-open: docs/evaluation.md, "NQ-open with real retrieval").
+    prior, prior_tau, prior_floor: how the scores become that log-prior, as PCED's (see :mod:`.priors`).
+    Every kernel applies it (FlexAttention through a ``score_mod``).
     """
     check_knobs(attention_temperature, scale)
+    bias = document_bias(ctx, gamma, prior, prior_tau, prior_floor)
     kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
     if attention_kernel in ("auto", "eager") and fits_a_row(ctx.engine.loaded.model.config):
-        return _ape_row_job(ctx, attention_temperature, scale, attribution is not False)
-    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note)))
+        return _ape_row_job(ctx, attention_temperature, scale, attribution is not False, bias)
+    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note,
+                                                        bias)))
+
+
+def document_bias(ctx: DecodeContext, gamma: float, prior: str, prior_tau: float,
+                  prior_floor: float) -> tuple[float, ...]:
+    """gamma * (log_prior_k - max log_prior) per document, or () when gamma is 0 (the paper's APE)."""
+    real_number("gamma", gamma, minimum=0.0, maximum=100.0, hint=" (weight of APE's retrieval prior; 0: none)")
+    check_prior(prior, prior_tau, prior_floor)
+    if gamma == 0:
+        return ()
+    logs = log_prior([d.score for d in ctx.documents], prior, tau=prior_tau, floor=prior_floor)
+    return tuple(float(x) for x in gamma * (logs - logs.max()))
 
 
 PAPER_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # 0.1 .. 1.0, the paper's search range and step
@@ -450,6 +498,6 @@ def _attribute(result: DecodeResult, masses: list[torch.Tensor], layers: int) ->
         mass = torch.stack(masses[i * layers:(i + 1) * layers]).mean(0)
         share = mass / mass.sum().clamp_min(1e-12)
         winner = int(share.argmax())
-        result.trace[i] = TraceStep(step.token_id, winner, float(share[winner]))
+        result.trace[i] = replace(step, document=winner, score=float(share[winner]))
         shares.append([round(float(x), 4) for x in share])
     result.extra["attention_mass"] = shares

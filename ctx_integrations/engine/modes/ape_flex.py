@@ -15,6 +15,7 @@ dispatches here), so the layout is read by attribute: any object with ``context_
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -67,11 +68,31 @@ def ape_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     temperature, scale = ape_layout.temperature, ape_layout.scale
     scaling = dim ** -0.5 if scaling is None else scaling
     documents, outside = ape_block_masks(q_len, key.shape[2], start, end, str(query.device))
-    out_context, lse_context = run_flex(query, key, value, documents, scaling / temperature, return_lse=True)
+    out_context, lse_context = run_flex(query, key, value, documents, scaling / temperature, return_lse=True,
+                                        score_mod=_bias_mod(ape_layout, key.shape[2], query.device))
     out_outside, lse_outside = run_flex(query, key, value, outside, scaling, return_lse=True)
     weights = torch.softmax(torch.stack([scale * temperature * lse_context.float(), lse_outside.float()]), dim=0)
     out = weights[0].unsqueeze(-1) * out_context.float() + weights[1].unsqueeze(-1) * out_outside.float()
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _bias_mod(ape_layout: object, kv_len: int, device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The retrieval prior (``ape_layout.document_bias``, one value per document, over the columns that
+    ``document_ends`` give) as a ``score_mod`` adding each key column's bias; ``None`` without a prior."""
+    bias = getattr(ape_layout, "document_bias", ())
+    if not bias:
+        return None
+    lengths = torch.diff(torch.tensor(ape_layout.document_ends), prepend=torch.zeros(1, dtype=torch.long))
+    columns = torch.zeros(kv_len, dtype=torch.float32)
+    start = ape_layout.context_start
+    columns[start:start + int(lengths.sum())] = torch.repeat_interleave(torch.tensor(bias, dtype=torch.float32),
+                                                                        lengths)
+    columns = columns.to(device)
+
+    def add_bias(score, b, h, q, k):
+        return score + columns[k]
+
+    return add_bias
 
 
 AttentionInterface.register(APE_FLEX_ATTENTION, ape_flex_attention)

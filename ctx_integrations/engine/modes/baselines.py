@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -23,7 +24,6 @@ from ctx_integrations.engine.core.decoding import (
     Emitter,
     StopCriteria,
     TraceStep,
-    check_finite_scores,
     single_stream,
 )
 from ctx_integrations.engine.core.jobs import FusedJob, Job, PooledJob, Stream
@@ -95,7 +95,7 @@ def run_single(ctx: DecodeContext) -> FusedJob:
     stream = Stream((Piece(prefix.kv, 0), Piece(document.kv, prefix_len)), tuple(suffix), prefix_len + document.length)
 
     def finish(result: DecodeResult) -> DecodeResult:
-        result.trace = [TraceStep(step.token_id, top, step.score) for step in result.trace]
+        result.trace = [replace(step, document=top) for step in result.trace]
         return result
 
     return FusedJob(ctx, [stream], single_stream, finish)
@@ -177,6 +177,7 @@ class MapJob(PooledJob):
         self.pieces = [[Piece(prefix_kv, 0), Piece(cache.kv, prefix_len)] for cache in caches]
         stop = StopCriteria(ctx.stop.eos_token_ids, summary_tokens)
         self.emitters = [Emitter(ctx.engine.loaded.tokenizer, stop) for _ in caches]
+        self.samplers = [ctx.sampler.unconstrained() for _ in caches]  # summaries: never held to the answer's format
         self._next = [[Run(tuple(suffix), prefix_len + cache.length)] for cache in caches]
         self._tokens = sum(prefix_len + cache.length + len(suffix) + summary_tokens for cache in caches)
         self._live = list(range(len(caches)))  # the inputs whose rows are still in the batch, in row order
@@ -196,11 +197,13 @@ class MapJob(PooledJob):
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([torch.stack([token.double(), checked.double()])
-                          for token, checked in (self.ctx.sampler.pick(row[-1]) for row in logits)])
+                          for token, checked in (self.samplers[row].pick(scores[-1])
+                                                 for row, scores in zip(self._live, logits))])
 
     def accept(self, values: list[float]) -> None:
         for row, token, checked in zip(self._live, values[0::2], values[1::2]):
-            check_finite_scores(checked)
+            self.samplers[row].check(checked)
+            self.samplers[row].accept(int(token))
             run = self._next[row][-1]
             if not self.emitters[row].push(TraceStep(int(token), None, 0.0)):
                 self._next[row] = [Run((int(token),), run.first_position + len(run.ids))]

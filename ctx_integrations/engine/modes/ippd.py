@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ctx_integrations.engine.core.cache import CachedKV
-from ctx_integrations.engine.core.decoding import DecodeResult, Emitter, TraceStep, check_finite_scores
+from ctx_integrations.engine.core.decoding import DecodeResult, Emitter, TraceStep, logprob_values, read_logprobs
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
@@ -133,7 +133,8 @@ class StackedJob(PooledJob):
                    + sum(len(q.suffix) + q.ctx.stop.max_new_tokens for q in stack.questions) for stack in self.stacks)
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        """Per waiting question, in stack order: its token, the token's log-probability and the score to check."""
+        """Per waiting question, in stack order: its token, the token's log-probability, the score to check, then
+        its log-probabilities when its sampler asks for them (every question's sampler asks the same)."""
         first_step = "prefill_s" not in self.contexts[0].timings
         if first_step:  # each question's own clock: its ctx was prepared (and its clock started) a moment apart
             now = time.perf_counter()
@@ -142,19 +143,29 @@ class StackedJob(PooledJob):
         values = []
         for stack, row in zip(self._live, logits):
             for question, scores in zip(self._waiting[stack], row):
-                token, checked = question.ctx.sampler.pick(scores)
+                sampler = question.ctx.sampler
+                token, checked = sampler.pick(scores)
                 values.append(torch.stack([token.double(), torch.log_softmax(scores, -1)[token].double(),
                                            checked.double()]))
+                if sampler.logprobs is not None:
+                    values.append(logprob_values(scores, token, sampler.logprobs))
         return torch.cat(values)
 
     def accept(self, values: list[float]) -> None:
-        chosen = iter(zip(values[0::3], values[1::3], values[2::3]))
+        offset = 0
         for stack in self._live:
             still = []
             for question in self._waiting[stack]:
-                token, logprob, checked = next(chosen)
-                check_finite_scores(checked)
-                if not question.emitter.push(TraceStep(int(token), None, logprob)):
+                sampler = question.ctx.sampler
+                token, logprob, checked = values[offset:offset + 3]
+                sampler.check(checked)
+                sampler.accept(int(token))
+                step = TraceStep(int(token), None, logprob)
+                if sampler.logprobs is not None:
+                    own, top = read_logprobs(values[offset + 3:offset + 3 + sampler.logprob_width], sampler.logprobs)
+                    step = TraceStep(int(token), None, logprob, own, top)
+                offset += 3 + sampler.logprob_width
+                if not question.emitter.push(step):
                     still.append(question)
             self._waiting[stack] = still
             self._next[stack] = [Run((q.emitter.trace[-1].token_id,), q.next_position, q.context, q.qid)

@@ -17,6 +17,7 @@ from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.engine.core.word_pieces import WordPieces
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import InvalidOptionError
 
 SCORE_SPACES = ("logprobs", "logits")
@@ -55,6 +56,11 @@ class PCEDFusion:
     ``score_space="logprobs"`` normalises each stream first so experts are comparable (raw logits
     carry a per-expert offset); ``"logits"`` is the paper's literal formula.
 
+    ``prior`` turns the scores into the log-prior that gamma multiplies: ``"paper"`` is log r_k as given;
+    ``"softmax"`` (``prior_tau``), ``"rank"`` and ``"minmax"`` (``prior_floor``) calibrate the scores over the
+    retrieved set (:mod:`~ctx_integrations.engine.modes.priors`, our variants). ``mixture`` / ``product``
+    weigh experts by exp(log-prior), normalised (for the paper's prior: r / sum r).
+
     ``switch="token"`` is the paper's rule: any expert may win any token. ``switch="word"`` (our
     variant, not the paper's) lets an expert win a token that continues an open word (a sub-word
     piece with no leading space) only if it won the word's previous token, so one invented name is
@@ -64,7 +70,8 @@ class PCEDFusion:
 
     def __init__(self, relevance: Sequence[float], *, beta: float | None = None, gamma: float = 2.5,
                  score_space: str = "logprobs", aggregation: str = "max", switch: str = "token",
-                 word_pieces: WordPieces | None = None):
+                 word_pieces: WordPieces | None = None, prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
+                 prior_floor: float = DEFAULT_FLOOR):
         if len(relevance) == 0:
             raise InvalidOptionError("PCED needs at least one expert")
         choice("score_space", score_space, SCORE_SPACES)
@@ -79,6 +86,7 @@ class PCEDFusion:
             real_number("beta", beta, minimum=0.0, maximum=MAX_BETA, hint=" (or None: dynamic)")
         real_number("gamma", gamma, minimum=0.0, maximum=MAX_GAMMA)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
+        self.log_prior = log_prior(self.relevance, prior, tau=prior_tau, floor=prior_floor)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
         self.fixed_beta = None if beta is None else torch.full((len(relevance),), float(beta))
         self.word_pieces = word_pieces if switch == "word" else None
@@ -95,12 +103,12 @@ class PCEDFusion:
             amateur, experts = torch.log_softmax(amateur, -1), torch.log_softmax(experts, -1)
         scale = beta.to(logits.device).unsqueeze(1)
         contrastive = (1 + scale) * experts - scale * amateur
-        relevance = self.relevance.to(logits.device)
+        logs = self.log_prior.to(logits.device)
         if self.aggregation == "max":
-            adjusted = contrastive + self.gamma * torch.log(relevance.clamp_min(TINY)).unsqueeze(1)
+            adjusted = contrastive + self.gamma * logs.unsqueeze(1)
             adjusted = self._keep_words_whole(adjusted, state)
             return FusedStep(adjusted.max(0).values, adjusted, carry=beta)
-        weights = relevance_weights(relevance).to(logits.device).unsqueeze(1)
+        weights = relevance_weights(logs.exp()).unsqueeze(1)
         log_p = torch.log_softmax(contrastive, -1)
         if self.aggregation == "mixture":
             weighted = torch.log(weights.clamp_min(TINY)) + log_p
@@ -124,7 +132,8 @@ class PCEDFusion:
 
 @register_mode("pced")
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.5, score_space: str = "logprobs",
-             aggregation: str = "max", switch: str = "token") -> FusedJob:
+             aggregation: str = "max", switch: str = "token", prior: str = DEFAULT_PRIOR,
+             prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
     beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float in [0, 100].
@@ -132,10 +141,14 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
     score_space: "logprobs" (default: experts comparable) or "logits" (the paper's literal rule).
     aggregation: "max" (token-level expert switching, default), "mixture" or "product".
     switch: "token" (the paper's rule) or "word" (our variant: the expert that began a word finishes it).
+    prior: how the documents' scores become the log-prior gamma multiplies: "paper" (log r) or our per-query
+    calibrations "softmax" (prior_tau), "rank", "minmax" (prior_floor); see :mod:`.priors`.
     """
+    check_prior(prior, prior_tau, prior_floor)
     pieces = ctx.engine.loaded.word_pieces if switch == "word" else None  # PCEDFusion checks switch
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
-                      aggregation=aggregation, switch=switch, word_pieces=pieces)
+                      aggregation=aggregation, switch=switch, word_pieces=pieces, prior=prior, prior_tau=prior_tau,
+                      prior_floor=prior_floor)
     ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens(ctx.prepared), "PCED's streams")
 
     def finish(result: DecodeResult) -> DecodeResult:

@@ -211,7 +211,7 @@ def _report_drafter_failure(channel: DraftChannel) -> Callable[[Future], None]:
     return done
 
 
-@register_mode("rapid")
+@register_mode("rapid", picks_each_token=False)
 def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
               draft_context_tokens: int | None = None, chunk_tokens: int = 512, min_similarity: float = 0.3,
               ranking: str = "dense", draft_embedder: object = None, tail_rule: str = "paper",

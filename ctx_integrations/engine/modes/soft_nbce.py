@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState, TraceStep
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import real_number
+from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -103,7 +105,9 @@ def paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Ten
       chunk whose nucleus shares no token with the support of those taken so far is left out, its
       weight dropped and the rest renormalised. The most confident chunk is always taken, so the
       support is never empty, and whenever the paper's support is not empty this is the paper's sum.
-    ``weights`` [K], ``scores`` [K, V], ``entropy`` [K]; returns [V].
+    ``weights`` [K], ``scores`` [K, V], ``entropy`` [K]; returns [V]. With a retrieval prior (``gamma`` > 0)
+    ``entropy`` is the negated routing logit instead (:meth:`SoftNBCEFusion.support_order`): still the order
+    of decreasing weight.
     """
     finite = torch.isfinite(scores)
     support = torch.ones_like(scores[0], dtype=torch.bool)
@@ -153,20 +157,48 @@ class SoftNBCEFusion:
 
     Evidence (the citation trace) is log w_k + S_k(v): the chunk that gives the chosen token the most
     weighted support. ``tau=math.inf`` is exactly the uniform average (:class:`PCWFusion`).
+
+    ``gamma`` > 0 (our variant; the paper routes by entropy alone, ``gamma=0``) adds a retrieval prior to the
+    routing: w_k = softmax_k(-H_k / tau + gamma * log_prior_k), where ``log_prior`` holds each chunk's
+    log-prior (its document's, from :func:`~ctx_integrations.engine.modes.priors.log_prior`), so a chunk the
+    retriever ranked low cannot take the weight with a confident (low-entropy) wrong token.
     """
 
-    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
+    # structured output masks the streams before this rule, so each nucleus is taken among the tokens the format
+    # allows (masking the fused scores afterwards could leave none: a JSON brace outside every nucleus)
+    format_masks_streams = True
+
+    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper",
+                 gamma: float = 0.0, log_prior: Sequence[float] | torch.Tensor | None = None):
         real_number("tau", tau, minimum=MIN_TAU, allow_inf=True,
                     hint=" (math.inf = uniform average; mode='nbce' is the tau -> 0 limit)")
         self.tau = tau
         real_number("beta", beta, minimum=0.0, maximum=MAX_BETA)
         real_number("rho", rho, minimum=0.0, maximum=1.0, min_inclusive=False, hint=" (each chunk's top-p)")
         check_rule(rule)
-        self.beta, self.rho, self.rule = beta, rho, rule
+        real_number("gamma", gamma, minimum=0.0, maximum=MAX_BETA, hint=" (weight of the retrieval prior; 0: none)")
+        if gamma > 0 and log_prior is None:
+            raise InvalidOptionError("gamma > 0 needs each chunk's log-prior (log_prior=...)")
+        self.beta, self.rho, self.rule, self.gamma = beta, rho, rule, gamma
+        self.log_prior = None if log_prior is None else torch.as_tensor(log_prior, dtype=torch.float32)
+
+    def routing(self, entropy: torch.Tensor) -> torch.Tensor:
+        """The chunks' routing logits, -H_k / tau (+ gamma * log_prior_k with a prior); weights are their softmax."""
+        logits = -entropy / self.tau
+        if self.gamma > 0:
+            if self.log_prior.shape[0] != entropy.shape[0]:
+                raise InvalidOptionError(f"got {entropy.shape[0]} chunk streams for {self.log_prior.shape[0]} priors")
+            logits = logits + self.gamma * self.log_prior.to(entropy.device)
+        return logits
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
-        """Weights over the chunk axis (0) from the chunks' entropies."""
-        return torch.softmax(-entropy / self.tau, dim=0)
+        """Weights over the chunk axis (0) from the chunks' entropies (and, with gamma > 0, their priors)."""
+        return torch.softmax(self.routing(entropy), dim=0)
+
+    def support_order(self, entropy: torch.Tensor) -> torch.Tensor:
+        """What :func:`paper_fusion` takes chunks in, ascending: the entropy (the paper's order of decreasing
+        weight), or with a prior the negated routing logit, so the support follows the weights the prior set."""
+        return entropy if self.gamma == 0 else -self.routing(entropy)
 
     def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         if logits.shape[0] < 2:
@@ -177,7 +209,7 @@ class SoftNBCEFusion:
             scores = paper_contrast(logprobs[0], chunks, self.beta)
             entropy = nucleus_entropy(chunks)
             weights = self.chunk_weights(entropy)
-            fused = paper_fusion(weights, scores, entropy)
+            fused = paper_fusion(weights, scores, self.support_order(entropy))
         else:
             keep = nucleus_mask(logprobs, self.rho)
             scores = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], self.beta)
@@ -263,18 +295,22 @@ def fitting_chunk_tokens(ctx: DecodeContext, chunk_tokens: int | None) -> int | 
     return min(chunk_tokens, room)
 
 
-def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int | None) -> FusedJob:
-    """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents."""
+def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[int]], SoftNBCEFusion],
+                     chunk_tokens: int | None) -> FusedJob:
+    """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents.
+    ``rule`` may be built from the chunks' source documents (a callable given their indices)."""
     size = fitting_chunk_tokens(ctx, chunk_tokens)
     chunks = split_documents(ctx.engine.loaded.tokenizer, [d.text for d in ctx.documents], size)
     prepared = ctx.engine.texts.prepare_all([c.text for c in chunks])  # whole documents: ctx.prepared's, memoised
     ctx.check_streams(len(chunks) + 1, ctx.stream_tokens(prepared), "the chunk streams")
     sources = [c.document for c in chunks]
+    if not isinstance(rule, SoftNBCEFusion):
+        rule = rule(sources)
 
     def finish(result: DecodeResult) -> DecodeResult:
         result.extra["trace_chunks"] = [step.document for step in result.trace]
-        result.trace = [TraceStep(step.token_id, None if step.document is None else sources[step.document],
-                                  step.score) for step in result.trace]
+        result.trace = [replace(step, document=None if step.document is None else sources[step.document])
+                        for step in result.trace]
         result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
         return result
 
@@ -283,7 +319,9 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion, chunk_tokens: int
 
 @register_mode("soft_nbce")
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9,
-                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> FusedJob:
+                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = 0.0,
+                  prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
+                  prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
@@ -291,8 +329,14 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
     rho: top-p of each chunk before fusion.
     chunk_tokens: split documents into chunks of at most this many tokens (None: one stream per document).
     rule: "paper" (Algorithm 1) or "nbce_code" (NBCE's reference code); see :class:`SoftNBCEFusion`.
+    gamma: weight of a retrieval prior in the chunk weights (0, the paper's: entropy alone; our variant > 0).
+    prior, prior_tau, prior_floor: how the documents' scores become that log-prior, as PCED's (see :mod:`.priors`);
+    every chunk of a document gets the document's.
     """
-    return run_chunk_fusion(ctx, SoftNBCEFusion(tau=tau, beta=beta, rho=rho, rule=rule), chunk_tokens)
+    check_prior(prior, prior_tau, prior_floor)
+    logs = log_prior([d.score for d in ctx.documents], prior, tau=prior_tau, floor=prior_floor)
+    return run_chunk_fusion(ctx, lambda sources: SoftNBCEFusion(tau=tau, beta=beta, rho=rho, rule=rule, gamma=gamma,
+                                                                log_prior=logs[sources]), chunk_tokens)
 
 
 @register_mode("nbce")

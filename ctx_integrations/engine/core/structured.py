@@ -1,0 +1,280 @@
+"""Structured output: an answer held to a JSON schema, to JSON, a regex, a list of choices or a grammar, token by token.
+
+The format is compiled against the model's vocabulary by xgrammar (the constrained-decoding library vLLM and
+SGLang use), once per format and model; each answer gets its own matcher, which says before every token
+which tokens may come next. :class:`TokenConstraint` turns that into a bitmask that sets every other
+token's score to ``-inf`` before the sampler picks (``decoding.TokenSampler``), and takes each chosen token
+back into the matcher, so the next mask follows the text so far. Once the format is complete, only an
+end-of-sequence token may follow: a constrained answer ends when its text is complete (or at ``max_tokens``,
+with ``finish_reason == "length"`` and the text cut short).
+
+JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between tokens, so a small model cannot
+spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
+every answer is valid against the schema). An integer the schema leaves unbounded is held to JSON's interoperable range,
+±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's included, takes exactly; otherwise a model,
+a small one especially, can write digits until ``max_tokens`` and the answer is cut): still valid against the
+schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
+without it, asking for structured output raises :class:`~ctx_integrations.errors.MissingDependencyError` and
+everything else works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError, missing_dependency
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# JSON mode (json_object): any JSON object, with any keys and values
+_ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def load_xgrammar() -> Any:
+    """The xgrammar module, or the error naming the extra that installs it."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise missing_dependency("xgrammar", "structured") from None
+    return xgrammar
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema given as a dict, a JSON string or a pydantic model class, as JSON text (its key order kept)."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as error:
+            raise InvalidStructuredOutputError(f"the JSON schema is not valid JSON: {error}") from None
+    else:
+        parsed = schema
+    if not isinstance(parsed, (Mapping, bool)):
+        raise InvalidStructuredOutputError(f"a JSON schema must be a JSON object (a dict, a JSON string or a pydantic "
+                                           f"model class), got {type(schema).__name__}")
+    try:
+        return json.dumps(parsed, ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidStructuredOutputError(f"the JSON schema cannot be written as JSON: {error}") from None
+
+
+INTEROPERABLE_INTEGERS = (-(2**53) + 1, 2**53 - 1)  # RFC 8259 section 6
+# keys whose values are JSON data, not schemas: an integer schema inside them is not to be bounded
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+
+
+def bounded_integers(schema_text: str) -> str:
+    """``schema_text`` with every ``integer`` the schema leaves unbounded below or above held to JSON's interoperable
+    range (:data:`INTEROPERABLE_INTEGERS`); bounds it gives are kept. What xgrammar compiles, never what
+    :meth:`StructuredOutput.schema` returns: a narrowing, so every answer is still valid against the schema as given."""
+
+    def bound(node: Any) -> Any:
+        if isinstance(node, list):
+            return [bound(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: value if key in _DATA_KEYS else bound(value) for key, value in node.items()}
+        kinds = out.get("type")
+        if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+            if "minimum" not in out and "exclusiveMinimum" not in out:
+                out["minimum"] = INTEROPERABLE_INTEGERS[0]
+            if "maximum" not in out and "exclusiveMaximum" not in out:
+                out["maximum"] = INTEROPERABLE_INTEGERS[1]
+        return out
+
+    return json.dumps(bound(json.loads(schema_text)), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The format every token of an answer must keep to; exactly one field is set (vLLM's ``StructuredOutputsParams``).
+
+    ``json``: a JSON schema (a dict, a JSON string or a pydantic model class); ``json_object``: any JSON object
+    (OpenAI's JSON mode); ``regex``: the whole answer matches it; ``choice``: the answer is one of these
+    strings; ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``); ``structural_tag``:
+    xgrammar's structural tag as JSON text (free text with tagged, schema-held parts; how tool calls are
+    held to their tools' schemas, :mod:`~ctx_integrations.engine.core.tools`). Frozen and hashable, so a
+    compiled format is reused by every answer that asks for it.
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidOptionError(f"StructuredOutput takes exactly one of {', '.join(_KINDS)}; got "
+                                     f"{', '.join(given) or 'none'}")
+        if self.json_object is not False and self.json_object is not True:
+            raise InvalidOptionError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidOptionError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choices = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidOptionError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", choices)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema an answer is valid against (``json``, or any object for ``json_object``), else ``None``."""
+        if self.json is not None:
+            return json.loads(self.json)
+        return json.loads(_ANY_OBJECT) if self.json_object else None
+
+
+def output_width(model: torch.nn.Module) -> int:
+    """The width of the model's logits (the output embedding's rows; the config's ``vocab_size`` otherwise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+
+
+@dataclass(frozen=True)
+class CompiledFormat:
+    """A format compiled for one vocabulary, and the tokens it may use at all (``allowed``: a packed bitmask ANDed
+    with the matcher's at every step, ``None``: every token; see :meth:`GrammarCompiler.compile`)."""
+
+    grammar: Any
+    allowed: torch.Tensor | None = None
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask over the vocabulary ([V]) as xgrammar's packed bitmask ([1, ceil(V / 32)] int32, bit i of word
+    w for token 32 w + i)."""
+    words = (allowed.shape[0] + 31) // 32
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: allowed.shape[0]] = allowed.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).view(1, words)
+
+
+class GrammarCompiler:
+    """Compiles formats for one model's vocabulary (built once per model; xgrammar caches each compiled format).
+
+    ``stop_token_ids`` are the engine's end-of-sequence ids: the only tokens allowed once a format is complete.
+    Built lazily, so an engine that never asks for structured output never imports xgrammar.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]):
+        xgr = load_xgrammar()
+        self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=True)
+        self._masks: dict[bytes, torch.Tensor] = {}
+
+    def _without_bytes(self, forbidden: bytes) -> torch.Tensor:
+        """The packed bitmask of every token whose text holds none of ``forbidden`` (stop tokens always allowed)."""
+        if forbidden not in self._masks:
+            banned = set(forbidden)
+            allowed = torch.tensor([not banned.intersection(token) for token in self._info.decoded_vocab])
+            allowed = torch.cat([allowed, torch.zeros(max(0, self.vocab_size - allowed.shape[0]), dtype=torch.bool)])
+            allowed[sorted(i for i in self.stop_token_ids if i < self.vocab_size)] = True
+            self._masks[forbidden] = pack_bits(allowed[: self.vocab_size])
+        return self._masks[forbidden]
+
+    def compile(self, output: StructuredOutput, field: str | None = None) -> CompiledFormat:
+        """The compiled format of ``output``; a format xgrammar refuses is an ``InvalidStructuredOutputError``.
+
+        xgrammar's JSON strings let raw control characters (U+0000-U+001F, which JSON forbids unescaped) through,
+        so JSON formats (compact: no token needs one) may use no token that holds one, and a structural tag (free
+        text, and wrappers such as ``<tool_call>\\n``) none but tab, line feed and carriage return.
+        """
+        compiler, allowed = self._compiler, None
+        try:
+            if output.json is not None:
+                grammar = compiler.compile_json_schema(bounded_integers(output.json), any_whitespace=False,
+                                                       strict_mode=True)
+            elif output.json_object:
+                grammar = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+            elif output.regex is not None:
+                grammar = compiler.compile_regex(output.regex)
+            elif output.choice is not None:
+                grammar = compiler.compile_grammar(_choice_grammar(output.choice))
+            elif output.grammar is not None:
+                grammar = compiler.compile_grammar(output.grammar)
+            else:
+                grammar = compiler.compile_structural_tag(output.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise InvalidStructuredOutputError(f"the {output.kind} format cannot be compiled: {error}",
+                                               field) from None
+        if output.json is not None or output.json_object:
+            allowed = self._without_bytes(bytes(range(32)))
+        elif output.structural_tag is not None:
+            allowed = self._without_bytes(bytes(b for b in range(32) if b not in b"\t\n\r"))
+        return CompiledFormat(grammar, allowed)
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (each a JSON-quoted literal, which EBNF strings accept)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class TokenConstraint:
+    """One answer's place in its format: masks the scores of the next token and accepts the token chosen."""
+
+    def __init__(self, compiled: CompiledFormat):
+        xgr = load_xgrammar()
+        self._xgr, self.vocab_size = xgr, compiled.grammar.tokenizer_info.vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.allowed = compiled.allowed
+        self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._filled = False  # whether the bitmask holds this step's allowed tokens
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` (``[V]`` or ``[K, V]``) with every token the format does not allow next at ``-inf``, as a new
+        float32 tensor (the matcher is asked once per step, however many tensors are masked)."""
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            if self.allowed is not None:
+                self.bitmask &= self.allowed
+            self._filled = True
+        masked = scores.float().clone().reshape(-1, scores.shape[-1])
+        if masked.shape[1] > self.vocab_size:  # logits wider than the vocabulary compiled: the rest is never allowed
+            masked[:, self.vocab_size:] = -float("inf")
+        bitmask = self.bitmask.to(masked.device, non_blocking=True).expand(masked.shape[0], -1).contiguous()
+        self._xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=min(self.vocab_size, masked.shape[1]))
+        return masked.reshape(scores.shape)
+
+    def accept(self, token_id: int) -> None:
+        self._filled = False
+        if not self.matcher.accept_token(token_id):
+            raise InvalidStructuredOutputError(f"token {token_id} was chosen but the format does not allow it here "
+                                               "(a decoding loop that picked without the constraint's mask)")
+
+
+def from_response_format(value: Any) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` as a :class:`StructuredOutput` (``None`` for text): ``{"type": "json_object"}``,
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "text"}``, a pydantic
+    model class (LangChain's ``ChatOpenAI`` takes one), or a StructuredOutput as it is."""
+    if value is None or isinstance(value, StructuredOutput):
+        return value
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        return StructuredOutput(json=value)
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema" and isinstance(value.get("json_schema"), Mapping):
+        return StructuredOutput(json=value["json_schema"].get("schema", {}))
+    raise InvalidOptionError(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}}, {{"type": '
+                             f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}} or a pydantic model '
+                             f"class, got {value!r:.100}")

@@ -1,0 +1,68 @@
+"""Retrieval priors: a document's relevance score r_k turned into the log-prior a fusion rule adds to its expert.
+
+The PCED paper adds ``gamma * log r_k`` with r mapped to [0, 1] (appendix B); that is ``prior="paper"``.
+A dense retriever's cosines land in a narrow band, though: mapped by (s + 1) / 2 the eight passages
+retrieved for a question typically span r = 0.65 to 0.85, so ``gamma * log r`` separates the first
+and the eighth by a fraction of a nat, while a contextual expert's confident wrong name beats the
+right expert's token by several. The paper's cross-encoder scores span more; a MiniLM cosine does not.
+The other priors are ours (named variants, docs/methods.md#pced), calibrated per query over the
+retrieved set, so that the ranking, not the absolute cosine, is what the rule sees:
+
+- ``"softmax"``: log softmax_k(r_k / tau). For the max rule only differences between experts matter, so
+  this is gamma / tau times r_k: a temperature on the score gaps (gaps of 0.1 in r become 0.1 / tau nats
+  before gamma). A retriever that is unsure (equal scores) gives equal priors.
+- ``"rank"``: -log(rank_k), rank 1 for the best score (ties share the better rank): a Zipf prior that
+  ignores the gap sizes, so the k-th document is always gamma log k behind the first.
+- ``"minmax"``: log(floor + (1 - floor) (r_k - min r) / (max r - min r)): the best document 0, the
+  worst ``log floor``; all equal when all scores are.
+
+Every prior depends only on the scores, not on the documents' order, and a larger score never gets a
+smaller prior (the tests in tests/test_priors.py hold each rule to both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ctx_integrations.engine.core.validation import choice, real_number
+from ctx_integrations.errors import InvalidOptionError
+
+PRIORS = ("paper", "softmax", "rank", "minmax")
+# The default of every mode that takes a prior, measured on NQ-open with real retrieval:
+# docs/evaluation.md#nq-open-with-real-retrieval-what-the-prior-needs
+DEFAULT_PRIOR = "softmax"
+TINY = torch.finfo(torch.float32).tiny
+DEFAULT_TAU = 0.05  # softmax's temperature, in units of r
+DEFAULT_FLOOR = 0.05  # minmax's prior of the lowest-scored document (log 0.05 = -3.0 nats before gamma)
+
+
+def check_prior(prior: str, tau: float = DEFAULT_TAU, floor: float = DEFAULT_FLOOR) -> None:
+    choice("prior", prior, PRIORS)
+    real_number("prior_tau", tau, minimum=1e-4, maximum=100.0, hint=" (softmax prior's temperature, in units of r)")
+    real_number("prior_floor", floor, minimum=0.0, maximum=1.0, min_inclusive=False,
+                hint=" (minmax prior's value for the lowest-scored document)")
+
+
+def log_prior(relevance: Sequence[float] | torch.Tensor, prior: str = "paper", *, tau: float = DEFAULT_TAU,
+              floor: float = DEFAULT_FLOOR) -> torch.Tensor:
+    """The log-prior of each document ([K] float32, every entry <= 0) from its relevance r_k in [0, 1]."""
+    check_prior(prior, tau, floor)
+    r = torch.as_tensor(relevance, dtype=torch.float32).reshape(-1)
+    if r.numel() == 0:
+        raise InvalidOptionError("a retrieval prior needs at least one document score")
+    if not bool(torch.isfinite(r).all()):
+        raise InvalidOptionError(f"document scores must be finite numbers, got {r.tolist()}")
+    if prior == "paper":
+        return torch.log(r.clamp_min(TINY))
+    if prior == "softmax":
+        return torch.log_softmax(r / tau, 0)
+    if prior == "rank":
+        better = (r.unsqueeze(0) > r.unsqueeze(1)).sum(1)  # how many documents score strictly higher
+        return -torch.log1p(better.float())
+    spread = r.max() - r.min()
+    if spread <= 0:
+        return torch.zeros_like(r)
+    return torch.log(floor + (1 - floor) * (r - r.min()) / spread)
+

@@ -1,0 +1,79 @@
+"""The batch-invariant CPU kernels (``Engine(batch_invariant=True)``): a row's output does not depend on how many
+rows are beside it or where it sits.
+
+Bugs caught: short GEMMs not padded (MKL rounds an fp32 row of a 1-3-row matrix unlike a tall one's: measured
+here), padded to a height that still rounds differently, the padding's outputs not dropped or the shape not
+restored, the attention left on the flash kernel (its fp32 rows depend on the batch's split over threads), a
+non-bool option accepted, two engines on one model disagreeing on the option.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core.batch_invariant import (
+    PROBED_ROWS,
+    batch_invariant_kernels,
+    linear_rows_invariant,
+    padded_heights,
+)
+from ctx_integrations.engine.core.model import load_model
+from ctx_integrations.errors import InvalidOptionError
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (4096, 64)])
+def test_every_height_gives_a_row_the_bits_of_a_tall_matrix(dtype, shape):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(*shape, generator=generator).to(dtype)
+    bias = torch.randn(shape[0], generator=generator).to(dtype)
+    x = torch.randn(80, shape[1], generator=generator).to(dtype)
+    tall = F.linear(x, weight, bias)
+    for height in range(1, 41):
+        for start in (0, 3):
+            rows = linear_rows_invariant(x[start:start + height], weight, bias)
+            assert rows.shape == (height, shape[0])
+            assert torch.equal(rows, tall[start:start + height]), (height, start)
+
+
+def test_heights_are_padded_up_never_down_and_the_shape_comes_back():
+    weight = torch.randn(1536, 576)
+    heights = padded_heights(weight)
+    assert len(heights) == PROBED_ROWS + 1
+    assert all(m <= heights[m] <= PROBED_ROWS for m in range(1, PROBED_ROWS + 1))
+    assert all(heights[heights[m]] == heights[m] for m in range(1, PROBED_ROWS + 1))  # a padded height is final
+    x = torch.randn(1, 1, 576)  # a decode step: [rows, tokens, hidden]
+    out = linear_rows_invariant(x, weight)
+    assert out.shape == (1, 1, 1536)
+    assert torch.equal(out[0], F.linear(torch.cat([x[0], torch.randn(15, 576)]), weight)[:1])
+
+
+def test_under_the_mode_linear_layers_and_attention_round_a_row_alike_in_any_batch():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 1536)
+    q, k, v = torch.randn(4, 9, 1, 64), torch.randn(4, 3, 512, 64), torch.randn(4, 3, 512, 64)
+    mask = torch.zeros(4, 1, 1, 512, dtype=torch.bool)
+    for b, keys in enumerate((60, 300, 228, 120)):
+        mask[b, ..., :keys] = True
+    with torch.no_grad(), batch_invariant_kernels():
+        four = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        two = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=mask[:2], enable_gqa=True)
+        one = F.scaled_dot_product_attention(q[1:2], k[1:2], v[1:2], attn_mask=mask[1:2], enable_gqa=True)
+        rows = layer(four.reshape(4, 576)[:, :576])
+        row = layer(four.reshape(4, 576)[1:2])
+    assert torch.equal(two, four[:2]) and torch.equal(one[0], four[1])
+    assert torch.equal(row[0], rows[1])
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(four, reference, atol=1e-5)  # the math kernel computes the same attention
+
+
+def test_the_option_is_a_bool_and_one_model_has_one_value():
+    with pytest.raises(InvalidOptionError, match="batch_invariant must be True or False"):
+        Engine(load_model(), batch_invariant=1)
+    loaded = load_model()
+    Engine(loaded, batch_invariant=True)
+    with pytest.raises(InvalidOptionError, match="batch_invariant=True"):
+        Engine(loaded)
