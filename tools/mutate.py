@@ -98,6 +98,9 @@ TARGETS = {
     "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),
                             ("tests/test_compiled_step.py", "-k",
                              "not one_graph and not another_bucket and not slot_buckets")),
+    # the batch-invariant CPU kernels: the GEMM height probe, the padding, the math attention's mask
+    "batch_invariant": Target("ctx_integrations/engine/core/batch_invariant.py", ("*",),
+                              ("tests/test_batch_invariant_kernels.py",)),
     # the scheduler's decisions (admission by bytes, the row table, retirement), driven by a fake runner
     "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
