@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -104,7 +105,82 @@ def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_o
     assert Engine(loaded, compile_mode=None).scheduler.runner.step is None
 
 
-@pytest.mark.parametrize(("rows", "slots"), [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24),
-                                             (64, 64), (65, 72)])
+@pytest.mark.parametrize(("rows", "slots"), [(-1, 0), (0, 0), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16),
+                                             (16, 16), (17, 24), (64, 64), (65, 72)])
 def test_slot_buckets(rows, slots):
     assert slot_bucket(rows) == slots
+
+
+@pytest.mark.parametrize("mode", compiled_step.COMPILE_MODES)
+def test_every_compile_mode_is_accepted_and_anything_else_refused_by_name(mode):
+    compiled_step.check_compile_mode(mode)
+    expected = "compile_mode must be one of None, 'auto', 'default', 'reduce-overhead', 'max-autotune', " \
+               "'max-autotune-no-cudagraphs', got "
+    for wrong in ("fast", "", "AUTO", 1, True):
+        with pytest.raises(InvalidOptionError) as refused:
+            compiled_step.check_compile_mode(wrong)
+        assert str(refused.value) == expected + repr(wrong)
+    with pytest.raises(InvalidOptionError, match="got 'fast'"):
+        compiled_step.resolve_compile_mode("fast", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("mode", "device", "resolved"),
+                         [("auto", "cpu", None), ("auto", "cuda", "reduce-overhead"),
+                          ("auto", "cuda:1", "reduce-overhead"), ("auto", "meta", None), (None, "cuda", None),
+                          ("default", "cpu", "default"),
+                          ("reduce-overhead", "cpu", "reduce-overhead"), ("max-autotune", "cuda", "max-autotune")])
+def test_auto_is_cuda_graphs_on_cuda_and_eager_elsewhere_and_other_modes_are_kept(mode, device, resolved):
+    assert compiled_step.resolve_compile_mode(mode, torch.device(device)) == resolved
+    assert compiled_step.resolve_compile_mode(mode, device) == resolved  # a device's name will do
+
+
+def test_the_decode_step_is_compiled_once_per_mode_and_backend_with_a_raised_recompile_limit(monkeypatch):
+    from ctx_integrations.engine.core.rows import decode_step
+
+    compiles = []
+
+    def compile_(function, **options):
+        compiles.append((function, options))
+        return lambda *args: (args, torch._dynamo.config.recompile_limit)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    compiled_step.compiled_decode_step.cache_clear()
+    try:
+        step = compiled_step.compiled_decode_step("reduce-overhead")
+        assert compiled_step.compiled_decode_step("reduce-overhead") is step
+        assert compiles == [(decode_step, {"dynamic": False, "backend": "inductor", "mode": "reduce-overhead"})]
+        default_limit = torch._dynamo.config.recompile_limit
+        assert step(1, 2) == ((1, 2), compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
+        assert torch._dynamo.config.recompile_limit == default_limit  # only while the step runs
+        compiled_step.compiled_decode_step("default", backend="eager")
+        assert compiles[1] == (decode_step, {"dynamic": False, "backend": "eager"})  # a mode is inductor's option
+    finally:
+        compiled_step.compiled_decode_step.cache_clear()
+
+
+def test_a_guarded_step_runs_the_compiled_step_until_it_fails_then_the_eager_one_for_good(monkeypatch):
+    from ctx_integrations.engine.core import rows
+
+    calls = []
+    monkeypatch.setattr(rows, "decode_step", lambda *args: calls.append(("eager", args)) or "eager")
+
+    def compiled(*args):
+        calls.append(("compiled", args))
+        if len(calls) > 1:
+            raise RuntimeError("NoValidChoicesError: " + "x" * 300)
+        return "compiled"
+
+    guarded = compiled_step.GuardedStep(compiled, "max-autotune")
+    assert (guarded.step, guarded.mode, guarded.failed) == (compiled, "max-autotune", False)
+    assert guarded(1, 2) == "compiled" and calls == [("compiled", (1, 2))]
+    with pytest.warns(RuntimeWarning) as warned:
+        assert guarded(3) == "eager"
+    assert calls[1:] == [("compiled", (3,)), ("eager", (3,))] and guarded.failed
+    assert [str(w.message) for w in warned] == [
+        "the compiled decode step (compile_mode='max-autotune') failed (RuntimeError: NoValidChoicesError: "
+        + "x" * (200 - len("NoValidChoicesError: ")) + "); decoding goes on with the eager step"]
+    assert warned[0].filename == __file__  # the warning points at the step's caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guarded(4) == "eager"  # no second warning, no second try
+    assert calls[3:] == [("eager", (4,))]

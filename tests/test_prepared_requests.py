@@ -208,3 +208,59 @@ def test_an_async_caller_never_tokenises_a_document_on_its_event_loop(engine, mo
     engine.texts.clear()
     engine.generate(QUESTION, DOCS[:1], max_new_tokens=2)
     assert threads == [threading.current_thread().name]
+
+
+class FakeLayout:
+    """A layout whose context tokens are one id per word (counted), for the memo's unit tests."""
+
+    def __init__(self):
+        self.computed: list[str] = []
+        self.during: dict[str, object] = {}  # text -> called while it is being tokenised (another thread's turn)
+
+    def context_ids(self, text: str) -> list[int]:
+        self.computed.append(text)
+        if text in self.during:
+            self.during.pop(text)()
+        return [len(word) for word in text.split()]
+
+
+class FakeStore:
+    def entry_key(self, layout, token_ids, kind: str = "doc") -> str:
+        return f"key of {list(token_ids)}"
+
+
+def test_the_memo_keeps_texts_up_to_its_token_bound_least_recently_used_first_out():
+    layout = FakeLayout()
+    memo = PreparedTexts(layout, FakeStore(), max_tokens=6)
+    a, b = memo.prepare("a b"), memo.prepare("c d e")  # 2 + 3 tokens
+    assert (a.ids, a.key, a.tokens) == ((1, 1), "key of [1, 1]", 2) and memo._tokens == 5
+    assert memo.prepare("a b") is a  # a is now the most recently used: b goes first
+    assert memo.prepare("f") and memo._tokens == 6  # exactly the bound: nothing dropped
+    g = memo.prepare("g h")
+    assert list(memo._memo) == ["a b", "f", "g h"] and memo._tokens == 5
+    assert layout.computed == ["a b", "c d e", "f", "g h"]
+    assert memo.prepare_all(["g h", "c d e"]) == [g, b]  # in order: g h remembered, c d e again (a b goes)
+    assert layout.computed[-1] == "c d e" and list(memo._memo) == ["f", "g h", "c d e"] and memo._tokens == 6
+    memo.clear()
+    assert (list(memo._memo), memo._tokens) == ([], 0)
+    memo.prepare("a b")
+    assert layout.computed[-1] == "a b" and memo._tokens == 2
+
+
+def test_a_text_over_the_whole_bound_is_prepared_but_not_remembered_and_a_fitting_one_is():
+    layout = FakeLayout()
+    memo = PreparedTexts(layout, FakeStore(), max_tokens=3)
+    memo.prepare("a")
+    assert memo.prepare("b c d e").tokens == 4 and list(memo._memo) == ["a"] and memo._tokens == 1
+    assert memo.prepare("f g h").tokens == 3 and list(memo._memo) == ["f g h"] and memo._tokens == 3
+    assert PreparedTexts(layout, FakeStore()).max_tokens == 1 << 19
+
+
+def test_a_text_prepared_twice_at_once_is_remembered_and_counted_once():
+    layout = FakeLayout()
+    memo = PreparedTexts(layout, FakeStore(), max_tokens=10)
+    inner = []
+    layout.during["a b c"] = lambda: inner.append(memo.prepare("a b c"))  # another caller finishes first
+    outer = memo.prepare("a b c")
+    assert outer == inner[0] and memo._tokens == 3 and list(memo._memo) == ["a b c"]
+    assert memo._memo["a b c"] is inner[0]

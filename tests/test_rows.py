@@ -466,3 +466,44 @@ def test_rows_leave_and_join_through_free_slots_without_copying_the_arena(model)
     assert (pool.slot_count, pool.slots) == (1, [0])
     runs = [[rows[4].run(tokens(130, 1, model))]]
     check(model, [rows[4]], pool.forward(model, runs, 0), runs)
+
+
+def test_the_decode_step_answers_and_writes_as_the_eager_forward_and_runs_only_for_one_token_per_row(model):
+    # rows.decode_step is what torch.compile captures (tests/test_compiled_step.py); here it runs as plain Python
+    # beside the eager forward over an arena with a free slot: the same logits bit for bit, the same keys and
+    # metadata written, and it runs only when every row takes at most one token and no row has its own rule.
+    from ctx_integrations.engine.core.rows import decode_step
+
+    rows = [Row(model, 81, 6), Row(model, 82, 11), Row(model, 83, 3)]
+    pools = [RowPool.build([r.pieces for r in rows], shape(model), torch.device("cpu"), torch.float32, slots=4)
+             for _ in range(2)]
+    for pool in pools:
+        pool.keep_rows([2, 0])  # slots 0 and 2 in use, 1 and 3 free
+    rows = [rows[2], rows[0]]
+    calls = []
+
+    def step(*args):
+        calls.append(args[1].shape)
+        return decode_step(*args)
+
+    for runs in ([[rows[0].run(tokens(84, 1, model))], [rows[1].run(tokens(85, 1, model))]],
+                 [[rows[0].run(tokens(86, 1, model))], []],  # a row that takes nothing: one token or none
+                 [[rows[0].run(tokens(87, 2, model))], [rows[1].run(tokens(88, 1, model))]]):
+        before = len(calls)
+        eager, stepped = pools[0].forward(model, runs, 0), pools[1].forward(model, runs, 0, step=step)
+        assert len(calls) - before == (1 if max(len(r[0].ids) if r else 0 for r in runs) == 1 else 0)
+        check(model, rows, stepped, runs)
+        for got, expected in zip(stepped, eager):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for name in ("positions", "contexts", "questions", "documents", "lengths", "next_positions", "fed"):
+            assert torch.equal(torch.as_tensor(getattr(pools[0], name)), torch.as_tensor(getattr(pools[1], name))), name
+        for (keys, values), (their_keys, their_values) in zip(pools[0].layers, pools[1].layers):
+            assert torch.equal(keys, their_keys) and torch.equal(values, their_values)
+    assert calls == [(4, 1)] * 2  # every slot of the arena takes a token (padding in the free ones)
+
+    def rule(query, key, value, visible, documents, scaling, last_query):
+        return torch.zeros(1, query.shape[2], query.shape[1], query.shape[3])
+
+    ruled = RowPool.build([[], []], shape(model), torch.device("cpu"), torch.float32, attention=[None, rule])
+    ruled.forward(model, [[Run((5,), 0)], [Run((6,), 0)]], 0, step=step)  # a row with its own rule: eager
+    assert len(calls) == 2 and ruled.forwards == 1

@@ -401,6 +401,23 @@ def test_the_row_table_maps_rows_to_requests():
     assert keep == [2, 4] and left == [(a, "a")] and table.entries == [(b, "b", 2)]
 
 
+def test_the_row_table_offsets_each_requests_rewinds_by_every_row_before_it_and_names_its_requests():
+    class Rewinding(FakeJob):
+        def __init__(self, label: int, rows: int, rewind: dict[int, int]):
+            super().__init__(label, rows=rows)
+            self.rewind = rewind
+
+        def rewinds(self) -> dict[int, int]:
+            return self.rewind
+
+    table = RowTable()
+    table.entries += [(Rewinding(1, 2, {}), "a", 2), (Rewinding(2, 1, {0: 5}), "b", 1),
+                      (Rewinding(3, 3, {2: 9}), "c", 3)]
+    assert table.rewinds() == {2: 5, 2 + 1 + 2: 9}  # offsets 0, 2 and 3
+    # a submission without a request id (a test's label) is named by itself
+    assert table.requests() == [("a", 2), ("b", 1), ("c", 3)]
+
+
 def test_a_follow_up_job_carries_the_request_on_in_new_rows(scheduler):
     runner = FakeRunner()
     sched = scheduler(runner, budget=100)

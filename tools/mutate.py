@@ -18,6 +18,7 @@ mutants are judged by a person and listed in docs/testing.md. Not part of ``make
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -64,8 +65,42 @@ TARGETS = {
     "ippd": Target("ctx_integrations/engine/modes/ippd.py", ("*",), ("tests/test_ippd.py", "-m", "not slow")),
     # FlexAttention traces the block mask's mask_mod with dynamo, which cannot trace mutmut's trampolines (a
     # ContextVar read): the flex kernel's tests are left out, and its parity with the rule is tested by make test.
-    "rows": Target("ctx_integrations/engine/core/rows.py", ("x_visible*", "x_visibility__*", "xǁRowPoolǁ*", "x__pad*"),
-                   ("tests/test_rows.py", "-k", "not flex")),
+    # The arena's bookkeeping (slots, merges, leaves, rewinds, copies) against tests without a model: each checks
+    # every column of every slot on hand-made tensors in milliseconds (~480 mutants, a run of about an hour)
+    "rows": Target("ctx_integrations/engine/core/rows.py",
+                   ("x_visible*", "x_visibility__*", "x__pad*", "x_slot_bucket*", "x__room*",
+                    *(f"xǁRowPoolǁ{name}*" for name in ("__post_init__", "rows", "slot_count", "capacity", "width",
+                                                         "build", "merge", "keep_rows", "_free_slots", "resize_slots",
+                                                         "_compact", "rewind", "select", "take_columns", "_reserve",
+                                                         "_padded", "_trimmed", "slot_lengths"))),
+                   ("tests/test_row_arena.py", "tests/test_rows.py", "tests/test_compiled_step.py", "-k",
+                    "test_row_arena or build_places or lengths_are_counted or visibility_and or dropping_every "
+                    "or document_marks or slot_buckets")),
+    # The pool's forward (the eager one and the decode step's pure function) and its cache layer, against the tiny
+    # model's rows answering as if alone (the eager kernel's tests)
+    "rows_forward": Target("ctx_integrations/engine/core/rows.py",
+                           ("xǁRowPoolǁforward*", "xǁRowPoolǁ_eager_forward*", "x_decode_step*", "xǁPoolLayerǁ*"),
+                           ("tests/test_rows.py", "tests/test_row_arena.py", "-k", "not flex")),
+    # one forward per token count (in place, apart), joining rows made the pool or merged in, errors reported
+    "runner": Target("ctx_integrations/engine/core/runner.py", ("xǁModelRunnerǁ*",),
+                     ("tests/test_model_runner.py", "tests/test_rows.py", "-k", "test_model_runner or run_apart")),
+    # documents prepared once: the memo of their tokens and keys, an LRU bounded by tokens
+    "prepared": Target("ctx_integrations/engine/core/prepared.py", ("*",),
+                       ("tests/test_prepared_requests.py", "-k",
+                        "memo or prepared_twice or over_the_whole or cold_request")),
+    # one answer as it is decoded: offset-based incremental text, stop strings searched in the new text, the emitter
+    "decoding": Target("ctx_integrations/engine/core/decoding.py",
+                       ("xǁIncrementalTextǁ*", "xǁStopCriteriaǁfirst_stop*", "xǁStopCriteriaǁcut*", "xǁEmitterǁ*"),
+                       ("tests/test_emitter.py", "tests/test_prepared_requests.py", "tests/test_token_stream.py",
+                        "-k", "test_emitter or incremental or stop_string or streams_exactly or test_token_stream")),
+    # the compile mode's checks and resolution, the compiled step's options and its fallback (Dynamo's own tests, a
+    # minute each, are left out: mutmut's trampolines are not traceable anyway)
+    "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),
+                            ("tests/test_compiled_step.py", "-k",
+                             "not one_graph and not another_bucket and not slot_buckets")),
+    # the batch-invariant CPU kernels: the GEMM height probe, the padding, the math attention's mask
+    "batch_invariant": Target("ctx_integrations/engine/core/batch_invariant.py", ("*",),
+                              ("tests/test_batch_invariant_kernels.py",)),
     # the scheduler's decisions (admission by bytes, the row table, retirement), driven by a fake runner
     "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
@@ -138,7 +173,46 @@ def prepare(name: str, target: Target) -> Path:
              "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"]}
     lines = ["", "[tool.mutmut]"] + [f"{key} = {json.dumps(value)}" for key, value in table.items()]
     (folder / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + "\n".join(lines) + "\n")
+    (folder / target.path).write_text(undecorated((ROOT / target.path).read_text()))
     return folder
+
+
+# Lone decorators mutmut would make it skip a function, re-applied by assignment after the definitions instead
+REAPPLIED = ("torch.inference_mode()", "property", "functools.cache")
+
+
+def undecorated(source: str) -> str:
+    """The module with each function's or method's lone decorator of :data:`REAPPLIED` applied after the definitions.
+
+    mutmut leaves every decorated function alone (it cannot know what a decorator does with the copies it
+    makes), so the row pool's ``merge``, ``keep_rows``, ``rewind``, ``forward`` and every property had no
+    mutant. The same decorator applied by assignment at the end of the module
+    (``RowPool.merge = torch.inference_mode()(RowPool.merge)``) wraps mutmut's trampoline instead: the code
+    under test behaves as before. A property with a setter keeps its decorators (the setter needs the property).
+    """
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    dropped, wrapped = set(), []
+    scopes = [(node, f"{node.name}.") for node in tree.body if isinstance(node, ast.ClassDef)]
+    for scope, prefix in [(tree, ""), *scopes]:
+        decorators = [ast.unparse(d) for node in scope.body if isinstance(node, ast.FunctionDef)
+                      for d in node.decorator_list]
+        for node in scope.body:
+            if not isinstance(node, ast.FunctionDef) or len(node.decorator_list) != 1:
+                continue
+            decorator = node.decorator_list[0]
+            name = ast.unparse(decorator)
+            if name not in REAPPLIED or any(d.startswith(f"{node.name}.") for d in decorators):
+                continue
+            if decorator.lineno != decorator.end_lineno:
+                raise SystemExit(f"a decorator over several lines above {node.name}: move it by hand")
+            dropped.add(decorator.lineno - 1)
+            wrapped.append(f"{prefix}{node.name} = {name}({prefix}{node.name})\n")
+    if not wrapped:
+        return source
+    kept = [line for number, line in enumerate(lines) if number not in dropped]
+    note = "\n\n# tools/mutate.py: decorators re-applied here, so that mutmut mutates what they decorate\n"
+    return "".join(kept) + note + "".join(wrapped)
 
 
 def previous_results(name: str, target: Target, earlier: Path) -> dict[str, int]:
@@ -148,7 +222,7 @@ def previous_results(name: str, target: Target, earlier: Path) -> dict[str, int]
     byte-identical; only its survivors need running again.
     """
     old = earlier / name
-    if (old / target.path).read_bytes() != (ROOT / target.path).read_bytes():
+    if (old / target.path).read_text() != undecorated((ROOT / target.path).read_text()):
         raise SystemExit(f"{target.path} changed since the run in {old}: run every mutant again")
     return json.loads((old / "mutants" / (target.path + ".meta")).read_text())["exit_code_by_key"]
 

@@ -406,6 +406,9 @@ class Emitter:
         self.pieces, self.trace = IncrementalText(tokenizer), []
         self.ttft: float | None = None
         self.reason, self.done, self._emitted = "length", False, 0
+        # the characters a stop string may have begun in without being whole yet: held back from the stream until the
+        # next token or the end (as OpenAI's API and vLLM do), so no piece streamed is ever cut from the answer after
+        self._held = max((len(s) - 1 for s in stop.stop_strings if s), default=0)
 
     def push(self, step: TraceStep) -> bool:
         """Record the chosen token (an EOS ends the answer and is not kept); return whether the answer is done."""
@@ -422,7 +425,7 @@ class Emitter:
         checked = len(self.pieces.safe_text)
         text = self.pieces.push(step.token_id)
         hit = self.stop.first_stop(text, checked)
-        self._send_text(text if hit is None else text[:hit])
+        self._send_text(text[:len(text) - self._held] if hit is None else text[:hit])
         if hit is not None:
             self.reason, self.done = "stop", True
         elif len(self.trace) >= self.stop.max_new_tokens:
