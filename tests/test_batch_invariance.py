@@ -73,7 +73,7 @@ def _runner_logits(engine: Engine, rows: list[tuple[int, int]], steps: list[list
 
 
 def _default_kernels_promise_it() -> bool:
-    """Without ``batch_invariant``, invariance is promised (README) in bf16 on a CPU with native bf16 only."""
+    """Without ``batch_invariant``, invariance is promised (docs/python.md) in bf16 on a CPU with native bf16 only."""
     return default_dtype(torch.device("cpu")) == torch.bfloat16 and native_bf16()
 
 

