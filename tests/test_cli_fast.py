@@ -101,7 +101,9 @@ HEAVY = ("torch", "transformers", "chromadb")
     (("ask", "q?", "--store", "{tmp}", "--model", "{tmp}/no-model"), "--model {tmp}/no-model: no such file or folder"),
     (("ingest", "README.md", "--store", "{tmp}/s", "--model", "./no-model.gguf"), "no such file or folder"),
     (("eval", "--set", "musique", "--data", "{tmp}/no.jsonl"), "MuSiQue file {tmp}/no.jsonl not found"),
-    (("eval", "--data", "{tmp}/no.jsonl"), "--data is the MuSiQue file, which --set world does not read"),
+    (("eval", "--data", "{tmp}/no.jsonl"), "--data is the MuSiQue file (--set musique) or the passages and questions "
+                                           "files (--set nq), which --set world does not read"),
+    (("eval", "--top-k", "4"), "--top-k, --store and --gold-retrieved-only are options of --set nq"),
     (("eval", "--modes", "pced,nope"), "unknown mode 'nope': choose one of pced"),
     (("ask", "q?", "--store", "{tmp}", "--rerank-top-n", "8"), "--rerank-top-n sets how many candidates"),
     (("ask", "q?", "--store", "{tmp}", "--top-k", "0"), "--top-k must be >= 1"),
