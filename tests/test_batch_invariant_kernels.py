@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core import batch_invariant
 from ctx_integrations.engine.core.batch_invariant import (
     PROBED_ROWS,
     batch_invariant_kernels,
@@ -22,6 +24,12 @@ from ctx_integrations.engine.core.batch_invariant import (
 )
 from ctx_integrations.engine.core.model import load_model
 from ctx_integrations.errors import InvalidOptionError
+
+
+@pytest.fixture(autouse=True)
+def fresh_probe(monkeypatch):
+    """Each test measures the heights itself (a probe cached by an earlier test would hide a broken probe)."""
+    monkeypatch.setattr(batch_invariant, "_heights", {})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,23 +59,75 @@ def test_heights_are_padded_up_never_down_and_the_shape_comes_back():
     assert torch.equal(out[0], F.linear(torch.cat([x[0], torch.randn(15, 576)]), weight)[:1])
 
 
-def test_under_the_mode_linear_layers_and_attention_round_a_row_alike_in_any_batch():
+class LinearHeights(TorchFunctionMode):
+    """Records the height of every ``F.linear`` called while active (the probe's own calls are not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heights: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.heights.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_short_matrix_is_padded_to_exactly_the_measured_height_and_others_not_at_all():
+    weight = torch.randn(1536, 576)
+    heights = padded_heights(weight)
+    for rows in (1, 2, 3, PROBED_ROWS, PROBED_ROWS + 1, 40):
+        with LinearHeights() as seen:
+            linear_rows_invariant(torch.randn(rows, 576), weight)
+        assert seen.heights == [heights[rows] if rows <= PROBED_ROWS else rows], rows
+
+
+def test_off_the_cpu_and_for_empty_inputs_it_is_plain_linear():
+    weight, bias = torch.randn(8, 4, device="meta"), torch.randn(8, device="meta")
+    out = linear_rows_invariant(torch.randn(1, 4, device="meta"), weight, bias)  # no probe: it would fail on meta
+    assert out.shape == (1, 8) and out.device.type == "meta" and batch_invariant._heights == {}
+    empty = torch.zeros(3, 0)
+    out = linear_rows_invariant(empty, torch.zeros(5, 0), torch.ones(5))  # zero-width rows: the bias alone
+    assert torch.equal(out, torch.ones(3, 5))
+    assert linear_rows_invariant(torch.zeros(0, 4), torch.randn(5, 4)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("kv_heads", [9, 3])  # 9: the flash kernel's case (seen to vary); 3: GQA
+def test_under_the_mode_linear_layers_and_attention_round_a_row_alike_in_any_batch(kv_heads):
     torch.manual_seed(0)
     layer = torch.nn.Linear(576, 1536)
-    q, k, v = torch.randn(4, 9, 1, 64), torch.randn(4, 3, 512, 64), torch.randn(4, 3, 512, 64)
+    q, k, v = torch.randn(4, 9, 1, 64), torch.randn(4, kv_heads, 512, 64), torch.randn(4, kv_heads, 512, 64)
     mask = torch.zeros(4, 1, 1, 512, dtype=torch.bool)
     for b, keys in enumerate((60, 300, 228, 120)):
         mask[b, ..., :keys] = True
+    gqa = kv_heads != 9
     with torch.no_grad(), batch_invariant_kernels():
-        four = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        two = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=mask[:2], enable_gqa=True)
-        one = F.scaled_dot_product_attention(q[1:2], k[1:2], v[1:2], attn_mask=mask[1:2], enable_gqa=True)
+        four = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        two = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=mask[:2], enable_gqa=gqa)
+        one = F.scaled_dot_product_attention(q[1:2], k[1:2], v[1:2], attn_mask=mask[1:2], enable_gqa=gqa)
         rows = layer(four.reshape(4, 576)[:, :576])
         row = layer(four.reshape(4, 576)[1:2])
+        with_bias = F.linear(four.reshape(4, 576)[:1], layer.weight, bias=layer.bias)  # keywords pass through
+        summed = torch.sum(four, dim=0)
     assert torch.equal(two, four[:2]) and torch.equal(one[0], four[1])
-    assert torch.equal(row[0], rows[1])
-    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert torch.allclose(four, reference, atol=1e-5)  # the math kernel computes the same attention
+    assert torch.equal(row[0], rows[1]) and torch.equal(with_bias, rows[:1]) and summed.shape == four.shape[1:]
+    # the math kernel, bit for bit (what makes it invariant: one matmul per batch entry), under the same mask
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    math = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, additive, enable_gqa=gqa)[0]
+    assert torch.equal(four, math)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert torch.allclose(four, reference, atol=1e-5)  # the same attention as the default kernel computes
+
+
+def test_the_math_kernel_takes_a_bf16_query_with_a_boolean_mask():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 3, 32).to(torch.bfloat16) for _ in range(3))
+    mask = torch.rand(2, 1, 3, 3) > 0.4
+    mask[..., 0] = True
+    with torch.no_grad(), batch_invariant_kernels():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float(),
+                               atol=2e-2, rtol=2e-2)
 
 
 def test_the_option_is_a_bool_and_one_model_has_one_value():

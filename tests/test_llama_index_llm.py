@@ -17,6 +17,7 @@ from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugH
 from llama_index.core.callbacks.schema import EventPayload
 
 from ctx_integrations import Engine
+from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index import (
     EmbedderEmbedding,
@@ -99,6 +100,24 @@ def test_system_prompt_and_per_call_options(engine):
         llm.complete(PROMPT, tools=[])
     with pytest.raises(InvalidOptionError, match="engine must be"):
         ExpertDecoderLLM(engine="SmolLM2")
+
+
+def test_filters_and_penalties_reach_the_engine_as_fields_and_per_call(engine):
+    # the 135M model loops without penalties: ExpertDecoderLLM must pass them (and top_k / min_p) to the engine
+    knobs = dict(repetition_penalty=1.8, frequency_penalty=1.5, presence_penalty=1.0, top_k=3, min_p=0.2)
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = engine.chat(messages, sampling=SamplingParams(max_tokens=24, temperature=0.9, seed=7, **knobs)).text
+    plain = engine.chat(messages, sampling=SamplingParams(max_tokens=24, temperature=0.9, seed=7)).text
+    assert expected != plain  # the knobs change this answer, so passing them is observable
+    assert ExpertDecoderLLM(engine=engine, max_new_tokens=24, temperature=0.9, seed=7, **knobs).complete(
+        PROMPT).text == expected
+    llm = ExpertDecoderLLM(engine=engine, max_new_tokens=24, temperature=0.9, seed=7)
+    assert llm.complete(PROMPT, **knobs).text == expected and llm.complete(PROMPT).text == plain
+    assert llm.sampling_params({"top_k": 3}).top_k == 3  # what the synthesizer and query engine decode with
+    with pytest.raises(InvalidOptionError, match="min_p"):
+        ExpertDecoderLLM(engine=engine, min_p=1.5)
+    with pytest.raises(InvalidOptionError, match="presence_penalty"):
+        llm.complete(PROMPT, presence_penalty=3.0)
 
 
 def test_settings_llm_serves_a_stock_query_engine(llm):

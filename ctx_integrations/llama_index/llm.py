@@ -75,7 +75,9 @@ if TYPE_CHECKING:
 
 dispatcher = instrument.get_dispatcher(__name__)
 
-_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "response_format")
+# SamplingParams' filters and penalties, as fields and per call (their checks are SamplingParams')
+_KNOBS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "response_format", *_KNOBS)
 _TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only: a completion has nowhere to put calls
 # the pydantic program modes whose programs this LLM holds to the schema (the others are other LLMs' programs)
 _PROGRAM_MODES = (PydanticProgramMode.DEFAULT, PydanticProgramMode.FUNCTION, PydanticProgramMode.LLM)
@@ -148,8 +150,10 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
     / ``astream_chat``: the event loop keeps running; closing an async stream early cancels the request).
     Streaming yields one response per decoded piece of text (``delta``), then an empty-delta response whose
     ``raw`` holds token usage and timings. Per-call options: ``max_new_tokens`` (alias ``max_tokens``),
-    ``temperature``, ``top_p``, ``seed``, ``stop``, ``response_format`` (OpenAI's, or a pydantic class: the answer
-    is held to it); ``chat`` also ``tools`` (OpenAI's tool dicts), ``tool_choice``, ``parallel_tool_calls``.
+    ``temperature``, ``top_p``, ``seed``, ``stop``, ``top_k``, ``min_p``, ``repetition_penalty``,
+    ``frequency_penalty``, ``presence_penalty`` (as :class:`~ctx_integrations.SamplingParams` reads them; also
+    fields, the LLM's defaults), ``response_format`` (OpenAI's, or a pydantic class: the answer is held to it);
+    ``chat`` also ``tools`` (OpenAI's tool dicts), ``tool_choice``, ``parallel_tool_calls``.
 
     A function-calling LLM (``metadata.is_function_calling_model``, LlamaIndex's ``FunctionCallingLLM``):
     ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` get their calls as ``ToolCallBlock``s, each
@@ -189,6 +193,11 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")
+    top_k: int = Field(default=0, description="keep the k most likely tokens (0 or -1: all)")
+    min_p: float = Field(default=0.0, description="drop tokens below min_p x the top token's probability")
+    repetition_penalty: float = Field(default=1.0, description="transformers' repetition penalty (1: off)")
+    frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, -2..2 (0: off)")
+    presence_penalty: float = Field(default=0.0, description="OpenAI's presence penalty, -2..2 (0: off)")
     stop: list[str] = Field(default_factory=list, description="stop sequences")
     _warned_undecoded: bool = PrivateAttr(default=False)
     _load_name: str | None = PrivateAttr(default=None)
@@ -204,6 +213,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
             raise InvalidOptionError(f"pydantic_program_mode {self.pydantic_program_mode.value!r} is another LLM's "
                                      "program: use PydanticProgramMode.DEFAULT (structured output held to the schema "
                                      "by constrained tool calls) or LLM (text, then parsed)")
+        self.sampling_params()  # the decoding settings' typed errors now, not at the first call
         check_engine(self.engine, self.cache_dir)
         self._load_name = check_model(self.model_name, self.engine)
 
@@ -243,12 +253,14 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
 
     def sampling_params(self, overrides: Mapping[str, Any] | None = None) -> SamplingParams:
         """This LLM's decoding settings as one :class:`~ctx_integrations.SamplingParams`, with ``overrides``
-        (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``; ``None`` keeps the LLM's value)."""
+        (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` and the filters and penalties;
+        ``None`` keeps the LLM's value)."""
         given = {name: value for name, value in (overrides or {}).items() if value is not None}
         return SamplingParams(max_tokens=given.get("max_new_tokens", self.max_new_tokens),
                               temperature=given.get("temperature", self.temperature),
                               top_p=given.get("top_p", self.top_p), seed=given.get("seed", self.seed),
-                              stop=given.get("stop", self.stop))
+                              stop=given.get("stop", self.stop),
+                              **{knob: given.get(knob, getattr(self, knob)) for knob in _KNOBS})
 
     def _prompt_messages(self, prompt: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
