@@ -9,7 +9,7 @@ model's few small layers did not show it (its concurrent bf16 answers equalled i
 
 The engine runs with ``batch_invariant=True`` (:mod:`~ctx_integrations.engine.core.batch_invariant`), which
 fp32 needs: MKL's short GEMMs and torch's flash attention round a row by the batch's size in fp32 (measured
-3.8e-5 on a logit); bf16 on a native-bf16 CPU is invariant with the default kernels too (tested when so).
+3.8e-5 on a logit); bf16 on a native-bf16 CPU was seen invariant with the default kernels too (checked when so).
 
 Bugs caught (each seen: 0.25 of 32.5 on a first-step logit in bf16, a concat answer changed from its first token,
 a Soft-NBCE answer from its 18th): a row's new tokens written at a column shared with longer rows (the attention
@@ -72,13 +72,13 @@ def _runner_logits(engine: Engine, rows: list[tuple[int, int]], steps: list[list
     return out
 
 
-def _default_kernels_promise_it() -> bool:
+def _default_kernels_seen_invariant() -> bool:
     """Without ``batch_invariant``, invariance is promised (docs/python.md) in bf16 on a CPU with native bf16 only."""
     return default_dtype(torch.device("cpu")) == torch.bfloat16 and native_bf16()
 
 
 @pytest.mark.parametrize("batch_invariant", [True, pytest.param(False, marks=pytest.mark.skipif(
-    not _default_kernels_promise_it(), reason="default kernels: invariance promised in bf16 on a native-bf16 CPU"))])
+    not _default_kernels_seen_invariant(), reason="bf16 on a native-bf16 CPU only"))])
 def test_a_rows_logits_are_bit_for_bit_its_own_beside_longer_and_longer_running_rows(engine, batch_invariant):
     # Two rows with 52 and 69 cached keys take a 34-token prompt, then 1 token per step. Beside them: a row with 187
     # keys and a 40-token prompt, a row with no cache and a 120-token prompt, and on the third step a 5-token run

@@ -101,6 +101,29 @@ def test_the_group_with_most_rows_runs_in_place_with_the_step_and_the_others_apa
     check(model, rows, out.decoded, runs)
 
 
+@pytest.mark.parametrize(("compiled", "batch_invariant", "padded", "grow"),
+                         [(False, False, False, rows_module.TIGHT_COLUMNS),
+                          (False, True, False, rows_module.GROW_COLUMNS),
+                          (True, False, True, rows_module.GROW_COLUMNS)])
+def test_the_eager_step_holds_exactly_its_rows_in_tight_columns(loaded, compiled, batch_invariant, padded, grow):
+    # the eager step (the CPU's default) computes every slot and every column of capacity: PCED's 9 rows in 16
+    # slots and 512 columns made a demo answer 1.4-1.7x slower; buckets and 512-column blocks only where a compiled
+    # step wants few shapes or batch invariance wants whole key blocks
+    model = loaded.model
+    runner = ModelRunner(loaded, "eager", batch_invariant=batch_invariant)
+    runner.step = rows_module.decode_step if compiled else None
+    rows = [Row(model, 90 + b, 20 + b) for b in range(9)]
+    joined(runner, model, rows, 100)
+    pool = runner.pool
+    assert (pool.rows, pool.slot_count) == (9, 16 if padded else 9) and pool.padded_slots == padded
+    assert pool.grow_columns == grow and pool.capacity == grow  # 30 columns at most: one step of growth
+    runner.keep_rows([0, 2, 4, 6, 8, 1, 3, 5])  # one row leaves
+    assert runner.pool.slot_count == (16 if padded else 8)  # exact: compacted away at once
+    rows = [rows[b] for b in (0, 2, 4, 6, 8, 1, 3, 5)]
+    runs = [[row.run(tokens(110 + b, 1, model))] for b, row in enumerate(rows)]
+    check(model, rows, runner.execute(ScheduledStep(decode=runs)).decoded, runs)
+
+
 def test_joining_rows_become_the_pool_in_a_whole_bucket_of_slots_then_merge_into_it(loaded, monkeypatch):
     model = loaded.model
     runner = ModelRunner(loaded, "eager")

@@ -126,9 +126,9 @@ class Engine:
     ``None`` (the eager step, the reference) or a ``torch.compile`` mode. ``batch_invariant``: on the CPU, run
     the pool's forwards with kernels whose rows round the same whatever the batch
     (:mod:`~ctx_integrations.engine.core.batch_invariant`: short GEMMs padded to a measured height, the math
-    attention kernel), so a request's logits are bit for bit those it gets alone in fp32 as in bf16, at a
-    measured cost (docs/scheduler.md#batch-invariance); ``False`` (default): bf16 rows are invariant on an
-    AVX512-BF16 CPU, fp32 rows may move by ~3e-5 with the batch's size. Every answer's
+    attention kernel, capacity in whole 512-column key blocks), so a request's logits are bit for bit those it
+    gets alone in fp32 as in bf16, at 1.3-1.8x the time per token (docs/scheduler.md#batch-invariance);
+    ``False`` (default): a row's logits may move with its neighbours (fp32: ~4e-5). Every answer's
     ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and

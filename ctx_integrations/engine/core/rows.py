@@ -137,6 +137,16 @@ class PoolLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
+# The pool's capacity grows (and is trimmed) in steps of this many columns when rows must round alike in any
+# batch (``Engine(batch_invariant=True)``) or a compiled step wants few shapes: the key block of torch's CPU flash
+# attention (its kv split is 512 columns from 512 keys on, the key count below that), so a row's keys fall
+# into the same blocks at every capacity and trailing padding only adds fully hidden blocks.
+GROW_COLUMNS = 512
+# ... and otherwise (the eager step, the default on the CPU): attention costs per column of capacity, and 512
+# made a PCED answer over 8 short demo passages 1.4x slower than 64 (benchmarks/serving.py, docs/scheduler.md).
+TIGHT_COLUMNS = 64
+
+
 @dataclass
 class RowPool:
     """Rows in an arena of slots: one batched cache, with each key column's virtual position and ids.
@@ -144,22 +154,26 @@ class RowPool:
     ``layers`` holds per layer a ``(keys, values)`` pair ``[slots, kv_heads, capacity, head_dim]``;
     ``positions`` / ``contexts`` / ``questions`` / ``documents`` are ``[slots, capacity]``. The pool's rows
     (what the scheduler knows, in its order) sit in slots (``slots[row]``); the other slots are free, all
-    padding, and take padding tokens in a forward. The slot count is a bucket (:func:`slot_bucket`: 1, 2,
-    4, 8, then multiples of 8), so a forward's shapes stay fixed while requests come and go within it (what
-    a compiled or CUDA-graph step needs): a joining row takes a free slot (only its own columns are
-    copied), a leaving row frees its slot (metadata only), and the arena is copied only when it grows to
-    the next bucket or shrinks below half of it.
+    padding, and take padding tokens in a forward. With ``padded_slots`` (the runner's choice when its decode
+    step is compiled) the slot count is a bucket (:func:`slot_bucket`: 1, 2, 4, 8, then multiples of 8), so a
+    forward's shapes stay fixed while requests come and go within it (what a compiled or CUDA-graph step
+    needs): a joining row takes a free slot (only its own columns are copied), a leaving row frees its slot
+    (metadata only), and the arena is copied only when it grows to the next bucket or shrinks below half of
+    it. Without (the eager step), the arena holds exactly its rows: a free slot would be computed at every step
+    (PCED's 9 rows in 16 slots made a CPU step 1.7x slower), so a leaving row's slot is compacted away at once
+    (one copy of the rows that stay) and a joining row grows the arena by its own rows.
 
     Row ``b`` holds its columns contiguously from column 0: ``lengths[b]`` of them (cached pieces, then every
     token it was fed, in order); every column from there on is padding. Each row writes its next tokens
     at its own next column, never at a column shared with longer rows, so a row's keys sit at the same
     columns and its attention reduces over the same blocks whether it runs alone or batched: with
-    capacities in whole :data:`GROW_COLUMNS` (the CPU attention kernel's key block), its logits are
-    bit for bit the same beside any neighbours, in bf16 as in fp32 (``tests/test_rows.py``). The
-    capacity grows by :data:`GROW_COLUMNS` at a time, so most steps write in place and keep every
-    tensor's shape. Per row: ``attention``, its own attention rule (``row_attention.py``; APE's merge) or
-    ``None``; ``next_positions``, the virtual position after its last fed token; ``fed``, how many of its
-    columns were fed as tokens (after its pieces): what :meth:`rewind` may drop.
+    capacities in whole :data:`GROW_COLUMNS` (the CPU attention kernel's key block; ``grow_columns``) and the
+    batch-invariant kernels (:mod:`~ctx_integrations.engine.core.batch_invariant`), its logits are bit for bit
+    the same beside any neighbours, in bf16 as in fp32 (``tests/test_batch_invariance.py``). The capacity
+    grows by ``grow_columns`` at a time (:data:`TIGHT_COLUMNS` when invariance is not asked for), so most
+    steps write in place and keep every tensor's shape. Per row: ``attention``, its own attention rule
+    (``row_attention.py``; APE's merge) or ``None``; ``next_positions``, the virtual position after its last fed
+    token; ``fed``, how many of its columns were fed as tokens (after its pieces): what :meth:`rewind` may drop.
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -173,6 +187,12 @@ class RowPool:
     next_positions: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # the slot of each row (default: row b in slot b)
+    padded_slots: bool = True  # slots in buckets (a compiled step's fixed shapes) or exactly the rows
+    grow_columns: int = GROW_COLUMNS  # the capacity's step (GROW_COLUMNS, or TIGHT_COLUMNS: see there)
+
+    def bucket(self, rows: int) -> int:
+        """The slot count for ``rows`` rows: :func:`slot_bucket`'s, or exactly ``rows`` without padded slots."""
+        return slot_bucket(rows) if self.padded_slots else rows
 
     def __post_init__(self) -> None:
         if not self.slots:
@@ -209,9 +229,10 @@ class RowPool:
     @classmethod
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
               dtype: torch.dtype, attention: list[RowRule | None] | None = None,
-              slots: int | None = None) -> RowPool:
+              slots: int | None = None, grow_columns: int | None = None) -> RowPool:
         """Lay out ``rows`` (each a list of pieces) from column 0 of slots ``0 ..``, right-padded to whole
-        :data:`GROW_COLUMNS`: one copy per piece. ``slots``: how many slots (default: exactly the rows).
+        ``grow_columns`` (default :data:`GROW_COLUMNS`): one copy per piece. ``slots``: how many slots (default:
+        exactly the rows).
 
         ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
         ``attention``: per row, its own attention rule or ``None``.
@@ -219,7 +240,8 @@ class RowPool:
         layers, heads, dim = shape
         count = len(rows) if slots is None else slots
         widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
-        capacity = _room(max(widths, default=0))
+        grow = GROW_COLUMNS if grow_columns is None else grow_columns
+        capacity = _room(max(widths, default=0), grow)
         buffer = torch.zeros(layers, 2, count, heads, capacity, dim, device=device, dtype=dtype)
         positions = torch.full((count, capacity), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
@@ -238,7 +260,8 @@ class RowPool:
                 column += length
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
                    questions.to(device), lengths=widths, documents=documents.to(device),
-                   attention=list(attention) if attention is not None else None, slots=list(range(len(rows))))
+                   attention=list(attention) if attention is not None else None, slots=list(range(len(rows))),
+                   grow_columns=grow)
 
     @torch.inference_mode()
     def merge(self, other: RowPool) -> None:
@@ -246,7 +269,7 @@ class RowPool:
         it has too few; the side with fewer columns is padded on the right). Only ``other``'s rows are copied."""
         free = self._free_slots()
         if len(free) < other.rows:
-            self.resize_slots(slot_bucket(self.rows + other.rows))
+            self.resize_slots(self.bucket(self.rows + other.rows))
             free = self._free_slots()
         capacity = max(self.capacity, other.capacity)
         if capacity > self.capacity:
@@ -284,11 +307,12 @@ class RowPool:
             self.contexts.index_fill_(0, index, PAD_ID)
             self.questions.index_fill_(0, index, PAD_ID)
             self.documents.index_fill_(0, index, 0)
-        if slot_bucket(self.rows) < self.slot_count // 2:  # under a quarter full: worth one copy of what remains
-            self._compact(slot_bucket(self.rows))
-        if self.capacity >= _room(self.width) + GROW_COLUMNS:  # a long row left: trim the room nobody needs
+        # padded: under a quarter full is worth one copy of what remains; exact: any free slot is
+        if self.bucket(self.rows) < (self.slot_count // 2 if self.padded_slots else self.slot_count):
+            self._compact(self.bucket(self.rows))
+        if self.capacity >= _room(self.width, self.grow_columns) + self.grow_columns:  # a long row left: trim
             self.layers, self.positions, self.contexts, self.questions, self.documents = self._trimmed(
-                _room(self.width))
+                _room(self.width, self.grow_columns))
 
     def _free_slots(self) -> list[int]:
         used = set(self.slots)
@@ -351,7 +375,8 @@ class RowPool:
                        self.positions.index_select(0, index), self.contexts.index_select(0, index),
                        self.questions.index_select(0, index), lengths=[self.lengths[r] for r in rows],
                        documents=self.documents.index_select(0, index), attention=[self.attention[r] for r in rows],
-                       next_positions=[self.next_positions[r] for r in rows], fed=[self.fed[r] for r in rows])
+                       next_positions=[self.next_positions[r] for r in rows], fed=[self.fed[r] for r in rows],
+                       padded_slots=self.padded_slots, grow_columns=self.grow_columns)
 
     @torch.inference_mode()
     def take_columns(self, rows: list[int], selected: RowPool) -> None:
@@ -373,10 +398,11 @@ class RowPool:
                 selected.lengths[i], selected.next_positions[i], selected.fed[i])
 
     def _reserve(self, columns: int) -> None:
-        """Make room for ``columns`` columns in every row (the capacity grows to a multiple of :data:`GROW_COLUMNS`)."""
+        """Make room for ``columns`` columns in every row (the capacity grows to a multiple of ``grow_columns``)."""
         if columns <= self.capacity:
             return
-        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(_room(columns))
+        self.layers, self.positions, self.contexts, self.questions, self.documents = self._padded(
+            _room(columns, self.grow_columns))
 
     def _padded(self, capacity: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor]:
@@ -522,15 +548,10 @@ def slot_bucket(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
-# The pool's capacity grows (and is trimmed) in steps of this many columns: the key block of torch's CPU flash
-# attention (its kv split is 512 columns from 512 keys on, the key count below that), so a row's keys fall
-# into the same blocks at every capacity and trailing padding only adds fully hidden blocks.
-GROW_COLUMNS = 512
 
-
-def _room(width: int) -> int:
-    """The capacity for ``width`` columns in use: the next multiple of :data:`GROW_COLUMNS` (0 for 0)."""
-    return -(-width // GROW_COLUMNS) * GROW_COLUMNS
+def _room(width: int, grow: int = GROW_COLUMNS) -> int:
+    """The capacity for ``width`` columns in use: the next multiple of ``grow`` (0 for 0)."""
+    return -(-width // grow) * grow
 
 
 def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:

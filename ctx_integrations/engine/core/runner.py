@@ -20,7 +20,7 @@ from ctx_integrations.engine.core.batch_invariant import batch_invariant_kernels
 from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
-from ctx_integrations.engine.core.rows import RowPool, Run, slot_bucket
+from ctx_integrations.engine.core.rows import GROW_COLUMNS, TIGHT_COLUMNS, RowPool, Run
 from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
 
 
@@ -61,15 +61,19 @@ class ModelRunner:
             loaded = self.loaded
             shape = kv_shape(loaded.model.config)
             try:
+                # whole flash key blocks where rows must round alike or a compiled step wants few shapes; tight
+                # otherwise (attention costs per column of capacity)
+                grow = GROW_COLUMNS if self.batch_invariant or self.step is not None else TIGHT_COLUMNS
                 joining = RowPool.build([list(pieces) for pieces in step.joining],
                                         (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
-                                        attention=list(step.joining_attention) or None)
+                                        attention=list(step.joining_attention) or None, grow_columns=grow)
                 out.joined = self._run(joining, step.joining_runs, out)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 out.join_error = error
             else:
                 if self.pool is None:
-                    joining.resize_slots(slot_bucket(joining.rows))
+                    joining.padded_slots = self.step is not None  # buckets only for the compiled step's shapes
+                    joining.resize_slots(joining.bucket(joining.rows))
                     self.pool = joining
                 else:
                     self.pool.merge(joining)
