@@ -118,6 +118,15 @@ def test_under_the_mode_linear_layers_and_attention_round_a_row_alike_in_any_bat
     assert torch.allclose(four, reference, atol=1e-5)  # the same attention as the default kernel computes
 
 
+def test_a_given_scale_and_a_causal_mask_reach_the_math_kernel():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 6, 32), torch.randn(2, 4, 6, 32), torch.randn(2, 4, 6, 32)
+    for options in (dict(scale=0.3), dict(is_causal=True), dict(scale=0.05, is_causal=True)):
+        with torch.no_grad(), batch_invariant_kernels():
+            out = F.scaled_dot_product_attention(q, k, v, **options)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, **options), atol=1e-5, rtol=1e-5)
+
+
 def test_the_math_kernel_takes_a_bf16_query_with_a_boolean_mask():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 4, 3, 32).to(torch.bfloat16) for _ in range(3))
