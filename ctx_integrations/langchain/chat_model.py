@@ -40,11 +40,11 @@ from ctx_integrations.adapters import check_engine, check_model, resolve_engine
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.handle import AnswerStream
 from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.registry import check_options, resolve_mode
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.structured import from_response_format
-from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.engine.core.tools import CallFilter
 from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.langchain.convert import (

@@ -62,9 +62,9 @@ from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.handle import AnswerStream
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.structured import from_response_format
-from ctx_integrations.engine.core.token_stream import AnswerStream
 from ctx_integrations.engine.core.tools import CallFilter
 from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.llama_index.events import CompletionReport
@@ -550,7 +550,7 @@ def _reported_pieces(pieces: Generator[str, None, Answer], report: CompletionRep
 
 
 class ReportedAnswerStream:
-    """An engine :class:`~ctx_integrations.engine.core.token_stream.AnswerStream` whose pieces and end (or error)
+    """An engine :class:`~ctx_integrations.engine.core.handle.AnswerStream` whose pieces and end (or error)
     are reported; ``answer`` is the stream's once it is read to the end, ``aclose()`` cancels it."""
 
     def __init__(self, stream: AnswerStream, report: CompletionReport):
