@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from ctx_integrations.engine.core.structured import StructuredOutput
     from ctx_integrations.engine.core.tools import ToolCallFilter
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EMBEDDED_MODEL_NAME", "Answer", "AnswerHandle", "AnswerStream", "Document", "Engine",
-           "LoadedModel", "SamplingParams", "StructuredOutput", "ToolCallFilter", "check_mode", "load_model",
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EMBEDDED_MODEL_NAME", "Answer", "AnswerHandle", "AnswerStream", "Document",
+           "Engine", "LoadedModel", "SamplingParams", "StructuredOutput", "ToolCallFilter", "check_mode", "load_model",
            "local_model_name"]
 __version__ = "0.1.0"
 
