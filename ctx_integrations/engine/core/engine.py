@@ -38,9 +38,8 @@ from ctx_integrations.engine.core.registry import (
     DecodeContext,
     answers_many,
     available_modes,
-    check_options,
+    check_mode,
     check_sampling,
-    resolve_mode,
 )
 from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, WarmRequest
 from ctx_integrations.engine.core.sampling import SamplingParams
@@ -472,8 +471,7 @@ class Engine:
 
     # -- validation ----------------------------------------------------------------------------------
     def _check_call(self, mode: str, options: dict[str, Any], sampling: SamplingParams) -> None:
-        resolve_mode(mode)
-        check_options(mode, options)
+        check_mode(mode, options)
         check_sampling(mode, sampling)
 
     def _grammar(self, sampling: SamplingParams) -> object | None:
