@@ -13,16 +13,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ctx_integrations.documents import Document
     from ctx_integrations.engine.core.answer import Answer
+    from ctx_integrations.engine.core.config import EngineConfig
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.sampling import SamplingParams
 
-__all__ = ["Answer", "Document", "Engine", "SamplingParams"]
+__all__ = ["Answer", "Document", "Engine", "EngineConfig", "SamplingParams"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "Answer": "ctx_integrations.engine.core.answer",
     "Document": "ctx_integrations.documents",
     "Engine": "ctx_integrations.engine.core.engine",
+    "EngineConfig": "ctx_integrations.engine.core.config",
     "SamplingParams": "ctx_integrations.engine.core.sampling",
 }
 

@@ -214,7 +214,7 @@ class EngineConfig:
                                     "flex or eager", Flag(choices=ATTENTION_KERNELS))
     threads: int | None = setting(None, "scheduler", partial(optional_whole_number, minimum=1),
                                   "torch CPU threads (default: torch's, capped at the physical cores this process may "
-                                  "use; 1 is faster on a CPU other jobs are busy with; below 1: 1)",
+                                  "use; 1 is faster on a CPU other jobs are busy with; 0 or less: 1)",
                                   Flag(thread_count, metavar="N"))
     compile_mode: str | None = setting("auto", "scheduler", _compile_mode,
                                        "the decode step under torch.compile: auto (CUDA graphs on CUDA, eager "
@@ -267,7 +267,9 @@ class EngineConfig:
             base = config.disk_format if config is not None else "native"
             settings["disk_format"] = half_on_disk_format(settings.get("disk_format", base),
                                                           settings.pop(HALF_ON_DISK))
-        return cls(**settings) if config is None else dataclasses.replace(config, **settings)
+        if config is None:
+            return cls(**settings)
+        return dataclasses.replace(config, **settings) if settings else config  # frozen: shared safely
 
     # -- the command line --------------------------------------------------------------------------------------
     @classmethod
