@@ -121,11 +121,6 @@ def test_every_engine_flag_reaches_the_engine_before_or_after_the_command(from_p
     assert from_pretrained == [{"config": EXPECTED, "dtype": None, "cache_dir": None}]
 
 
-def test_flags_not_given_leave_the_engine_its_defaults(from_pretrained, capsys):
-    assert run_cli("serve") == 2
-    assert from_pretrained == [{"config": EngineConfig(), "dtype": None, "cache_dir": None}]
-
-
 def test_the_namespace_readers_keep_only_the_flags_given():
     from ctx_integrations.cli import build_parser
 
