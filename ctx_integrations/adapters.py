@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,7 @@ from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.paths import kv_root
 
 if TYPE_CHECKING:
-    from ctx_integrations.engine.core.engine import Engine
-    from ctx_integrations.engine.core.model import LoadedModel
+    from ctx_integrations import Engine, LoadedModel
 
 
 class UserCacheDir:
@@ -67,7 +67,7 @@ def resolve_cache_dir(cache_dir: CacheDir) -> Path | None:
 @lru_cache(maxsize=1)
 def default_loaded() -> LoadedModel:
     """The embedded model, loaded once per process and shared by every default engine."""
-    from ctx_integrations.engine.core.model import load_model
+    from ctx_integrations import load_model
 
     return load_model(None)
 
@@ -79,7 +79,7 @@ def named_loaded(model: str | None) -> LoadedModel:
     """
     if model is None:
         return default_loaded()
-    from ctx_integrations.engine.core.model import load_model
+    from ctx_integrations import load_model
 
     with _loaded_lock:
         if model not in _loaded:
@@ -90,7 +90,7 @@ def named_loaded(model: str | None) -> LoadedModel:
 def shared_engine(cache_dir: CacheDir = USER_CACHE_DIR, model: str | None = None) -> Engine:
     """The engine over ``model`` (``None``: the embedded one) whose caches live in ``cache_dir`` (one per model and
     folder, built on first use)."""
-    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations import Engine
 
     folder = resolve_cache_dir(cache_dir)
     key = ("" if folder is None else str(folder), model or "")
@@ -114,8 +114,8 @@ def resolve_engine(engine: Engine | None, cache_dir: CacheDir = USER_CACHE_DIR, 
 def check_model(model: Any, engine: Any = None) -> str | None:
     """An adapter's ``model=`` as the name to load (``None``: the embedded model), checked when the adapter is
     built: a name this machine does not hold is a typed error listing the accepted ones, without a network call
-    (:func:`~ctx_integrations.engine.core.model.local_model_name`); with ``engine=`` it must be that engine's."""
-    from ctx_integrations.engine.core.model import local_model_name
+    (:func:`~ctx_integrations.local_model_name`); with ``engine=`` it must be that engine's."""
+    from ctx_integrations import local_model_name
 
     if engine is not None:
         if model is not None and model != engine.loaded.name:
@@ -126,7 +126,7 @@ def check_model(model: Any, engine: Any = None) -> str | None:
 
 def check_engine(engine: object, cache_dir: Any = USER_CACHE_DIR) -> None:
     """Adapters hold the engine as an opaque field; refuse anything else (and an ambiguous ``cache_dir``)."""
-    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations import Engine
 
     if engine is not None and not isinstance(engine, Engine):
         raise InvalidOptionError(f"engine must be a ctx_integrations.Engine or None, got {type(engine).__name__}")
@@ -135,3 +135,32 @@ def check_engine(engine: object, cache_dir: Any = USER_CACHE_DIR) -> None:
                                  "was built (Engine(..., cache_dir=...))")
     if engine is None:
         resolve_cache_dir(cache_dir)
+
+
+def aliased(options: Mapping[str, Any], name: str, alias: str) -> dict[str, Any]:
+    """``options`` (a call's or a constructor's keywords) with ``alias``, another framework's word for option
+    ``name``, renamed ``name``: ``max_tokens`` is OpenAI's and LangChain's, ``max_new_tokens`` transformers',
+    LlamaIndex's and the engine's; ``model`` / ``model_name`` likewise. Each adapter takes both words for its
+    options at its edge, and only there.
+
+    A key whose value is ``None`` counts as not given. Both given is refused
+    (:class:`~ctx_integrations.errors.InvalidOptionError`, ``name`` first, in the edge's own words): which one was
+    meant cannot be told, and taking either would silently drop the other.
+    """
+    if alias not in options:
+        return dict(options)
+    renamed = {key: value for key, value in options.items() if key != alias}
+    if options[alias] is not None and renamed.get(name) is not None:
+        raise InvalidOptionError(f"give {name} or its alias {alias}, not both")
+    if options[alias] is not None or name not in renamed:
+        renamed[name] = options[alias]
+    return renamed
+
+
+def length_budget(options: Mapping[str, Any], default: Any = None, *, name: str = "max_tokens") -> Any:
+    """The answer's length budget in a call's keywords, given as ``max_tokens`` or as ``max_new_tokens`` (never
+    both, :func:`aliased`); ``default`` when neither is given (or it is ``None``). ``name``: the edge's own word
+    for it (LangChain's ``max_tokens``, LlamaIndex's ``max_new_tokens``), which the refusal names first."""
+    alias = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_tokens"}[name]
+    budget = aliased(options, name, alias).get(name)
+    return default if budget is None else budget

@@ -26,9 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ctx_integrations import __version__
-from ctx_integrations.engine.core.config import EngineConfig, argument_type
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, EngineConfig, __version__
+from ctx_integrations.engine.core.config import argument_type
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
 from ctx_integrations.errors import (
     CtxIntegrationsError,
@@ -665,11 +664,10 @@ def check_ask(args: argparse.Namespace) -> None:
                   configure=_configure_ask, builds_engine=True, check=check_ask)
 def run_ask(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
-    from ctx_integrations.engine.core.registry import check_options, resolve_mode
+    from ctx_integrations import check_mode
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
-    resolve_mode(args.mode)
-    check_options(args.mode, options)
+    check_mode(args.mode, options)
     store = _open_store(args, must_exist=True)
     reranker = None
     if args.reranker:
@@ -782,7 +780,7 @@ def _parse_variant(text: str) -> Any:
 
     The options go on top of the ones ``--modes`` runs that mode with, so the row differs in them only.
     """
-    from ctx_integrations.engine.core.registry import check_options, resolve_mode
+    from ctx_integrations import check_mode
     from ctx_integrations.evaluation.runner import EVAL_OPTIONS, System
 
     mode, *pairs = text.split(":")
@@ -790,8 +788,7 @@ def _parse_variant(text: str) -> Any:
         raise InvalidOptionError(f"--variant {text!r} names no option: write MODE:KEY=VALUE, e.g. "
                                  "soft_nbce:rule=nbce_code (a plain mode goes in --modes)")
     options = _parse_options(pairs)
-    resolve_mode(mode)
-    check_options(mode, options)
+    check_mode(mode, options)
     return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
 
 
@@ -820,7 +817,7 @@ def check_eval(args: argparse.Namespace) -> None:
     """``eval``'s mistakes that need no import: unknown modes, ``--data`` without the set that reads it, a MuSiQue
     file that is not there."""
     for mode in _eval_modes(args) + [text.split(":")[0] for text in args.variant]:
-        if mode not in BUILTIN_MODES:  # in the registry's words (resolve_mode), which needs torch
+        if mode not in BUILTIN_MODES:  # in the registry's words (check_mode), which needs torch
             raise UnknownModeError(f"unknown mode {mode!r}: choose one of {', '.join(BUILTIN_MODES)}")
     if args.data is not None and args.set not in ("musique", "nq"):
         raise InvalidOptionError(f"--data is the MuSiQue file (--set musique) or the passages and questions files "
@@ -839,14 +836,13 @@ def check_eval(args: argparse.Namespace) -> None:
                   description="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
                   configure=_configure_eval, builds_engine=True, check=check_eval)
 def run_eval(args: argparse.Namespace) -> int:
-    from ctx_integrations.engine.core.engine import Engine
-    from ctx_integrations.engine.core.registry import resolve_mode
+    from ctx_integrations import Engine, check_mode
     from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
     from ctx_integrations.evaluation.runner import default_systems
 
     modes = _eval_modes(args)
     for mode in modes:
-        resolve_mode(mode)
+        check_mode(mode)
     variants = [_parse_variant(text) for text in args.variant]
     retrieval = {"top_k": args.top_k, "store_dir": args.store, "gold_retrieved_only": args.gold_retrieved_only} \
         if args.set == "nq" else {}

@@ -27,6 +27,40 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_POSITIONS = 8192
 
 
+class CannedBackend:
+    """A serve backend (``ctx_integrations.serve.backend.Backend``) that answers every job at once with
+    :meth:`canned` and streams :attr:`pieces` before it: what the HTTP-layer tests put behind ``create_app`` when
+    the answer's content, not the model, is under test. ``jobs`` keeps every answer and stream job it got."""
+
+    pieces: tuple[str, ...] = ("an ", "answer")
+
+    def __init__(self) -> None:
+        self.jobs: list[dict] = []
+
+    def canned(self) -> dict:
+        return {"text": "an answer", "mode": "pced", "token_ids": [1, 2], "trace": [], "finish_reason": "stop",
+                "timings": {"prompt_tokens": 3.0}, "cache": {}, "documents": []}
+
+    async def answer(self, job: dict) -> dict:
+        self.jobs.append(job)
+        return self.canned()
+
+    async def stream(self, job: dict):
+        self.jobs.append(job)
+        for piece in self.pieces:
+            yield {"token": piece}
+        yield {"answer": self.canned()}
+
+    async def batch(self, job: dict) -> list[dict]:
+        return [self.canned() for _ in job["queries"]]
+
+    def stats(self) -> dict:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+
 def tiny_engine(cache_dir=None):
     from ctx_integrations import Engine
     from tests.helpers import tiny_loaded

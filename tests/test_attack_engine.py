@@ -267,7 +267,7 @@ def test_an_async_caller_gets_the_typed_callback_error():
         raise SystemExit(3)
 
     async def run() -> BaseException:
-        handle = engine._request(QUESTION, DOCS, None, "pced", explode, None, SamplingParams(8), {})
+        handle = engine.submit(QUESTION, DOCS, on_token=explode, sampling=SamplingParams(8))
         try:
             await handle.wait()
         except BaseException as error:  # noqa: BLE001
@@ -304,7 +304,7 @@ def _settled(engine: Engine, timeout_s: float = 10.0) -> dict[str, Any]:
 @pytest.mark.parametrize(("waiting", "questions"), [(0, 5), (2, 2)])
 def test_a_refused_generate_many_leaves_nothing_behind(monkeypatch, waiting, questions):
     engine, release = _held_engine(monkeypatch, max_queued=3)
-    before = [engine._request(QUESTION, DOCS, None, "single", None, None, SamplingParams(2), {})
+    before = [engine.submit(QUESTION, DOCS, mode="single", max_new_tokens=2)
               for _ in range(waiting)]
     answered = engine.scheduler.stats.answered
     outcome = attempt(lambda: engine.generate_many([f"Question {i}?" for i in range(questions)], DOCS,

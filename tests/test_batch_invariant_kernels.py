@@ -139,6 +139,32 @@ def test_the_math_kernel_takes_a_bf16_query_with_a_boolean_mask():
                                atol=2e-2, rtol=2e-2)
 
 
+def test_a_forward_makes_its_mask_additive_once_and_a_new_mask_is_made_again(monkeypatch):
+    from tests.helpers import tiny_loaded
+
+    made = []
+    real = batch_invariant.additive_mask
+    monkeypatch.setattr(batch_invariant, "additive_mask", lambda mask, dtype: made.append(mask) or real(mask, dtype))
+    loaded = tiny_loaded("llama")
+    assert loaded.model.config.num_hidden_layers >= 2
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).expand(2, 1, 4, 4).clone()
+    mask[1, ..., 0] = False  # row 1 does not see its first token
+    mask[1, ..., 0, 0] = True
+    with torch.no_grad(), batch_invariant_kernels():
+        out = loaded.model(ids, attention_mask=mask).logits
+    assert len(made) == 1  # one conversion for every layer
+    with torch.no_grad():
+        reference = loaded.model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    first, second = torch.ones(1, 1, 3, 3, dtype=torch.bool), torch.eye(3, dtype=torch.bool).expand(1, 1, 3, 3)
+    with torch.no_grad(), batch_invariant_kernels():
+        F.scaled_dot_product_attention(q, k, v, attn_mask=first)
+        diagonal = F.scaled_dot_product_attention(q, k, v, attn_mask=second)
+    torch.testing.assert_close(diagonal, v)  # each query sees only its own key: not the first mask reused
+
+
 def test_the_option_is_a_bool_and_one_model_has_one_value():
     with pytest.raises(InvalidOptionError, match="batch_invariant must be True or False"):
         Engine(load_model(), batch_invariant=1)

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations.engine.core.handle import AnswerHandle, Pieces
 from ctx_integrations.retrieval import DocumentStore
 from tests.helpers import run_cli, tiny_loaded
 
@@ -52,30 +52,30 @@ class Recorder(io.StringIO):
 
 
 def watch_pieces(monkeypatch) -> tuple[Recorder, list[bool]]:
-    """stdout replaced by a :class:`Recorder`, and ``Engine.generate``'s ``on_token`` wrapped so that the decoder,
-    after each piece with text, waits until stdout has grown: the list records, per piece, whether it was printed
-    while decoding was held there (``False``: it did not show up within 10 s). It stays empty when ``ask`` decoded
-    without ``on_token``, i.e. printed the answer only at the end. (Called in the test itself: pytest's capture
-    sets ``sys.stdout`` again between a fixture's setup and the test.)"""
+    """stdout replaced by a :class:`Recorder`, and every piece an answer handle's sync reader (``AnswerHandle.stream``,
+    under ``Engine.stream``) is given held on the decoder's thread, after each piece with text, until stdout has
+    grown: the list records, per piece, whether it was printed while decoding was held there (``False``: it did not
+    show up within 10 s). It stays empty when ``ask`` read no stream, i.e. printed the answer only at the end.
+    (Called in the test itself: pytest's capture sets ``sys.stdout`` again between a fixture's setup and the
+    test.)"""
     out, seen = Recorder(), []
     monkeypatch.setattr(sys, "stdout", out)
-    original = Engine.generate
+    original_stream, original_push = AnswerHandle.stream, Pieces.push
 
-    def generate(self, *args, on_token=None, **kwargs):
-        if on_token is None:
-            return original(self, *args, **kwargs)
+    def stream(self):
+        self._pieces.watched = True  # before the request is queued: Engine.stream starts it at the first read
+        return original_stream(self)
 
-        def held(piece: str) -> None:
+    def push(self, piece: str) -> None:
+        with out.written:
+            before = len(out.getvalue())
+        original_push(self, piece)
+        if getattr(self, "watched", False) and piece.strip():
             with out.written:
-                before = len(out.getvalue())
-            on_token(piece)
-            if piece.strip():
-                with out.written:
-                    seen.append(out.written.wait_for(lambda: len(out.getvalue()) > before, timeout=10))
+                seen.append(out.written.wait_for(lambda: len(out.getvalue()) > before, timeout=10))
 
-        return original(self, *args, on_token=held, **kwargs)
-
-    monkeypatch.setattr(Engine, "generate", generate)
+    monkeypatch.setattr(AnswerHandle, "stream", stream)
+    monkeypatch.setattr(Pieces, "push", push)
     return out, seen
 
 

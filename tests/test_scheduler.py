@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from ctx_integrations import Engine, SamplingParams
+from ctx_integrations import Engine
 from ctx_integrations.engine.core import scheduler as scheduler_module
 from ctx_integrations.engine.core.model import default_dtype
 from ctx_integrations.engine.core.scheduler import RequestCancelledError
@@ -166,11 +166,11 @@ def test_a_full_queue_refuses_at_once_with_a_typed_error(monkeypatch):
     engine = Engine(tiny_loaded("llama", seed=3), max_queued_requests=1)
     release = threading.Event()
     monkeypatch.setattr(engine.store, "prefetch", lambda prepared: release.wait(10))  # hold the queue
-    first = engine._request("Who?", DOCS[:1], None, "pced", None, None, SamplingParams(4), {})
+    first = engine.submit("Who?", DOCS[:1], max_new_tokens=4)
     with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
         engine.generate("Who else?", DOCS[:1], max_new_tokens=4)
     release.set()
-    assert len(first.result()[0].token_ids) > 0
+    assert len(first.result().token_ids) > 0
 
 
 def test_async_calls_keep_the_loop_free_and_take_no_thread_each(engine):

@@ -20,34 +20,21 @@ pytest.importorskip("fastapi")
 from ctx_integrations.errors import RequestTooLargeError  # noqa: E402
 from ctx_integrations.serve.app import create_app  # noqa: E402
 from ctx_integrations.serve.encoding import SafeJSONResponse, sse  # noqa: E402
+from tests.serve_support import CannedBackend  # noqa: E402
 
 BAD_TEXT = "lone \ud800 surrogate \udfff"
 FIXED_TEXT = "lone \ufffd surrogate \ufffd"
 
 
-class SurrogateBackend:
+class SurrogateBackend(CannedBackend):
     """Answers with a lone surrogate in the text, a document and a token, and an infinite timing."""
 
-    def _answer(self) -> dict:
+    pieces = ("\ud800",)
+
+    def canned(self) -> dict:
         return {"text": BAD_TEXT, "mode": "pced", "token_ids": [1], "trace": [], "finish_reason": "stop",
                 "timings": {"ttft_s": math.inf, "prompt_tokens": 3.0}, "cache": {},
                 "documents": [{"text": BAD_TEXT, "id": "\udc00", "score": math.nan}]}
-
-    async def answer(self, job: dict) -> dict:
-        return self._answer()
-
-    async def stream(self, job: dict):
-        yield {"token": "\ud800"}
-        yield {"answer": self._answer()}
-
-    async def batch(self, job: dict) -> list[dict]:
-        return [self._answer() for _ in job["queries"]]
-
-    def stats(self) -> dict:
-        return {}
-
-    async def close(self) -> None:
-        return None
 
 
 def _post(path: str, body: dict) -> httpx.Response:

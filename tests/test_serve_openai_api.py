@@ -26,6 +26,7 @@ from ctx_integrations.serve.access_log import ACCESS_LOGGER  # noqa: E402
 from ctx_integrations.serve.app import create_app  # noqa: E402
 from ctx_integrations.serve.limits import ServerLimits  # noqa: E402
 from ctx_integrations.serve.unsupported import REFUSED  # noqa: E402
+from tests.serve_support import CannedBackend  # noqa: E402
 
 OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
                 "rate_limit_error", "server_error"}
@@ -33,37 +34,18 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 ANSWER = {"query": "q", "documents": ["d"]}
 
 
-class FakeBackend:
+class FakeBackend(CannedBackend):
     """Answers every job at once and keeps it (``jobs``); ``fail`` makes every answer raise it."""
 
     def __init__(self, fail: BaseException | None = None):
-        self.jobs: list[dict] = []
+        super().__init__()
         self.fail = fail
 
-    def _answer(self) -> dict:
-        return {"text": "an answer", "mode": "pced", "token_ids": [1, 2], "trace": [], "finish_reason": "stop",
-                "timings": {"prompt_tokens": 3.0}, "cache": {}, "documents": []}
-
     async def answer(self, job: dict) -> dict:
-        self.jobs.append(job)
+        answer = await super().answer(job)
         if self.fail is not None:
             raise self.fail
-        return self._answer()
-
-    async def stream(self, job: dict):
-        self.jobs.append(job)
-        yield {"token": "an "}
-        yield {"token": "answer"}
-        yield {"answer": self._answer()}
-
-    async def batch(self, job: dict) -> list[dict]:
-        return [self._answer() for _ in job["queries"]]
-
-    def stats(self) -> dict:
-        return {}
-
-    async def close(self) -> None:
-        return None
+        return answer
 
 
 def send(app, method: str, path: str, **kwargs) -> httpx.Response:

@@ -91,8 +91,8 @@ TARGETS = {
     # one answer as it is decoded: offset-based incremental text, stop strings searched in the new text, the emitter
     "decoding": Target("ctx_integrations/engine/core/decoding.py",
                        ("xǁIncrementalTextǁ*", "xǁStopCriteriaǁfirst_stop*", "xǁStopCriteriaǁcut*", "xǁEmitterǁ*"),
-                       ("tests/test_emitter.py", "tests/test_prepared_requests.py", "tests/test_token_stream.py",
-                        "-k", "test_emitter or incremental or stop_string or streams_exactly or test_token_stream")),
+                       ("tests/test_emitter.py", "tests/test_prepared_requests.py", "tests/test_answer_handle.py",
+                        "-k", "test_emitter or incremental or stop_string or streams_exactly or test_answer_handle")),
     # the compile mode's checks and resolution, the compiled step's options and its fallback (Dynamo's own tests, a
     # minute each, are left out: mutmut's trampolines are not traceable anyway)
     "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),
@@ -102,6 +102,8 @@ TARGETS = {
     "batch_invariant": Target("ctx_integrations/engine/core/batch_invariant.py", ("*",),
                               ("tests/test_batch_invariant_kernels.py",)),
     # the scheduler's decisions (admission by bytes, the row table, retirement), driven by a fake runner
+    # what Engine.submit returns: the pieces buffer and the handle's readers (sync, async, late, cancelling)
+    "handle": Target("ctx_integrations/engine/core/handle.py", ("*",), ("tests/test_answer_handle.py",)),
     "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
                         ("xǁSchedulerǁ_plan*", "xǁSchedulerǁ_build*", "xǁSchedulerǁ_take_ready*",

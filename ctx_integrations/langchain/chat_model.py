@@ -36,16 +36,18 @@ from langchain_core.runnables.config import run_in_executor
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, check_model, resolve_engine
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
-from ctx_integrations.engine.core.registry import check_options, resolve_mode
-from ctx_integrations.engine.core.sampling import SamplingParams
-from ctx_integrations.engine.core.structured import from_response_format
-from ctx_integrations.engine.core.token_stream import AnswerStream
-from ctx_integrations.engine.core.tools import CallFilter
+from ctx_integrations import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EMBEDDED_MODEL_NAME,
+    Answer,
+    AnswerStream,
+    Engine,
+    SamplingParams,
+    StructuredOutput,
+    ToolCallFilter,
+    check_mode,
+)
+from ctx_integrations.adapters import aliased, check_engine, check_model, length_budget, resolve_engine
 from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.langchain.convert import (
     from_langchain_documents,
@@ -161,7 +163,7 @@ class ChatContextOfExperts(BaseChatModel):
 
     Tool calling (``bind_tools``; calls in ``AIMessage.tool_calls``, arguments valid against each tool's schema)
     and ``with_structured_output`` (``json_schema``, ``function_calling``, ``json_mode``) are held by constrained
-    decoding (:mod:`~ctx_integrations.engine.core.structured`): valid even from the embedded 135M model, though
+    decoding (:class:`~ctx_integrations.StructuredOutput`): valid even from the embedded 135M model, though
     what it chooses to put in them is a 135M model's choice. Tools answer a conversation; with documents,
     ``response_format`` holds the answer over them.
     """
@@ -190,13 +192,12 @@ class ChatContextOfExperts(BaseChatModel):
     _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
-        super().__init__(**data)
+        super().__init__(**aliased(aliased(data, "max_tokens", "max_new_tokens"), "model", "model_name"))
         self._check()
 
     def _check(self) -> None:
         """Refuse an unknown mode, option, engine type or model at construction."""
-        resolve_mode(self.mode)
-        check_options(self.mode, self.mode_options)
+        check_mode(self.mode, self.mode_options)
         check_engine(self.engine)
         self._load_name = check_model(self.model_name, self.engine)
 
@@ -222,7 +223,7 @@ class ChatContextOfExperts(BaseChatModel):
         params = LangSmithParams(ls_provider="ctx_integrations", ls_model_type="chat",
                                  ls_model_name=kwargs.get("model") or self.resolved_model_name,
                                  ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens or DEFAULT_MAX_NEW_TOKENS)
+                                 ls_max_tokens=length_budget(kwargs) or self.max_tokens or DEFAULT_MAX_NEW_TOKENS)
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop)
         return params
@@ -270,8 +271,6 @@ class ChatContextOfExperts(BaseChatModel):
         if model is not None and model != self.resolved_model_name:
             raise InvalidOptionError(f"this chat model serves {self.resolved_model_name!r}, not {model!r}: build "
                                      f"another ChatContextOfExperts(model={model!r}) for it")
-        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
-            raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
         in_prompt, messages = _documents_in_prompt(messages)
         if in_prompt is not None and "documents" in kwargs:
             raise InvalidOptionError("documents came both in the prompt (tagged messages or format_docs blocks) and "
@@ -282,7 +281,7 @@ class ChatContextOfExperts(BaseChatModel):
             self._warn_if_context_is_lost(messages)
         mode = kwargs.get("mode", self.mode)
         options = kwargs.get("mode_options", self.mode_options if mode == self.mode else {})
-        budget = kwargs.get("max_tokens") or kwargs.get("max_new_tokens")
+        budget = length_budget(kwargs)  # refuses max_tokens and max_new_tokens both given
         wants_logprobs = kwargs.get("logprobs", self.logprobs)
         top = kwargs.get("top_logprobs", self.top_logprobs)
         sampling = SamplingParams(max_tokens=budget or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
@@ -290,7 +289,7 @@ class ChatContextOfExperts(BaseChatModel):
                                   top_p=kwargs.get("top_p", self.top_p), seed=kwargs.get("seed", self.seed),
                                   stop=stop if stop is not None else self.stop,
                                   **{name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_OPTIONS},
-                                  structured=from_response_format(kwargs.get("response_format")),
+                                  structured=StructuredOutput.from_response_format(kwargs.get("response_format")),
                                   logprobs=(top or 0) if wants_logprobs else None)
         tools = {name: kwargs[name] for name in _TOOL_OPTIONS if name in kwargs}
         docs = None if documents is None else from_langchain_documents(documents)
@@ -326,7 +325,7 @@ class ChatContextOfExperts(BaseChatModel):
         answer = request.run()
         return ChatResult(generations=[ChatGeneration(message=self._message(request, answer))])
 
-    def _last_chunk(self, request: _Request, answer: Answer, calls: CallFilter | None) -> ChatGenerationChunk:
+    def _last_chunk(self, request: _Request, answer: Answer, calls: ToolCallFilter | None) -> ChatGenerationChunk:
         """A chunk carrying the metadata once (chunks merge by concatenating their metadata), and with tools the
         text after the calls and the calls themselves (as tool-call chunks, so the merged message has them)."""
         text, chunks = "", []
@@ -337,9 +336,9 @@ class ChatContextOfExperts(BaseChatModel):
         return ChatGenerationChunk(message=AIMessageChunk(content=text, chunk_position="last", tool_call_chunks=chunks,
                                                           **self._metadata(request, answer)))
 
-    def _calls(self, request: _Request) -> CallFilter | None:
+    def _calls(self, request: _Request) -> ToolCallFilter | None:
         """With tools, the filter that holds the calls' markup back from the streamed text."""
-        return CallFilter(request.engine.layout.tool_format) if request.tools.get("tools") else None
+        return ToolCallFilter.for_engine(request.engine) if request.tools.get("tools") else None
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:

@@ -19,8 +19,8 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import BaseMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 
+from ctx_integrations import Answer
 from ctx_integrations.documents import Document, as_document
-from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.errors import EmptyDocumentsError
 from ctx_integrations.langchain.boundaries import Block, read_blocks, write_blocks
 

@@ -22,13 +22,8 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations.adapters import check_engine, check_model, resolve_engine
-from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.registry import check_options, resolve_mode
-from ctx_integrations.engine.core.sampling import SamplingParams
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, Answer, Document, Engine, SamplingParams, check_mode
+from ctx_integrations.adapters import aliased, check_engine, check_model, length_budget, resolve_engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.chat_model import ChatContextOfExperts
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
@@ -116,9 +111,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
-        if "max_tokens" in data and "max_new_tokens" in data:
-            raise InvalidOptionError("give max_tokens or its alias max_new_tokens, not both")
-        super().__init__(**data)
+        super().__init__(**aliased(aliased(data, "max_tokens", "max_new_tokens"), "model", "model_name"))
         self._check()
 
     @property
@@ -135,11 +128,11 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
 
     def _check(self) -> None:
         """Refuse a typo in a mode name or option at construction, not at the first question."""
-        resolve_mode(self.mode)
+        check_mode(self.mode)
         if self.batch_mode is not None:
-            resolve_mode(self.batch_mode)
+            check_mode(self.batch_mode)
         for name, options in self.mode_options.items():
-            check_options(name, options)
+            check_mode(name, options)
         check_engine(self.engine)
         self._load_name = check_model(self.model_name, self.engine)
         if self.retriever is not None and not isinstance(self.retriever, Runnable):
@@ -167,7 +160,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
         configurable = (config or {}).get("configurable") or {}
         mode = configurable.get("mode", self.mode)
         options = {**self.mode_options.get(mode, {}), **(configurable.get("mode_options") or {})}
-        budget = configurable.get("max_tokens", configurable.get("max_new_tokens", self.max_tokens))
+        budget = length_budget(configurable, self.max_tokens)
         sampling = SamplingParams(max_tokens=budget, temperature=configurable.get("temperature", self.temperature),
                                   top_p=self.top_p, seed=self.seed, stop=self.stop)
         return mode, options, sampling

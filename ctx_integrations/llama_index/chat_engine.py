@@ -22,8 +22,8 @@ from llama_index.core.chat_engine import CondenseQuestionChatEngine
 from llama_index.core.memory import BaseMemory
 from llama_index.core.prompts.base import BasePromptTemplate
 
+from ctx_integrations import Engine
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
-from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
 from ctx_integrations.llama_index.query_engine import ContextOfExpertsQueryEngine
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
+from ctx_integrations import Answer
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.llama_index.score_keeping import HIDDEN_KEYS, node_scores
 
 # Metadata about a file or a record, not its content: SimpleDirectoryReader's file_* and dates (it already

@@ -32,9 +32,7 @@ from llama_index.core.instrumentation.events.llm import (
 from llama_index.core.instrumentation.span import active_span_id
 from llama_index.core.schema import NodeWithScore
 
-from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.engine import Engine
+from ctx_integrations import Answer, Document, Engine
 from ctx_integrations.llama_index.convert import cited_node_ids
 
 dispatcher = instrument.get_dispatcher("ctx_integrations.llama_index")

@@ -50,22 +50,25 @@ from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.settings import Settings
 from llama_index.core.types import PydanticProgramMode
 
+from ctx_integrations import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Answer,
+    AnswerStream,
+    Document,
+    Engine,
+    SamplingParams,
+    StructuredOutput,
+    ToolCallFilter,
+)
 from ctx_integrations.adapters import (
     USER_CACHE_DIR,
     CacheDir,
     UserCacheDir,
+    aliased,
     check_engine,
     check_model,
     resolve_engine,
 )
-from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.sampling import SamplingParams
-from ctx_integrations.engine.core.structured import from_response_format
-from ctx_integrations.engine.core.token_stream import AnswerStream
-from ctx_integrations.engine.core.tools import CallFilter
 from ctx_integrations.errors import InvalidOptionError, UndecodedContextWarning
 from ctx_integrations.llama_index.events import CompletionReport
 from ctx_integrations.llama_index.tools import answer_message, to_chat_messages, tool_selections
@@ -122,9 +125,9 @@ class _Request:
     def astream(self) -> AnswerStream:
         return self.engine.astream_chat(self.messages, sampling=self.sampling, **self.tools)
 
-    def calls(self) -> CallFilter | None:
+    def calls(self) -> ToolCallFilter | None:
         """With tools, the filter that holds the calls' markup back from the streamed text."""
-        return CallFilter(self.engine.layout.tool_format) if self.tools.get("tools") else None
+        return ToolCallFilter.for_engine(self.engine) if self.tools.get("tools") else None
 
     def raw(self, answer: Answer) -> dict[str, Any]:
         """Token usage in the shape LlamaIndex's ``TokenCountingHandler`` reads, plus timings."""
@@ -140,7 +143,7 @@ class _Request:
     def _call_cut(self, answer: Answer) -> bool:
         """Whether the answer stopped inside a tool call: one was required, or its opening was written."""
         forced = self.tools.get("tool_choice") not in (None, "auto", "none")
-        return forced or CallFilter(self.engine.layout.tool_format).marker in answer.text
+        return forced or ToolCallFilter.for_engine(self.engine).marker in answer.text
 
 
 class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
@@ -158,7 +161,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
     A function-calling LLM (``metadata.is_function_calling_model``, LlamaIndex's ``FunctionCallingLLM``):
     ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` get their calls as ``ToolCallBlock``s, each
     valid against its tool's schema, because the engine holds the call to it token by token
-    (:mod:`~ctx_integrations.engine.core.tools`); so ``structured_predict`` / ``astructured_predict`` /
+    (:class:`~ctx_integrations.StructuredOutput`); so ``structured_predict`` / ``astructured_predict`` /
     ``stream_structured_predict`` / ``as_structured_llm`` (LlamaIndex's ``FunctionCallingProgram``, the schema as
     the one tool the model must call) return objects valid against the schema, even from a 135M model. An
     answer cut by ``max_new_tokens`` before its call was complete raises
@@ -203,11 +206,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
     _load_name: str | None = PrivateAttr(default=None)
 
     def __init__(self, **data: Any):
-        for alias, name in (("max_tokens", "max_new_tokens"), ("model", "model_name")):  # other LLMs' names
-            if alias in data:
-                if name in data:
-                    raise InvalidOptionError(f"give {name} or its alias {alias}, not both")
-                data[name] = data.pop(alias)
+        data = aliased(aliased(data, "max_new_tokens", "max_tokens"), "model_name", "model")  # other LLMs' names
         super().__init__(**data)
         if self.pydantic_program_mode not in _PROGRAM_MODES:
             raise InvalidOptionError(f"pydantic_program_mode {self.pydantic_program_mode.value!r} is another LLM's "
@@ -237,9 +236,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
 
     def _request(self, engine: Engine, messages: list[dict[str, Any]], kwargs: dict[str, Any],
                  chat: bool = False) -> _Request:
-        if "max_tokens" in kwargs:
-            kwargs = {**kwargs, "max_new_tokens": kwargs["max_tokens"]}
-            del kwargs["max_tokens"]
+        kwargs = aliased(kwargs, "max_new_tokens", "max_tokens")
         options = _CALL_OPTIONS + _TOOL_OPTIONS if chat else _CALL_OPTIONS
         unknown = sorted(set(kwargs) - set(options))
         if unknown:
@@ -247,15 +244,17 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
                 " (tools are offered in chat: chat(messages, tools=...), chat_with_tools or predict_and_call)")
             raise InvalidOptionError(f"ExpertDecoderLLM{'' if chat else '.complete'} does not accept "
                                      f"{', '.join(unknown)}{where}; per-call options are: {', '.join(options)}")
-        sampling = replace(self.sampling_params(kwargs), structured=from_response_format(kwargs.get("response_format")))
+        structured = StructuredOutput.from_response_format(kwargs.get("response_format"))
+        sampling = replace(self.sampling_params(kwargs), structured=structured)
         tools = {name: kwargs[name] for name in _TOOL_OPTIONS if kwargs.get(name) is not None}
         return _Request(engine, messages, sampling, tools)
 
     def sampling_params(self, overrides: Mapping[str, Any] | None = None) -> SamplingParams:
         """This LLM's decoding settings as one :class:`~ctx_integrations.SamplingParams`, with ``overrides``
         (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` and the filters and penalties;
-        ``None`` keeps the LLM's value)."""
-        given = {name: value for name, value in (overrides or {}).items() if value is not None}
+        ``None`` keeps the LLM's value; ``max_tokens`` is taken for ``max_new_tokens``, never both)."""
+        overrides = aliased(overrides or {}, "max_new_tokens", "max_tokens")
+        given = {name: value for name, value in overrides.items() if value is not None}
         return SamplingParams(max_tokens=given.get("max_new_tokens", self.max_new_tokens),
                               temperature=given.get("temperature", self.temperature),
                               top_p=given.get("top_p", self.top_p), seed=given.get("seed", self.seed),
@@ -550,7 +549,7 @@ def _reported_pieces(pieces: Generator[str, None, Answer], report: CompletionRep
 
 
 class ReportedAnswerStream:
-    """An engine :class:`~ctx_integrations.engine.core.token_stream.AnswerStream` whose pieces and end (or error)
+    """An engine :class:`~ctx_integrations.AnswerStream` whose pieces and end (or error)
     are reported; ``answer`` is the stream's once it is read to the end, ``aclose()`` cancels it."""
 
     def __init__(self, stream: AnswerStream, report: CompletionReport):
@@ -581,8 +580,8 @@ class ReportedAnswerStream:
 
 class _ChatChunks:
     """Completion chunks as chat responses. With tools, each delta passes through the request's
-    :class:`CallFilter` (a call's markup never shows as text) and the last response's message is the whole
-    answer's: its text without the calls, and the calls as ``ToolCallBlock``s."""
+    :class:`~ctx_integrations.ToolCallFilter` (a call's markup never shows as text) and the last response's message
+    is the whole answer's: its text without the calls, and the calls as ``ToolCallBlock``s."""
 
     def __init__(self, request: _Request):
         self.request, self.calls, self.text = request, request.calls(), ""

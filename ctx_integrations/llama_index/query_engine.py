@@ -26,11 +26,8 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.core.settings import Settings
 
+from ctx_integrations import Answer, Engine, SamplingParams, check_mode
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.registry import resolve_mode
-from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.llama_index.convert import node_text, to_document
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
@@ -82,7 +79,7 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
                  stop: Sequence[str] | None = None, batch_mode: str | None = "ippd",
                  callback_manager: CallbackManager | None = None):
         if batch_mode is not None:
-            resolve_mode(batch_mode)
+            check_mode(batch_mode)
         self.batch_mode = batch_mode
         self.reranker_score_kind = check_score_kind(reranker_score_kind)
         if isinstance(retriever, ScoreKeepingRetriever):

@@ -40,11 +40,8 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
+from ctx_integrations import Answer, Document, Engine, check_mode
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
-from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.engine import Engine
-from ctx_integrations.engine.core.registry import check_options, resolve_mode
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index.convert import response_metadata, to_document
 from ctx_integrations.llama_index.events import emit_answer_events
@@ -90,18 +87,15 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
                  streaming: bool = False, max_new_tokens: int | None = None, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] | None = None, callback_manager: CallbackManager | None = None):
-        if max_tokens is not None and max_new_tokens is not None:
-            raise InvalidOptionError("give max_new_tokens or its alias max_tokens, not both")
         llm = resolve_llm(llm, engine, cache_dir)
-        resolve_mode(mode)
+        check_mode(mode)
         self.mode = mode
         self.mode_options = {name: dict(options) for name, options in (mode_options or {}).items()}
         for name, options in self.mode_options.items():
-            check_options(name, options)
+            check_mode(name, options)
         self.retrieval_score_kind = check_score_kind(retrieval_score_kind)
-        budget = max_tokens if max_new_tokens is None else max_new_tokens
-        self.sampling = llm.sampling_params({"max_new_tokens": budget, "temperature": temperature, "top_p": top_p,
-                                             "seed": seed, "stop": stop})
+        self.sampling = llm.sampling_params({"max_new_tokens": max_new_tokens, "max_tokens": max_tokens,
+                                             "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop})
         self._warned_missing_scores = False
         # explicit prompt helpers: the defaults read llm.metadata, which would load the model at construction
         super().__init__(llm=llm, callback_manager=callback_manager, prompt_helper=PromptHelper(),

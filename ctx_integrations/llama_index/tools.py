@@ -19,7 +19,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, TextBlock, ToolCallBlock
 from llama_index.core.llms.llm import ToolSelection
 
-from ctx_integrations.engine.core.answer import Answer
+from ctx_integrations import Answer
 from ctx_integrations.errors import IncompleteStructuredOutputError, NoToolCallError
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}

@@ -40,7 +40,7 @@ from ctx_integrations.paths import cache_root, kv_root
 from ctx_integrations.retrieval.embedders import Embedder
 
 if TYPE_CHECKING:
-    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations import Engine
 
 STORE_FORMAT = "ctx-store-1"
 DEFAULT_COLLECTION = "ctx_documents"
@@ -172,7 +172,7 @@ class DocumentStore:
 
     def open_engine(self, model: str | os.PathLike | None = None, **options: Any) -> Engine:
         """Load a model (the embedded default without ``model``) whose caches live under this store's ``kv_dir``."""
-        from ctx_integrations.engine.core.engine import Engine
+        from ctx_integrations import Engine
 
         self.engine = Engine.from_pretrained(model, cache_dir=self.kv_dir, **options)
         return self.engine

@@ -31,9 +31,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from ctx_integrations.engine.core.sampling import SamplingParams
-from ctx_integrations.engine.core.structured import StructuredOutput
-from ctx_integrations.engine.core.tools import CallFilter
+from ctx_integrations import SamplingParams, StructuredOutput, ToolCallFilter
 
 
 class Backend(Protocol):
@@ -87,7 +85,7 @@ class LocalBackend:
     async def stream(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Token events; with tools, only the text before the first call (the calls come with the answer)."""
         pieces = await asyncio.to_thread(self._open, job)
-        calls = CallFilter(self.engine.layout.tool_format) if "tools" in job else None
+        calls = ToolCallFilter.for_engine(self.engine) if "tools" in job else None
         try:
             async for piece in pieces:
                 text = piece if calls is None else calls.push(piece)

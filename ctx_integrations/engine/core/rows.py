@@ -229,10 +229,10 @@ class RowPool:
     @classmethod
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
               dtype: torch.dtype, attention: list[RowRule | None] | None = None,
-              slots: int | None = None, grow_columns: int | None = None) -> RowPool:
+              slots: int | None = None, grow_columns: int | None = None, padded_slots: bool = True) -> RowPool:
         """Lay out ``rows`` (each a list of pieces) from column 0 of slots ``0 ..``, right-padded to whole
         ``grow_columns`` (default :data:`GROW_COLUMNS`): one copy per piece. ``slots``: how many slots (default:
-        exactly the rows).
+        exactly the rows); ``padded_slots``: whether the slot count moves in buckets (see the class).
 
         ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
         ``attention``: per row, its own attention rule or ``None``.
@@ -261,7 +261,7 @@ class RowPool:
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
                    questions.to(device), lengths=widths, documents=documents.to(device),
                    attention=list(attention) if attention is not None else None, slots=list(range(len(rows))),
-                   grow_columns=grow)
+                   padded_slots=padded_slots, grow_columns=grow)
 
     @torch.inference_mode()
     def merge(self, other: RowPool) -> None:

@@ -66,13 +66,13 @@ class ModelRunner:
                 grow = GROW_COLUMNS if self.batch_invariant or self.step is not None else TIGHT_COLUMNS
                 joining = RowPool.build([list(pieces) for pieces in step.joining],
                                         (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
-                                        attention=list(step.joining_attention) or None, grow_columns=grow)
+                                        attention=list(step.joining_attention) or None, grow_columns=grow,
+                                        padded_slots=self.step is not None)  # buckets only for a compiled step
                 out.joined = self._run(joining, step.joining_runs, out)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 out.join_error = error
             else:
                 if self.pool is None:
-                    joining.padded_slots = self.step is not None  # buckets only for the compiled step's shapes
                     joining.resize_slots(joining.bucket(joining.rows))
                     self.pool = joining
                 else:

@@ -138,6 +138,26 @@ class StructuredOutput:
             return json.loads(self.json)
         return json.loads(_ANY_OBJECT) if self.json_object else None
 
+    @classmethod
+    def from_response_format(cls, value: Any) -> StructuredOutput | None:
+        """OpenAI's ``response_format`` as a :class:`StructuredOutput` (``None`` for text): ``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "text"}``, a pydantic
+        model class (LangChain's ``ChatOpenAI`` takes one), or a StructuredOutput as it is."""
+        if value is None or isinstance(value, StructuredOutput):
+            return value
+        if isinstance(value, type) and hasattr(value, "model_json_schema"):
+            return cls(json=value)
+        kind = value.get("type") if isinstance(value, Mapping) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema" and isinstance(value.get("json_schema"), Mapping):
+            return cls(json=value["json_schema"].get("schema", {}))
+        raise InvalidOptionError(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}}, {{"type": '
+                                 f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}} or a pydantic '
+                                 f"model class, got {value!r:.100}")
+
 
 def output_width(model: torch.nn.Module) -> int:
     """The width of the model's logits (the output embedding's rows; the config's ``vocab_size`` otherwise)."""
@@ -258,23 +278,3 @@ class TokenConstraint:
         if not self.matcher.accept_token(token_id):
             raise InvalidStructuredOutputError(f"token {token_id} was chosen but the format does not allow it here "
                                                "(a decoding loop that picked without the constraint's mask)")
-
-
-def from_response_format(value: Any) -> StructuredOutput | None:
-    """OpenAI's ``response_format`` as a :class:`StructuredOutput` (``None`` for text): ``{"type": "json_object"}``,
-    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "text"}``, a pydantic
-    model class (LangChain's ``ChatOpenAI`` takes one), or a StructuredOutput as it is."""
-    if value is None or isinstance(value, StructuredOutput):
-        return value
-    if isinstance(value, type) and hasattr(value, "model_json_schema"):
-        return StructuredOutput(json=value)
-    kind = value.get("type") if isinstance(value, Mapping) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput(json_object=True)
-    if kind == "json_schema" and isinstance(value.get("json_schema"), Mapping):
-        return StructuredOutput(json=value["json_schema"].get("schema", {}))
-    raise InvalidOptionError(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}}, {{"type": '
-                             f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}} or a pydantic model '
-                             f"class, got {value!r:.100}")

@@ -223,7 +223,7 @@ def tool_request(tools: Sequence[Any] | None, choice: Any = None, parallel: bool
     return ToolRequest(offered, picked, parallel)
 
 
-class CallFilter:
+class ToolCallFilter:
     """A streamed answer's text with its tool calls held back: what comes before the first call's opening is
     passed on as it arrives (less a tail that may be the start of the opening), nothing after it; the rest of
     the answer's text comes from :meth:`rest` once the calls are read back from the whole answer."""
@@ -231,6 +231,13 @@ class CallFilter:
     def __init__(self, fmt: ToolCallFormat):
         self.marker = fmt.begin or '{"' + fmt.name_key + '"'
         self.seen, self.sent, self.calling = "", 0, False
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> ToolCallFilter:
+        """The filter for a stream of ``engine``'s answers (its model writes calls in ``engine.layout.tool_format``):
+        how a front end (the LangChain and LlamaIndex chat models, the HTTP server) streams a conversation with
+        tools without reaching into the engine's prompt layout."""
+        return cls(engine.layout.tool_format)
 
     def push(self, piece: str) -> str:
         self.seen += piece
