@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ctx_integrations.documents import Document
     from ctx_integrations.engine.core.answer import Answer
+    from ctx_integrations.engine.core.config import EngineConfig
     from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS, EMBEDDED_MODEL_NAME
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from ctx_integrations.engine.core.tools import ToolCallFilter
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EMBEDDED_MODEL_NAME", "Answer", "AnswerHandle", "AnswerStream", "Document",
-           "Engine", "LoadedModel", "SamplingParams", "StructuredOutput", "ToolCallFilter", "check_mode", "load_model",
-           "local_model_name"]
+           "Engine", "EngineConfig", "LoadedModel", "SamplingParams", "StructuredOutput", "ToolCallFilter",
+           "check_mode", "load_model", "local_model_name"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -41,6 +42,7 @@ _LAZY = {
     "Document": "ctx_integrations.documents",
     "EMBEDDED_MODEL_NAME": "ctx_integrations.engine.core.defaults",  # the default model's name (no torch)
     "Engine": "ctx_integrations.engine.core.engine",
+    "EngineConfig": "ctx_integrations.engine.core.config",  # every Engine setting but cache_dir, checked (no torch)
     "LoadedModel": "ctx_integrations.engine.core.model",  # one loaded model, shared by engines over it
     "SamplingParams": "ctx_integrations.engine.core.sampling",
     "StructuredOutput": "ctx_integrations.engine.core.structured",  # incl. StructuredOutput.from_response_format

@@ -26,7 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, __version__
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, EngineConfig, __version__
+from ctx_integrations.engine.core.config import argument_type
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
 from ctx_integrations.errors import (
     CtxIntegrationsError,
@@ -108,28 +109,17 @@ class _DeferredParser(argparse.ArgumentParser):
 def _add_engine_arguments(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The engine flags, accepted before the command (``ctx-experts --threads 2 ask ...``) and after it
     (``ctx-experts ask ... --threads 2``). After it they have no default (``SUPPRESS``), so a flag given
-    before the command is not reset by the command's parser; given in both places, the later one wins."""
-    def default(value: Any) -> Any:
-        return argparse.SUPPRESS if after_command else value
-
+    before the command is not reset by the command's parser; given in both places, the later one wins.
+    One flag per :class:`~ctx_integrations.engine.core.config.EngineConfig` setting, generated from its fields
+    (their help, type and choices), and ``--dtype``, a model-loading option written here."""
     group = parser.add_argument_group(
         "engine options (also accepted before the command)" if after_command
         else "engine options (before or after the command: demo, ingest, ask, eval, serve)")
-    group.add_argument("--threads", type=int, default=default(None),
-                       help="torch CPU threads (default: torch's, capped at the physical cores this process may "
-                            "use; 1 is faster on a CPU other jobs are busy with)")
-    group.add_argument("--disk-format", choices=("native", "fp16", "bf16", "int8"), default=default(None),
-                       help="how KV caches are stored on disk: native (the model's dtype, exact; default), fp16 / "
-                            "bf16 (half of fp32) or int8 (KIVI-quantised, about a quarter; its own folder)")
-    group.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default=default("auto"),
+    group.add_argument("--dtype", choices=("auto", *DTYPE_NAMES),
+                       default=argparse.SUPPRESS if after_command else "auto",
                        help="the model's weights and KV caches (default auto: $CTX_DTYPE if set, else bf16 on CUDA and "
                             "on CPUs with AMX-BF16 / AVX512-BF16, else fp32; float32 is the exact reference path)")
-    group.add_argument("--max-request-bytes", type=byte_count, default=default(None), metavar="SIZE",
-                       help="the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on CPU, half the "
-                            "GPU's memory on CUDA); a bigger request is refused with the size it needs")
-    group.add_argument("--max-batch-bytes", type=byte_count, default=default(None), metavar="SIZE",
-                       help="the KV bytes all running requests of the model may reserve together (e.g. 4GiB; default "
-                            "half the host's RAM on CPU, half the GPU's memory on CUDA); requests beyond it wait")
+    EngineConfig.add_arguments(group, suppress_defaults=after_command)
 
 
 def _with_engine_arguments(configure: Configure | None) -> Configure:
@@ -264,34 +254,11 @@ def check_store(store: str) -> None:
 
 
 # -- shared arguments ----------------------------------------------------------------------------------
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def byte_count(text: str) -> int:
-    """A size in bytes from ``1048576``, ``512MiB``, ``2GiB`` or ``1.5GB`` (SI and binary units, any case): the
-    argparse type of the byte-budget flags, so a typo is refused before a model loads."""
-    number = text.strip().rstrip("bBiIkKmMgGtT ")
-    unit = text.strip()[len(number):].strip().lower()
-    try:
-        value = float(number) * _BYTE_UNITS[unit]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give bytes (1048576) or a number with a unit: "
-                                         "KB, MB, GB, KiB, MiB, GiB") from None
-    if not value >= 1 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least one byte")
-    return int(value)
-
-
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``--threads``, ``--disk-format``, ``--dtype``, ``--max-request-bytes`` and ``--max-batch-bytes`` as engine
-    options, each left out when not given (the engine's default)."""
-    options: dict[str, Any] = {}
-    if args.threads is not None:
-        options["threads"] = max(1, args.threads)  # the scheduler sets them on its own thread
-    for name in ("disk_format", "max_request_bytes", "max_batch_bytes"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
+    """The engine flags given (:meth:`EngineConfig.options_from_namespace`: ``--threads``, ``--disk-format``, the
+    byte budgets, ...) and ``--dtype`` as keywords of ``Engine.from_pretrained``, each left out when not given
+    (the engine's default)."""
+    options = EngineConfig.options_from_namespace(args)
     if args.dtype != "auto":
         import torch
 
@@ -565,11 +532,6 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
 
 
-# The engine flags that only matter where KV caches are computed (--threads also speeds up embedding).
-_CACHE_FLAGS = {"disk_format": "--disk-format", "max_request_bytes": "--max-request-bytes",
-                "max_batch_bytes": "--max-batch-bytes", "device": "--device"}
-
-
 def check_ingest(args: argparse.Namespace) -> None:
     """``ingest``'s mistakes that need no import: the passage size, paths that do not exist, a store path that is a
     file, and engine flags given with ``--no-cache`` (no cache is computed, so they would be silently ignored)."""
@@ -581,8 +543,10 @@ def check_ingest(args: argparse.Namespace) -> None:
     check_paths(args.paths)
     if not str(args.store).startswith(("http://", "https://")) and Path(args.store).is_file():
         raise InvalidOptionError(f"--store {args.store} is a file: give a folder (made if missing) or a Chroma URL")
-    if args.no_cache:
-        given = [flag for name, flag in _CACHE_FLAGS.items() if getattr(args, name) is not None]
+    if args.no_cache:  # the engine flags matter only where caches are computed (--threads also speeds up embedding)
+        given = ["--" + name.replace("_", "-") for name in EngineConfig.options_from_namespace(args)
+                 if name != "threads"]
+        given += ["--device"] if args.device is not None else []
         given += ["--dtype"] if args.dtype != "auto" else []
         if given:
             raise InvalidOptionError(f"--no-cache computes no KV cache, so {', '.join(given)} would do nothing: drop "
@@ -938,8 +902,9 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help=_CACHE_DIR_HELP)
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="requests admitted at once; more get 503 with Retry-After (default: no limit)")
-    parser.add_argument("--max-queued", type=int, default=None,
-                        help="requests the engine queues beyond those it runs; more get 503 (default: the engine's)")
+    # the older name of the engine flag --max-queued-requests (same setting; not listed)
+    parser.add_argument("--max-queued", dest="max_queued_requests", type=argument_type("max_queued_requests"),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before closing (default 30)")
     from ctx_integrations.serve.cli import add_api_arguments, add_limit_arguments

@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from ctx_integrations import Engine
 from ctx_integrations.engine.core import compiled_step
 from ctx_integrations.engine.core import runner as runner_module
+from ctx_integrations.engine.core.config import COMPILE_MODES
 from ctx_integrations.engine.core.rows import slot_bucket
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded
@@ -111,7 +112,7 @@ def test_slot_buckets(rows, slots):
     assert slot_bucket(rows) == slots
 
 
-@pytest.mark.parametrize("mode", compiled_step.COMPILE_MODES)
+@pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_every_compile_mode_is_accepted_and_anything_else_refused_by_name(mode):
     compiled_step.check_compile_mode(mode)
     expected = "compile_mode must be one of None, 'auto', 'default', 'reduce-overhead', 'max-autotune', " \

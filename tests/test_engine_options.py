@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ctx_integrations.cli import build_parser, byte_count, engine_options, runtime_line
+from ctx_integrations.cli import build_parser, engine_options, runtime_line
+from ctx_integrations.engine.core.config import byte_count
 from ctx_integrations.engine.core.model import default_dtype
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import run_cli

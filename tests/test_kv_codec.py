@@ -139,8 +139,10 @@ def test_half_on_disk_is_fp16_and_contradictions_are_refused(loaded, tmp_path):
     assert KVCacheStore(loaded, tmp_path, half_on_disk=True).disk_format == "fp16"
     with pytest.raises(InvalidOptionError, match="half_on_disk"):
         KVCacheStore(loaded, tmp_path, half_on_disk=True, disk_format="int8")
-    with pytest.raises(InvalidOptionError, match="kv_format"):
-        KVCacheStore(loaded, tmp_path, disk_format="int4")
+    with pytest.raises(InvalidOptionError, match="disk_format must be one of native, fp16, bf16, int8, got 'int4'"):
+        KVCacheStore(loaded, tmp_path, disk_format="int4")  # named by its keyword (it said kv_format)
+    with pytest.raises(InvalidOptionError, match="host_format must be one of"):
+        KVCacheStore(loaded, tmp_path, host_format="int4")
 
 
 def _rewrite(path, change):

@@ -140,9 +140,14 @@ TARGETS = {
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
     "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),
-    # the CLI's engine flags: sizes read from the command line, and which flags become engine options
-    "cli_options": Target("ctx_integrations/cli.py", ("x_byte_count*", "x_engine_options*"),
+    # the CLI's engine options: which flags become keywords of Engine.from_pretrained
+    "cli_options": Target("ctx_integrations/cli.py", ("x_engine_options*",),
                           ("tests/test_engine_options.py", "tests/test_cli_fast.py")),
+    # the engine's settings: their checks, Engine's keywords over a config, the flags generated from the fields,
+    # sizes read from the command line (byte_count moved here from cli.py)
+    "config": Target("ctx_integrations/engine/core/config.py", ("*",),
+                     ("tests/test_engine_config.py", "tests/test_engine_options.py", "tests/test_compiled_step.py",
+                      "-k", "test_engine_config or test_engine_options or every_compile_mode")),
     "greedy_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_greedy_verdict*",),
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),

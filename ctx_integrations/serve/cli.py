@@ -81,9 +81,9 @@ def _require(module: str, extra: str) -> None:
 
 def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bool], Any],
           engine_options: Callable[[argparse.Namespace], dict[str, Any]]) -> int:
-    """``ctx-experts serve``: ``open_store`` and ``engine_options`` (``--threads``, ``--disk-format``,
-    ``--dtype``, the byte budgets) come from the main CLI, which imports this module only when the command runs;
-    with ``--ray`` the options reach every replica's engine."""
+    """``ctx-experts serve``: ``open_store`` and ``engine_options`` (the engine flags, ``--max-queued-requests``
+    included, and ``--dtype``) come from the main CLI, which imports this module only when the command runs; with
+    ``--ray`` the options reach every replica's engine."""
     if not 0 < args.port < 65536:
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     keys = api_keys_from(args)  # refuse a bad key or name before anything starts
@@ -103,10 +103,7 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
 
     store = open_store(args, True) if args.store else None
     cache_dir = Path(args.cache_dir) if args.cache_dir else (store.kv_dir if store is not None else None)
-    options = engine_options(args)
-    if args.max_queued is not None:
-        options["max_queued_requests"] = args.max_queued
-    engine = Engine.from_pretrained(args.model, device=args.device, cache_dir=cache_dir, **options)
+    engine = Engine.from_pretrained(args.model, device=args.device, cache_dir=cache_dir, **engine_options(args))
     if store is not None:
         store.engine = engine
     app = create_app(engine, store, max_in_flight=args.max_in_flight, limits=limits,

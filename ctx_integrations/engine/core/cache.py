@@ -26,14 +26,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from ctx_integrations.engine.core.config import DEFAULT_MEMORY_BYTES, check_setting, half_on_disk_format
 from ctx_integrations.engine.core.disk import FORMAT_VERSION, CacheStats, DiskTier, model_directory
-from ctx_integrations.engine.core.kv_codec import check_format, decode, encode
+from ctx_integrations.engine.core.kv_codec import decode, encode
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.prepared import PreparedText
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
-from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
-from ctx_integrations.errors import InvalidOptionError
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,6 @@ def kv_from_cache(cache: DynamicCache, start: int = 0) -> torch.Tensor:
                         for layer in cache.layers])
 
 
-DEFAULT_MEMORY_BYTES = 4 << 30  # 4 GiB of KV in the memory tier (device memory on a GPU, host RAM on CPU)
 DEFAULT_HOST_BYTES = 16 << 30  # 16 GiB of pinned host memory behind a GPU's memory tier (none on CPU)
 
 
@@ -119,20 +117,13 @@ class KVCacheStore:
     host_format: str = "native"
 
     def __post_init__(self) -> None:
-        # every budget is a whole number of bytes, checked here whether or not its tier exists (a disk budget
-        # without a folder is still a mistake worth naming)
-        self.memory_bytes = whole_number("memory_bytes", self.memory_bytes, minimum=0, hint=" (0: no memory tier)")
+        # every setting is checked as EngineConfig checks it, whether or not its tier exists (a disk budget without
+        # a folder is still a mistake worth naming): a store can be built without an engine
+        for name in ("memory_bytes", "host_bytes", "disk_bytes", "disk_format", "host_format"):
+            setattr(self, name, check_setting(name, getattr(self, name)))
         if self.host_bytes is None:
             self.host_bytes = DEFAULT_HOST_BYTES if self.loaded.device.type == "cuda" else 0
-        self.host_bytes = whole_number("host_bytes", self.host_bytes, minimum=0, hint=" (0: no host tier; or None)")
-        self.disk_bytes = optional_whole_number("disk_bytes", self.disk_bytes, minimum=0, hint=" (None = no limit)")
-        self.disk_format = check_format(self.disk_format)
-        self.host_format = check_format(self.host_format)
-        if self.half_on_disk:
-            if self.disk_format not in ("native", "fp16"):
-                raise InvalidOptionError(f"half_on_disk=True is disk_format='fp16', which contradicts "
-                                         f"disk_format={self.disk_format!r}: give disk_format alone")
-            self.disk_format = "fp16"
+        self.disk_format = half_on_disk_format(self.disk_format, self.half_on_disk)
         self.disk: DiskTier | None = None
         if self.directory is not None:
             root = Path(self.directory)

@@ -24,18 +24,11 @@ from collections.abc import Callable
 
 import torch
 
-from ctx_integrations.errors import InvalidOptionError
+from ctx_integrations.engine.core.config import check_compile_mode  # the command line offers the modes, torch-free
 
-COMPILE_MODES = (None, "auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Shapes one compiled step may be specialised to before Dynamo stops compiling new ones (its default is 8):
 # every (slot bucket, capacity) pair the arena visits is one.
 RECOMPILE_LIMIT = 64
-
-
-def check_compile_mode(mode: object) -> None:
-    """Refuse anything but ``None``, ``"auto"`` or a ``torch.compile`` mode, by name, before any work."""
-    if mode not in COMPILE_MODES:
-        raise InvalidOptionError(f"compile_mode must be one of {', '.join(map(repr, COMPILE_MODES))}, got {mode!r}")
 
 
 def resolve_compile_mode(mode: str | None, device: torch.device) -> str | None:

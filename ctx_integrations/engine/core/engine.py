@@ -21,17 +21,13 @@ import torch
 
 from ctx_integrations.documents import Document, prepare_documents, user_text
 from ctx_integrations.engine.core.answer import Answer
-from ctx_integrations.engine.core.cache import DEFAULT_MEMORY_BYTES, KVCacheStore
+from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.config import EngineConfig
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
 from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream, Pieces
-from ctx_integrations.engine.core.layout import (
-    DEFAULT_CONTEXT_TEMPLATE,
-    PCED_QUESTION_TEMPLATE,
-    PCED_SYSTEM_PROMPT,
-    PromptLayout,
-)
+from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.prepared import PreparedTexts
 from ctx_integrations.engine.core.registry import (
@@ -45,10 +41,7 @@ from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, Warm
 from ctx_integrations.engine.core.sampling import SamplingParams
 from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
 from ctx_integrations.engine.core.tools import tool_request
-from ctx_integrations.engine.core.validation import flag, optional_whole_number, question_template_text
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
-
-DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 
 def _documents_per_question(documents: Any, count: int) -> list[Sequence[Any]] | None:
@@ -125,83 +118,58 @@ def _no_callback(method: str, settings: dict[str, Any]) -> None:
 class Engine:
     """A local decoder with per-document KV caches and every decoding mode, serving concurrent requests.
 
-    ``cache_dir``: where document caches persist (the disk tier; ``None``: memory only), at most
-    ``disk_bytes`` of them (``None``: unbounded; least recently used entries are evicted), stored as
-    ``disk_format``: ``"native"`` (the model's dtype, exact), ``"fp16"`` / ``"bf16"`` (half an fp32 entry) or
-    ``"int8"`` (KIVI-quantised: about a quarter); see :mod:`~ctx_integrations.engine.core.kv_codec`.
-    ``memory_bytes``: the memory tier's budget (device memory on a GPU, host RAM on CPU; least recently
-    used entries are evicted). ``host_bytes``: the pinned host tier behind a GPU's memory tier, which
-    takes the entries the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on
-    CPU), stored as ``host_format`` (the same formats as ``disk_format``: an int8 entry crosses PCIe at about
-    a quarter of its fp32 bytes and is widened on the GPU). ``max_request_bytes``: the most KV one request
-    may allocate, checked before anything is allocated (``None``: 2 GiB on CPU, half the GPU's memory on CUDA).
-    ``max_batch_bytes``: the KV bytes all running requests of the model may reserve together (prompt +
-    ``max_new_tokens``, all their streams); a request that does not fit waits in the queue until running
-    ones finish (``None``: half the host's RAM on CPU, half the GPU's memory on CUDA; engines on one model
-    share it).
-    ``max_queued_requests``: requests waiting for admission beyond this are refused with
-    :class:`~ctx_integrations.errors.EngineOverloadedError`. ``request_timeout_s``: the default
-    per-request timeout (``None``: none); ``timeout=`` on a call overrides it. ``attention_kernel``: the
-    row pool's attention (every pooled mode): ``"auto"`` (FlexAttention with a block mask on CUDA, the
-    model's own attention with a boolean mask elsewhere), ``"flex"`` or ``"eager"``. ``threads``: torch's CPU
-    threads for the model's forwards, set on the engine's own step thread (``None``: torch's count in the
-    thread that builds the engine, capped at the physical cores this process may use, affinity mask and
-    cgroup quota included; see :mod:`~ctx_integrations.engine.core.machine`). ``compile_mode``: the row pool's
-    decode step under ``torch.compile`` (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"``
-    (``"reduce-overhead"``, CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere),
-    ``None`` (the eager step, the reference) or a ``torch.compile`` mode. ``batch_invariant``: on the CPU, run
-    the pool's forwards with kernels whose rows round the same whatever the batch
-    (:mod:`~ctx_integrations.engine.core.batch_invariant`: short GEMMs padded to a measured height, the math
-    attention kernel, capacity in whole 512-column key blocks), so a request's logits are bit for bit those it
-    gets alone in fp32 as in bf16, at 1.3-1.8x the time per token (docs/scheduler.md#batch-invariance);
-    ``False`` (default): a row's logits may move with its neighbours (fp32: ~4e-5). Every answer's
-    ``timings`` reports the ``threads`` and ``dtype`` it was computed with.
+    ``Engine(loaded, config=None, *, cache_dir=None, **settings)``: ``cache_dir`` is where document caches persist
+    (the disk tier; ``None``: memory only). Every other setting is a field of
+    :class:`~ctx_integrations.engine.core.config.EngineConfig`, which documents them: the cache tiers'
+    budgets and formats (``memory_bytes``, ``disk_bytes``, ``disk_format``, ``host_bytes``, ``host_format``), the
+    scheduler (``max_request_bytes``, ``max_batch_bytes``, ``max_queued_requests``, ``request_timeout_s``,
+    ``attention_kernel``, ``threads``, ``compile_mode``, ``batch_invariant``) and the prompt (``system_prompt``,
+    ``question_template``, ``context_template``). Give them as a ``config``, as keywords (``Engine(loaded,
+    threads=1)``), or both: the keywords apply over the config. ``half_on_disk=True`` is accepted as the older
+    spelling of ``disk_format="fp16"``. An unknown keyword is an
+    :class:`~ctx_integrations.errors.InvalidOptionError` listing the valid ones, and every value is checked before
+    any work. :attr:`config` is the :class:`EngineConfig` the engine runs with. Every answer's ``timings`` reports
+    the ``threads`` and ``dtype`` it was computed with.
 
     Engines built on one loaded model share its scheduler: their requests are batched together and
     never run forward passes at the same time.
     """
 
-    def __init__(self, loaded: LoadedModel, *, cache_dir: str | os.PathLike | None = None,
-                 half_on_disk: bool = False, disk_format: str = "native", memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 disk_bytes: int | None = None,
-                 host_bytes: int | None = None, host_format: str = "native",
-                 max_request_bytes: int | None = None, max_batch_bytes: int | None = None,
-                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, request_timeout_s: float | None = None,
-                 system_prompt: str = PCED_SYSTEM_PROMPT, question_template: str = PCED_QUESTION_TEMPLATE,
-                 context_template: str = DEFAULT_CONTEXT_TEMPLATE, attention_kernel: str = "auto",
-                 threads: int | None = None, compile_mode: str | None = "auto", batch_invariant: bool = False):
-        if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
-            raise InvalidOptionError(f"max_queued_requests must be an int >= 1, got {max_queued_requests!r}")
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
+                 cache_dir: str | os.PathLike | None = None, **settings: Any):
+        self.config = config = EngineConfig.resolve(config, settings)
         self.loaded = loaded
-        self.layout = PromptLayout(loaded.tokenizer, system_prompt, question_template_text(question_template),
-                                   context_template)
+        self.layout = PromptLayout(loaded.tokenizer, config.system_prompt, config.question_template,
+                                   config.context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.layout.context_ids("")  # builds the user-text tokenizer copy now (~0.5 s), not in a first caller's
         # thread (an async caller's would hold its event loop): documents are tokenised where requests are made
         self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None,
-                                  half_on_disk=half_on_disk, disk_format=disk_format, memory_bytes=memory_bytes,
-                                  disk_bytes=disk_bytes, host_bytes=host_bytes, host_format=host_format)
+                                  disk_format=config.disk_format, memory_bytes=config.memory_bytes,
+                                  disk_bytes=config.disk_bytes, host_bytes=config.host_bytes,
+                                  host_format=config.host_format)
         self.texts = PreparedTexts(self.layout, self.store)  # documents tokenised and keyed once per text
-        self.max_request_bytes = optional_whole_number("max_request_bytes", max_request_bytes, minimum=1)
-        self.max_queued_requests = max_queued_requests
-        self.request_timeout_s = _check_timeout(request_timeout_s)
-        self.scheduler = scheduler_for(loaded, attention_kernel,
-                                       optional_whole_number("max_batch_bytes", max_batch_bytes, minimum=1),
-                                       optional_whole_number("threads", threads, minimum=1), compile_mode,
-                                       flag("batch_invariant", batch_invariant))
+        self.max_request_bytes = config.max_request_bytes
+        self.max_queued_requests = config.max_queued_requests
+        self.request_timeout_s = config.request_timeout_s
+        self.scheduler = scheduler_for(loaded, config.attention_kernel, config.max_batch_bytes, config.threads,
+                                       config.compile_mode, config.batch_invariant)
         self._closed = False
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
-                        trust_remote_code: bool = False, **engine_options: Any) -> Engine:
+                        trust_remote_code: bool = False, config: EngineConfig | None = None,
+                        cache_dir: str | os.PathLike | None = None, **settings: Any) -> Engine:
         """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file.
 
         ``adapter``: a LoRA folder from ``ctx-experts distill``, merged into the weights.
         ``trust_remote_code``: run the model folder's own Python code (opt-in, only for folders you trust).
+        ``config``, ``cache_dir`` and ``settings``: as for :class:`Engine`, checked before the model loads.
         """
+        config = EngineConfig.resolve(config, settings)
         return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter,
-                              trust_remote_code=trust_remote_code), **engine_options)
+                              trust_remote_code=trust_remote_code), config, cache_dir=cache_dir)
 
     @property
     def modes(self) -> list[str]:

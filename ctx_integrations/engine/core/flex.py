@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 
+from ctx_integrations.engine.core.config import check_setting
 from ctx_integrations.errors import InvalidOptionError
 
 try:
@@ -32,8 +33,6 @@ try:
 except ImportError:  # torch < 2.9 returns the log-sum-exp with return_lse=True instead
     AuxOutput = AuxRequest = None
 
-ATTENTION_KERNELS = ("auto", "eager", "flex")
-
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """``"auto"`` -> ``"flex"`` on CUDA, ``"eager"`` elsewhere; ``"eager"`` / ``"flex"`` as given.
@@ -41,8 +40,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     Eager stays the default off CUDA: on CPU FlexAttention runs unfused (no gain), and eager is the
     reference every fast path is tested against.
     """
-    if kernel not in ATTENTION_KERNELS:
-        raise InvalidOptionError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    check_setting("attention_kernel", kernel)
     if kernel == "auto":
         return "flex" if torch.device(device).type == "cuda" and flex_attention is not None else "eager"
     if kernel == "flex" and flex_attention is None:

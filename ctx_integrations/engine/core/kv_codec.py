@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from ctx_integrations.engine.core.config import KV_FORMATS  # defined there: the command line offers them, torch-free
 from ctx_integrations.engine.core.validation import choice
 
-KV_FORMATS = ("native", "fp16", "bf16", "int8")
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _SCALE_DTYPE = torch.float16
 _LEVELS = 255

@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from ctx_integrations.documents import user_text
+from ctx_integrations.engine.core.validation import context_template_text
 from ctx_integrations.errors import ChatTemplateError, InvalidOptionError
 
 if TYPE_CHECKING:
@@ -79,9 +80,7 @@ class PromptLayout:
     context_template: str = DEFAULT_CONTEXT_TEMPLATE  # wraps each document, e.g. "Example(s): {context}" (ICL)
 
     def __post_init__(self) -> None:
-        if self.context_template.count("{context}") != 1:
-            raise InvalidOptionError(f"context_template must contain '{{context}}' exactly once, "
-                                     f"got {self.context_template!r}")
+        context_template_text(self.context_template)
 
     @cached_property
     def _pieces(self) -> tuple[str, str]:

@@ -83,6 +83,20 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def text(name: str, value: Any) -> str:
+    """A string (a prompt): ``None`` or a number would reach the chat template and be rendered as a word."""
+    if not isinstance(value, str):
+        raise InvalidOptionError(f"{name} must be a string, got {_describe(value)}")
+    return value
+
+
+def context_template_text(value: Any) -> str:
+    """A context template: a string holding ``{context}`` exactly once (each document is put where it stands)."""
+    if not isinstance(value, str) or value.count("{context}") != 1:
+        raise InvalidOptionError(f"context_template must contain '{{context}}' exactly once, got {value!r}")
+    return value
+
+
 def question_template_text(value: Any) -> str:
     """A question template: a string holding ``{question}`` and no other ``str.format`` field.
 
