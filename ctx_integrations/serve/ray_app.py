@@ -333,6 +333,15 @@ def stop() -> dict[str, float]:
     return {"serve": served - started, "ray": ended - served, "total": ended - started}
 
 
+def replica_options(args: Any, engine_options: dict[str, Any] | None) -> dict[str, Any]:
+    """What every replica's ``Engine.from_pretrained`` gets from the command line: the engine flags and ``--device``
+    (each replica loads its own model, so a device it is not told about would be silently its default)."""
+    options = dict(engine_options or {})
+    if getattr(args, "device", None):
+        options["device"] = args.device
+    return options
+
+
 def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None,
                   keys: tuple[str, ...] = ()) -> int:
     """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests)."""
@@ -345,7 +354,8 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options:
     cache_dir = kv_folder(args.cache_dir)
     app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
                     max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits,
-                    engine_options=engine_options, served_model_name=args.served_model_name, api_key=keys or None)
+                    engine_options=replica_options(args, engine_options), served_model_name=args.served_model_name,
+                    api_key=keys or None)
     start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
     print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
           f"{cache_dir}; store: {args.store or 'none'})", flush=True)
