@@ -21,10 +21,18 @@ def test_the_default_is_llama_index_s_num_output():
     assert DEFAULT_MAX_NEW_TOKENS == DEFAULT_NUM_OUTPUTS
 
 
-@pytest.mark.parametrize("method", ["generate", "agenerate", "astream", "generate_many", "agenerate_many", "chat",
-                                    "achat", "astream_chat"])
+@pytest.mark.parametrize("method", ["submit", "submit_chat", "generate_many", "agenerate_many"])
 def test_engine_methods_default_to_the_constant(method):
     assert inspect.signature(getattr(Engine, method)).parameters["max_new_tokens"].default == DEFAULT_MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("method", ["generate", "agenerate", "stream", "astream", "chat", "achat", "stream_chat",
+                                    "astream_chat"])
+def test_the_request_methods_take_their_defaults_from_submit(method):
+    """They are uses of ``submit`` / ``submit_chat``: a default of their own could drift from the constant."""
+    parameters = inspect.signature(getattr(Engine, method)).parameters
+    assert "max_new_tokens" not in parameters
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def test_the_stop_criteria_default_to_the_constant():

@@ -35,8 +35,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 class CallingBackend(FakeBackend):
     """Answers with a tool call and log-probabilities, as the engine's backend does."""
 
-    def _answer(self) -> dict:
-        return {**super()._answer(), "text": "", "finish_reason": "eos",
+    def canned(self) -> dict:
+        return {**super().canned(), "text": "", "finish_reason": "eos",
                 "tool_calls": [{"id": "call_1", "name": "get_weather",
                                 "arguments": {"city": "Oslo", "unit": "celsius"}}],
                 "logprobs": [{"token": "<", "logprob": -0.1, "bytes": [60], "top_logprobs": []}]}
@@ -118,8 +118,8 @@ def test_tool_calls_and_logprobs_are_answered_in_openais_shape():
 
 def test_an_answer_cut_short_is_length_even_with_calls():
     class CutBackend(CallingBackend):
-        def _answer(self) -> dict:
-            return {**super()._answer(), "finish_reason": "length"}
+        def canned(self) -> dict:
+            return {**super().canned(), "finish_reason": "length"}
 
     choice = send(create_app(backend=CutBackend(), model_name="fake"), "POST", "/v1/chat/completions",
                   json={**CHAT, "tools": [WEATHER]}).json()["choices"][0]
