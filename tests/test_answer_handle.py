@@ -309,3 +309,35 @@ def test_chat_handles_agree(engine):
 
     achat, text, answer = asyncio.run(main())
     assert achat.token_ids == answer.token_ids == expected.token_ids and text == expected.text
+
+
+def test_a_reader_waits_for_a_new_piece_instead_of_spinning():
+    pieces = Pieces()
+    pieces.push("a")
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (pieces.wait_after(1), returned.set()))
+    thread.start()
+    assert not returned.wait(0.1)  # nothing new yet: still waiting
+    pieces.push("b")
+    assert returned.wait(5)
+    thread.join()
+
+
+def test_an_async_reader_stops_listening_when_it_leaves_or_finishes():
+    left, finished = _Queued(), _Queued()
+    left.push("a", "b")
+    finished.push("c")
+    finished.finish()
+
+    async def main():
+        stream = left.handle.astream()
+        assert stream.answer is None
+        assert await stream.__anext__() == "a"
+        await stream.aclose()
+        whole = finished.handle.astream()
+        return [piece async for piece in whole], whole.answer
+
+    assert asyncio.run(main()) == (["c"], "the answer")
+    # no waker of a closed loop stays behind (a later piece would call into that loop from the scheduler's thread)
+    assert left.pieces._wakers == [] and finished.pieces._wakers == []
+    left.push("late")
