@@ -114,7 +114,7 @@ class PooledJob(Job):
         :meth:`propose_batch` (``None``, the default: this step's tokens are chosen by :meth:`propose` alone).
 
         A rule evaluated per request costs a launch per tensor operation per request; a batch of requests
-        sharing the rule pays them once (docs/scheduler.md#what-a-decode-step-costs-the-host).
+        sharing the rule pays them once (docs/scheduler.md#the-rule-batched-across-requests).
         """
         return None
 
