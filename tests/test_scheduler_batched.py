@@ -43,6 +43,12 @@ SECOND_WAVE = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def batch_on_cpu(monkeypatch):
+    """The CPU proposes one by one in production (``FusedJob.batch_on_cpu``); its exactness is what is tested here."""
+    monkeypatch.setattr(FusedJob, "batch_on_cpu", True)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """fp32, with the batch-invariant kernels: scores are compared bit for bit, and without them a row's logits

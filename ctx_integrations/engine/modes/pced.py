@@ -55,7 +55,9 @@ def contrasted(logits: torch.Tensor, beta: torch.Tensor, dynamic: torch.Tensor,
     formula serves both; every operation is per row, so a request's values do not depend on what is beside it.
     """
     amateur, experts = logits[:, :1], logits[:, 1:]
-    if dynamic.numel():
+    if dynamic.numel() == logits.shape[0]:  # every request starts here (one alone): no copy of the experts
+        beta = jensen_shannon(experts, amateur.expand_as(experts))
+    elif dynamic.numel():
         starting = experts[dynamic]
         beta = beta.index_copy(0, dynamic, jensen_shannon(starting, amateur[dynamic].expand_as(starting)))
     if score_space == "logprobs":
@@ -64,18 +66,19 @@ def contrasted(logits: torch.Tensor, beta: torch.Tensor, dynamic: torch.Tensor,
     return (1 + scale) * experts - scale * amateur, beta
 
 
-def max_fused(logits: torch.Tensor, experts: torch.Tensor, log_prior: torch.Tensor, gamma: torch.Tensor,
+def max_fused(logits: torch.Tensor, experts: torch.Tensor | None, log_prior: torch.Tensor, gamma: torch.Tensor,
               beta: torch.Tensor, dynamic: torch.Tensor, score_space: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's adjusted scores s^_k = (1 + beta_k) s_k - beta_k s_0 + gamma log r_k ``[J, K, V]`` of a batch
     of requests (the fused score is their max over k), and the betas used (:func:`contrasted`).
 
     ``experts`` ``[J, K]`` says which of the K columns are a request's documents (the others pad it to the
     widest request's count): a padded column's scores are ``-inf``, so it never wins, whatever its prior or a
-    gamma of 0. ``log_prior`` ``[J, K]`` and ``gamma`` ``[J]`` are each request's own.
+    gamma of 0; ``None``: no column is padded (one request alone: no copy of the scores to mask). ``log_prior``
+    ``[J, K]`` and ``gamma`` ``[J]`` are each request's own.
     """
     contrastive, beta = contrasted(logits, beta, dynamic, score_space)
     adjusted = contrastive + (gamma.unsqueeze(1) * log_prior).unsqueeze(2)
-    return adjusted.masked_fill(~experts.unsqueeze(2), -math.inf), beta
+    return (adjusted if experts is None else adjusted.masked_fill(~experts.unsqueeze(2), -math.inf)), beta
 
 
 def padded_rows(values: Sequence[torch.Tensor | None], counts: Sequence[int], width: int,
@@ -148,8 +151,7 @@ class PCEDFusion:
         beta = torch.zeros(1, experts, device=device) if given is None else given.to(device).unsqueeze(0)
         dynamic = torch.tensor([0] if given is None else [], dtype=torch.long, device=device)
         if self.aggregation == "max":
-            adjusted, beta = max_fused(logits.unsqueeze(0), torch.ones(1, experts, dtype=torch.bool, device=device),
-                                       self.log_prior.to(device).unsqueeze(0),
+            adjusted, beta = max_fused(logits.unsqueeze(0), None, self.log_prior.to(device).unsqueeze(0),
                                        torch.tensor([self.gamma], device=device), beta, dynamic, self.score_space)
             adjusted = self._keep_words_whole(adjusted[0], state)
             return FusedStep(adjusted.max(0).values, adjusted, carry=beta[0])
