@@ -550,6 +550,44 @@ def test_a_job_that_breaks_while_choosing_its_token_fails_alone(scheduler, where
     assert sched.stats.failed == 1 and runner.labels == []
 
 
+class FakeBatchJob(FailingJob):
+    """A job whose proposals a step chooses for all such jobs at once (``propose_batch``), as greedy PCED's do;
+    ``batches`` logs each batch's labels. A batch with a job whose ``where`` is "propose" breaks at its second step
+    (then that job's own ``propose`` breaks too, as the batch's error was its own)."""
+
+    batches: list[list[int]] = []
+
+    def batch_key(self):
+        return "fake rule"
+
+    @classmethod
+    def propose_batch(cls, jobs, logits):
+        cls.batches.append([job.labels[0] for job in jobs])
+        if any(job.where == "propose" and len(job.seen) == 1 for job in jobs):
+            raise ValueError("the batched rule broke")
+        return [torch.stack([row[-1, 0] for row in rows]) for rows in logits]
+
+
+def test_jobs_sharing_a_batch_key_propose_together_and_a_broken_batch_fails_only_its_own_request(scheduler):
+    FakeBatchJob.batches = []
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=1000)
+    broken = FakeBatchJob(1, "propose", rows=2, steps=3)
+    batched = [FakeBatchJob(label, "nowhere", rows=label, steps=4) for label in (2, 3)]
+    alone = FakeJob(4, rows=2, steps=4)
+    handles, running, gate = paused_with_queue(sched, runner, [submission(job) for job in (broken, *batched, alone)])
+    runner.running.set()
+    with pytest.raises(ValueError, match="the rule broke"):  # its own error, from its own propose
+        handles[0].future.result(timeout=WAIT_S)
+    for handle, job in zip(handles[1:], (*batched, alone), strict=True):
+        assert handle.future.result(timeout=WAIT_S) is job and len(job.seen) == 4  # each got its own rows
+    assert FakeBatchJob.batches[:2] == [[100, 200, 300], [100, 200, 300]]  # the second one broke: retried alone
+    assert FakeBatchJob.batches[2:] == [[200, 300]] * 2  # the jobs without a batch key never joined a batch
+    gate.set()
+    running.future.result(timeout=WAIT_S)
+    assert sched.stats.failed == 1 and runner.labels == []
+
+
 def test_a_request_too_large_for_the_batch_says_how_large_and_what_to_do(scheduler):
     sched = scheduler(budget=3 * 2**20, bytes_per_token=2**20)
     with pytest.raises(RequestTooLargeError) as refused:

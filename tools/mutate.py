@@ -44,8 +44,10 @@ class Target:
 TARGETS = {
     "scores": Target("ctx_integrations/retrieval/scores.py", ("*",), ("tests/test_scores.py",)),
     "pced": Target("ctx_integrations/engine/modes/pced.py",
-                   ("x_jensen_shannon*", "x_relevance_weights*", "xǁPCEDFusionǁ*"),
-                   ("tests/test_core_fusion.py", "tests/test_pced_word_switch.py", "tests/test_priors.py", "-k",
+                   ("x_jensen_shannon*", "x_relevance_weights*", "x_contrasted*", "x_max_fused*", "x_padded_rows*",
+                    "xǁPCEDFusionǁ*"),
+                   ("tests/test_core_fusion.py", "tests/test_pced_word_switch.py", "tests/test_priors.py",
+                    "tests/test_pced_batched.py", "-k",
                     "not answer_equals_a_reference and not one_document_is and not mode and not ape_bias")),
     "priors": Target("ctx_integrations/engine/modes/priors.py", ("*",),
                      ("tests/test_priors.py", "-k", "not mode and not ape_bias")),
@@ -93,6 +95,9 @@ TARGETS = {
                        ("xǁIncrementalTextǁ*", "xǁStopCriteriaǁfirst_stop*", "xǁStopCriteriaǁcut*", "xǁEmitterǁ*"),
                        ("tests/test_emitter.py", "tests/test_prepared_requests.py", "tests/test_answer_handle.py",
                         "-k", "test_emitter or incremental or stop_string or streams_exactly or test_answer_handle")),
+    # the batched greedy pick: each request's token, winner and scores from one batched rule evaluation
+    "greedy_proposals": Target("ctx_integrations/engine/core/decoding.py", ("x_greedy_proposals*",),
+                               ("tests/test_pced_batched.py",)),
     # the compile mode's checks and resolution, the compiled step's options and its fallback (Dynamo's own tests, a
     # minute each, are left out: mutmut's trampolines are not traceable anyway)
     "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),
@@ -108,7 +113,7 @@ TARGETS = {
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
                         ("xǁSchedulerǁ_plan*", "xǁSchedulerǁ_build*", "xǁSchedulerǁ_take_ready*",
                          "xǁSchedulerǁ_reserved*", "xǁSchedulerǁ_retire*", "xǁSchedulerǁ_consume*",
-                         "xǁSchedulerǁ_waiting*", "xǁSchedulerǁ_step*", "xǁSchedulerǁ_count*",
+                         "xǁSchedulerǁ_propose*", "xǁSchedulerǁ_waiting*", "xǁSchedulerǁ_step*", "xǁSchedulerǁ_count*",
                          "xǁSchedulerǁ_follow_up*", "xǁSchedulerǁ_bytes_needed*"),
                         ("tests/test_scheduler_core.py",)),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",

@@ -17,7 +17,7 @@ that yields after each forward, so a long answer never holds the other requests 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from ctx_integrations.engine.core.decoding import (
     DecodeResult,
     Emitter,
     FusionRule,
+    greedy_proposals,
     propose_token,
     settle_token,
 )
@@ -108,6 +109,25 @@ class PooledJob(Job):
         """
         raise NotImplementedError
 
+    def batch_key(self) -> Hashable | None:
+        """Jobs of one class with equal keys may choose a step's tokens together, in one call of the class's
+        :meth:`propose_batch` (``None``, the default: this step's tokens are chosen by :meth:`propose` alone).
+
+        A rule evaluated per request costs a launch per tensor operation per request; a batch of requests
+        sharing the rule pays them once (docs/scheduler.md#the-rule-batched-across-requests).
+        """
+        return None
+
+    @classmethod
+    def propose_batch(cls, jobs: list[PooledJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`propose` for several jobs of this class with one :meth:`batch_key`: per job (``logits[j]`` its
+        rows' logits) the very values its own :meth:`propose` returns, chosen together.
+
+        If it raises, the scheduler proposes each job alone instead, so an error reaches only the requests it
+        belongs to: it must change no job's state unless it returns.
+        """
+        raise NotImplementedError
+
     def accept(self, values: list[float]) -> None:
         """This job's proposal, read back: emit its tokens and decide the next runs."""
         raise NotImplementedError
@@ -170,11 +190,42 @@ class FusedJob(PooledJob):
         return self._next
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        if "prefill_s" not in self.ctx.timings:
-            self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
+        self._prefilled()
         values, self._carry = propose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
                                             self.ctx.sampler)
         return values
+
+    batch_on_cpu = False
+    """Whether jobs on the CPU batch their rule too (tests switch it on). Off: a CPU pays no kernel launch to save,
+    and the batch's tensors leave the core's cache where one request's stay in it: PCED's rule over 8 requests x 4
+    streams x 49,152 logits took 15 ms batched and 2.8 ms one by one (one thread, docs/scheduler.md)."""
+
+    def batch_key(self) -> Hashable | None:
+        """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) when the answer is
+        greedy with nothing but the argmax read from the fused scores (:attr:`TokenSampler.greedy_argmax`), on an
+        accelerator (or on the CPU with :attr:`batch_on_cpu`)."""
+        key = getattr(self.rule, "batch_key", None)
+        on_cpu = self.ctx.engine.loaded.device.type == "cpu"
+        if key is None or not self.ctx.sampler.greedy_argmax or (on_cpu and not self.batch_on_cpu):
+            return None
+        return key()
+
+    @classmethod
+    def propose_batch(cls, jobs: list[FusedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """One batched rule evaluation and one argmax for all the jobs (their rules share a batch key)."""
+        rules = [job.rule for job in jobs]
+        fused = type(rules[0]).fuse_batch(rules, [[row[-1] for row in rows] for rows in logits],
+                                          [job.state for job in jobs])
+        values = greedy_proposals(fused).unbind(0)
+        for job, carry in zip(jobs, fused.carries, strict=True):
+            job._prefilled()
+            job._carry = carry
+        return list(values)
+
+    def _prefilled(self) -> None:
+        """The first proposal comes right after the prompt's prefill: its time is the request's ``prefill_s``."""
+        if "prefill_s" not in self.ctx.timings:
+            self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
 
     def accept(self, values: list[float]) -> None:
         step, self.state = settle_token(values, self._carry, self.ctx.sampler)

@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -554,12 +554,7 @@ class Scheduler:
             taking.extend(entry for entry in joining.split(output.joined) if not entry[1].over)
             with self._cond:
                 self._batch.extend(joining)
-        proposals = []
-        for job, request, logits in taking:
-            try:
-                proposals.append((job, request, job.propose(logits)))
-            except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
-                self._fail(request, contained(error))
+        proposals = self._propose(taking)
         if not proposals:
             return
         values = torch.cat([proposal for _, _, proposal in proposals]).tolist()  # the step's one read back
@@ -567,6 +562,33 @@ class Scheduler:
         for job, request, proposal in proposals:
             self._guard(request, job.accept, values[offset:offset + proposal.numel()])
             offset += proposal.numel()
+
+    def _propose(self, taking: list[tuple[PooledJob, Request, list[torch.Tensor]]]
+                 ) -> list[tuple[PooledJob, Request, torch.Tensor]]:
+        """Each job's proposal, in ``taking``'s order: jobs of one class with one :meth:`PooledJob.batch_key` choose
+        theirs together (one batched rule evaluation instead of one per request), the others alone.
+
+        A batch that raises is proposed again job by job, so its error reaches only the requests it belongs to.
+        """
+        groups: dict[tuple[type, Hashable], list[int]] = {}
+        for index, (job, _, _) in enumerate(taking):
+            key = job.batch_key()
+            if key is not None:
+                groups.setdefault((type(job), key), []).append(index)
+        chosen: dict[int, torch.Tensor] = {}
+        for (kind, _), members in groups.items():
+            try:
+                values = kind.propose_batch([taking[i][0] for i in members], [taking[i][2] for i in members])
+            except Exception:  # noqa: BLE001 - retried one by one below: each request meets its own error alone
+                continue
+            chosen.update(zip(members, values, strict=True))
+        proposals = []
+        for index, (job, request, logits) in enumerate(taking):
+            try:
+                proposals.append((job, request, chosen[index] if index in chosen else job.propose(logits)))
+            except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
+                self._fail(request, contained(error))
+        return proposals
 
     def _guard(self, request: Request, call: Callable[..., None], *args: Any) -> None:
         try:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedBatch, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -43,6 +43,56 @@ def relevance_weights(relevance: Sequence[float] | torch.Tensor) -> torch.Tensor
     r = torch.as_tensor(relevance, dtype=torch.float32)
     total = r.sum()
     return r / total if total > 0 else torch.full_like(r, 1.0 / len(r))
+
+
+def contrasted(logits: torch.Tensor, beta: torch.Tensor, dynamic: torch.Tensor,
+               score_space: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contrastive scores (1 + beta_k) s_k - beta_k s_0 of a batch of requests' experts, and the betas used.
+
+    ``logits`` ``[J, 1 + K, V]`` (float32; each request's amateur, then its experts), ``beta`` ``[J, K]`` (each
+    request's fixed or carried beta), ``dynamic`` ``[D]``: the requests whose beta is AdaCAD's JSD at this step
+    (their rows of ``beta`` are replaced). One request is a batch of one (:meth:`PCEDFusion.__call__`), so one
+    formula serves both; every operation is per row, so a request's values do not depend on what is beside it.
+    """
+    amateur, experts = logits[:, :1], logits[:, 1:]
+    if dynamic.numel() == logits.shape[0]:  # every request starts here (one alone): no copy of the experts
+        beta = jensen_shannon(experts, amateur.expand_as(experts))
+    elif dynamic.numel():
+        starting = experts[dynamic]
+        beta = beta.index_copy(0, dynamic, jensen_shannon(starting, amateur[dynamic].expand_as(starting)))
+    if score_space == "logprobs":
+        amateur, experts = torch.log_softmax(amateur, -1), torch.log_softmax(experts, -1)
+    scale = beta.unsqueeze(2)
+    return (1 + scale) * experts - scale * amateur, beta
+
+
+def max_fused(logits: torch.Tensor, experts: torch.Tensor | None, log_prior: torch.Tensor, gamma: torch.Tensor,
+              beta: torch.Tensor, dynamic: torch.Tensor, score_space: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's adjusted scores s^_k = (1 + beta_k) s_k - beta_k s_0 + gamma log r_k ``[J, K, V]`` of a batch
+    of requests (the fused score is their max over k), and the betas used (:func:`contrasted`).
+
+    ``experts`` ``[J, K]`` says which of the K columns are a request's documents (the others pad it to the
+    widest request's count): a padded column's scores are ``-inf``, so it never wins, whatever its prior or a
+    gamma of 0; ``None``: no column is padded (one request alone: no copy of the scores to mask). ``log_prior``
+    ``[J, K]`` and ``gamma`` ``[J]`` are each request's own.
+    """
+    contrastive, beta = contrasted(logits, beta, dynamic, score_space)
+    adjusted = contrastive + (gamma.unsqueeze(1) * log_prior).unsqueeze(2)
+    return (adjusted if experts is None else adjusted.masked_fill(~experts.unsqueeze(2), -math.inf)), beta
+
+
+def padded_rows(values: Sequence[torch.Tensor | None], counts: Sequence[int], width: int,
+                device: torch.device) -> torch.Tensor:
+    """``[len(values), width]`` float32 zeros with ``values[j]`` (``counts[j]`` entries, ``None``: left zero) at
+    the start of row j, on ``device``: one concatenation and one scatter whatever the number of rows (a copy per
+    row would cost the batched rule an operation per request)."""
+    places = [j * width + k for j, (value, count) in enumerate(zip(values, counts, strict=True)) if value is not None
+              for k in range(count)]
+    flat = torch.zeros(len(values) * width, device=device)
+    present = [value.to(device) for value in values if value is not None]
+    if present:
+        flat = flat.index_copy(0, torch.tensor(places, dtype=torch.long, device=device), torch.cat(present))
+    return flat.view(len(values), width)
 
 
 class PCEDFusion:
@@ -93,27 +143,65 @@ class PCEDFusion:
 
     def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         logits = logits.float()
-        amateur, experts = logits[0], logits[1:]
-        if experts.shape[0] != self.relevance.shape[0]:
-            raise InvalidOptionError(f"got {experts.shape[0]} expert streams for {self.relevance.shape[0]} scores")
-        beta = state.carry if state.carry is not None else self.fixed_beta
-        if beta is None:
-            beta = jensen_shannon(experts, amateur.expand_as(experts)).cpu()
-        if self.score_space == "logprobs":
-            amateur, experts = torch.log_softmax(amateur, -1), torch.log_softmax(experts, -1)
-        scale = beta.to(logits.device).unsqueeze(1)
-        contrastive = (1 + scale) * experts - scale * amateur
-        logs = self.log_prior.to(logits.device)
+        experts = logits.shape[0] - 1
+        if experts != self.relevance.shape[0]:
+            raise InvalidOptionError(f"got {experts} expert streams for {self.relevance.shape[0]} scores")
+        device = logits.device
+        given = state.carry if state.carry is not None else self.fixed_beta
+        beta = torch.zeros(1, experts, device=device) if given is None else given.to(device).unsqueeze(0)
+        dynamic = torch.tensor([0] if given is None else [], dtype=torch.long, device=device)
         if self.aggregation == "max":
-            adjusted = contrastive + self.gamma * logs.unsqueeze(1)
-            adjusted = self._keep_words_whole(adjusted, state)
-            return FusedStep(adjusted.max(0).values, adjusted, carry=beta)
-        weights = relevance_weights(logs.exp()).unsqueeze(1)
+            adjusted, beta = max_fused(logits.unsqueeze(0), None, self.log_prior.to(device).unsqueeze(0),
+                                       torch.tensor([self.gamma], device=device), beta, dynamic, self.score_space)
+            adjusted = self._keep_words_whole(adjusted[0], state)
+            return FusedStep(adjusted.max(0).values, adjusted, carry=beta[0])
+        contrastive, beta = contrasted(logits.unsqueeze(0), beta, dynamic, self.score_space)
+        contrastive, beta = contrastive[0], beta[0]
+        weights = relevance_weights(self.log_prior.to(device).exp()).unsqueeze(1)
         log_p = torch.log_softmax(contrastive, -1)
         if self.aggregation == "mixture":
             weighted = torch.log(weights.clamp_min(TINY)) + log_p
             return FusedStep(torch.logsumexp(weighted, 0), weighted, carry=beta)
         return FusedStep((weights * log_p).sum(0), torch.log(weights.clamp_min(TINY)) + log_p, carry=beta)
+
+    def batch_key(self) -> tuple[type, str] | None:
+        """Rules with equal keys are evaluated together by :meth:`fuse_batch` (``None``: only one by one).
+
+        The paper's rule (``max`` over the experts, any expert may win any token) batches across requests of any
+        document count, beta, gamma and prior; ``mixture`` / ``product`` and the word switch go one by one.
+        """
+        if self.aggregation != "max" or self.word_pieces is not None:
+            return None
+        return (PCEDFusion, self.score_space)
+
+    @classmethod
+    def fuse_batch(cls, rules: Sequence[PCEDFusion], rows: Sequence[Sequence[torch.Tensor]],
+                   states: Sequence[FusionState]) -> FusedBatch:
+        """One step of several requests in one evaluation of :func:`max_fused`: what each rule's ``__call__``
+        gives alone (its scores, evidence and carried beta), for a constant number of tensor operations.
+
+        ``rows``: per request its streams' logits (``[V]`` each, amateur first), ``states`` its state; the
+        rules share a :meth:`batch_key`. Requests with fewer documents than the widest are padded with copies of
+        their amateur row (finite scores, so no NaN reaches the maximum), whose evidence is then ``-inf``: a
+        padded expert never wins a token or a citation. Each request keeps its own prior, gamma and beta (fixed,
+        carried, or its JSD at its first step).
+        """
+        counts = [len(streams) - 1 for streams in rows]
+        for rule, count in zip(rules, counts, strict=True):
+            if count != rule.relevance.shape[0]:
+                raise InvalidOptionError(f"got {count} expert streams for {rule.relevance.shape[0]} scores")
+        width = max(counts)
+        padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
+        logits = torch.stack(padded).float().unflatten(0, (len(rows), width + 1))
+        device = logits.device
+        experts = (torch.arange(width) < torch.tensor(counts).unsqueeze(1)).to(device)
+        given = [state.carry if state.carry is not None else rule.fixed_beta for rule, state in zip(rules, states)]
+        dynamic = torch.tensor([j for j, beta in enumerate(given) if beta is None], dtype=torch.long, device=device)
+        log_prior = padded_rows([rule.log_prior for rule in rules], counts, width, torch.device("cpu")).to(device)
+        gamma = torch.tensor([rule.gamma for rule in rules], device=device)
+        adjusted, beta = max_fused(logits, experts, log_prior, gamma, padded_rows(given, counts, width, device),
+                                   dynamic, rules[0].score_space)
+        return FusedBatch(adjusted.max(1).values, adjusted, [beta[j, :count] for j, count in enumerate(counts)])
 
     def _keep_words_whole(self, adjusted: torch.Tensor, state: FusionState) -> torch.Tensor:
         """``switch="word"``: only the last token's winner may continue its open word (a new tensor)."""
@@ -153,7 +241,7 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = 2.
 
     def finish(result: DecodeResult) -> DecodeResult:
         used = job.state.carry  # the beta the answer was decoded with (None: no step ran)
-        result.extra["beta"] = [round(float(b), 6) for b in used] if used is not None else None
+        result.extra["beta"] = [round(b, 6) for b in used.tolist()] if used is not None else None
         return result
 
     job = expert_streams_job(ctx, rule, finish=finish)
