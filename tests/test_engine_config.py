@@ -174,39 +174,6 @@ def test_serve_still_takes_max_queued_the_older_name_of_max_queued_requests(caps
     assert "argument --max-queued: max_queued_requests must be an integer in [1, inf], got 0" in capsys.readouterr().err
 
 
-def test_serve_ray_hands_max_queued_to_every_replica(monkeypatch, capsys):
-    """Bug caught: ``serve --ray --max-queued N`` built its replicas without it (only the one-process server read
-    the flag, by hand)."""
-    ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
-    seen: dict = {}
-
-    def build_app(**kwargs):
-        seen.update(kwargs)
-        raise InvalidOptionError("stopped before Ray starts")
-
-    monkeypatch.setattr(ray_app, "build_app", build_app)
-    monkeypatch.delenv("CTX_API_KEY", raising=False)
-    assert run_cli("serve", "--ray", "--max-queued", "5", "--request-timeout-s", "9") == 2
-    assert "stopped before Ray starts" in capsys.readouterr().err
-    assert seen["engine_options"] == {"max_queued_requests": 5, "request_timeout_s": 9.0}
-
-
-def test_serve_ray_hands_the_device_to_every_replica(monkeypatch, capsys):
-    """Bug caught: ``serve --ray --device cuda:1`` loaded every replica's model on its default device."""
-    ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
-    seen: dict = {}
-
-    def build_app(**kwargs):
-        seen.update(kwargs)
-        raise InvalidOptionError("stopped before Ray starts")
-
-    monkeypatch.setattr(ray_app, "build_app", build_app)
-    monkeypatch.delenv("CTX_API_KEY", raising=False)
-    assert run_cli("serve", "--ray", "--device", "cuda:1", "--threads", "2") == 2
-    assert "stopped before Ray starts" in capsys.readouterr().err
-    assert seen["engine_options"] == {"device": "cuda:1", "threads": 2}
-
-
 @pytest.mark.parametrize(("flags", "named"), [(["--memory-bytes", "1GiB"], "--memory-bytes"),
                                               (["--system-prompt", "Be brief."], "--system-prompt")])
 def test_ingest_no_cache_refuses_every_engine_flag_it_would_ignore(tmp_path, flags, named):

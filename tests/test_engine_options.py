@@ -160,8 +160,18 @@ def test_a_ray_replica_builds_its_engine_with_the_options_and_one_thread_by_defa
                      {"model": "m", "cache_dir": "/kv", "threads": 2}]
 
 
-def test_serve_ray_hands_the_engine_flags_to_the_app(monkeypatch, capsys):
-    """Bug caught: ``serve --ray`` building its replicas without ``--threads`` / ``--disk-format`` / ``--dtype``."""
+@pytest.mark.parametrize(("argv", "expected"), [
+    # serve --ray building its replicas without --threads / --disk-format / --dtype
+    (["--threads", "2", "--disk-format", "int8", "--dtype", "float32", "--max-batch-bytes", "1GiB", "serve", "--ray"],
+     {"threads": 2, "disk_format": "int8", "dtype": torch.float32, "max_batch_bytes": 2**30}),
+    # serve --ray --max-queued N: only the one-process server read the flag, by hand
+    (["serve", "--ray", "--max-queued", "5", "--request-timeout-s", "9"],
+     {"max_queued_requests": 5, "request_timeout_s": 9.0}),
+    # serve --ray --device cuda:1 loaded every replica's model on its default device
+    (["serve", "--ray", "--device", "cuda:1", "--threads", "2"], {"device": "cuda:1", "threads": 2}),
+], ids=["engine-flags", "max-queued", "device"])
+def test_serve_ray_hands_the_engine_flags_to_every_replica(monkeypatch, capsys, argv, expected):
+    """Each flag the one-process server honours reaches the engine options every Ray replica is built with."""
     ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
     seen: dict = {}
 
@@ -170,8 +180,7 @@ def test_serve_ray_hands_the_engine_flags_to_the_app(monkeypatch, capsys):
         raise InvalidOptionError("stopped before Ray starts")
 
     monkeypatch.setattr(ray_app, "build_app", build_app)
-    assert run_cli("--threads", "2", "--disk-format", "int8", "--dtype", "float32", "--max-batch-bytes", "1GiB",
-                   "serve", "--ray") == 2
+    monkeypatch.delenv("CTX_API_KEY", raising=False)
+    assert run_cli(*argv) == 2
     assert "stopped before Ray starts" in capsys.readouterr().err
-    assert seen["engine_options"] == {"threads": 2, "disk_format": "int8", "dtype": torch.float32,
-                                      "max_batch_bytes": 2**30}
+    assert seen["engine_options"] == expected
