@@ -144,8 +144,7 @@ class PCEDFusion:
     def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         logits = logits.float()
         experts = logits.shape[0] - 1
-        if experts != self.relevance.shape[0]:
-            raise InvalidOptionError(f"got {experts} expert streams for {self.relevance.shape[0]} scores")
+        self._check_experts(experts)
         device = logits.device
         given = state.carry if state.carry is not None else self.fixed_beta
         beta = torch.zeros(1, experts, device=device) if given is None else given.to(device).unsqueeze(0)
@@ -163,6 +162,11 @@ class PCEDFusion:
             weighted = torch.log(weights.clamp_min(TINY)) + log_p
             return FusedStep(torch.logsumexp(weighted, 0), weighted, carry=beta)
         return FusedStep((weights * log_p).sum(0), torch.log(weights.clamp_min(TINY)) + log_p, carry=beta)
+
+    def _check_experts(self, count: int) -> None:
+        """Refuse a step whose expert streams are not one per score (the rule was built for other documents)."""
+        if count != self.relevance.shape[0]:
+            raise InvalidOptionError(f"got {count} expert streams for {self.relevance.shape[0]} scores")
 
     def batch_key(self) -> tuple[type, str] | None:
         """Rules with equal keys are evaluated together by :meth:`fuse_batch` (``None``: only one by one).
@@ -188,8 +192,7 @@ class PCEDFusion:
         """
         counts = [len(streams) - 1 for streams in rows]
         for rule, count in zip(rules, counts, strict=True):
-            if count != rule.relevance.shape[0]:
-                raise InvalidOptionError(f"got {count} expert streams for {rule.relevance.shape[0]} scores")
+            rule._check_experts(count)
         width = max(counts)
         padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
         logits = torch.stack(padded).float().unflatten(0, (len(rows), width + 1))
