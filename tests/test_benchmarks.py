@@ -145,3 +145,17 @@ def test_ape_search(tmp_path):
     tuned = rows[2]
     assert tuned["system"] == f"ape T={tuned['T']} S={tuned['S']}" and {tuned["T"], tuned["S"]} <= {0.9, 1.0}
     assert all(r["examples"] == 1 for r in rows)
+
+
+def test_rule_dtype(tmp_path):
+    from ctx_integrations.engine.modes.pced import PCEDFusion
+
+    rule = PCEDFusion.__call__
+    rows = {r["dtype"]: r for r in run_benchmark("rule_dtype", ["--quick"], tmp_path)}
+    assert set(rows) == {"bfloat16", "float16", "float32"}
+    assert rows["float32"]["steps"] > 0 and rows["float32"]["min_gap"] >= 0
+    # the control: the formula re-evaluated in fp32 is the engine's own choice, token and winner, at every step
+    assert rows["float32"]["tokens_differ"] == rows["float32"]["winners_differ"] == 0
+    assert rows["float32"]["resolution_at_median_score"] < rows["float16"]["resolution_at_median_score"] \
+        < rows["bfloat16"]["resolution_at_median_score"]
+    assert PCEDFusion.__call__ is rule  # the engine's rule is put back
