@@ -211,7 +211,10 @@ def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
     def recording(*args, **kwargs):
         rule = original(*args, **kwargs)
         seen.append(rule.document_bias)
+        knobs.append((rule.temperature, rule.scale))
         return rule
+
+    knobs = []
 
     ape.ApeRowAttention = recording
     try:
@@ -222,8 +225,9 @@ def test_ape_mode_biases_documents_by_their_prior(tiny_engine):
         ape.ApeRowAttention = original
     assert paper.token_ids and seen[0] == ()
     assert seen[1] == pytest.approx((0.0, -2.0 * math.log(3), -2.0 * math.log(2)))
-    # the default: gamma 1 on the softmax prior, (r_k - r_max) / 0.05
-    assert seen[2] == pytest.approx((0.0, (0.6 - 0.9) / 0.05, (0.75 - 0.9) / 0.05), abs=1e-4)
+    # the default, measured on NQ-open: gamma 3 on the softmax prior, 3 (r_k - r_max) / 0.05, with T = S = 1
+    assert seen[2] == pytest.approx((0.0, 3 * (0.6 - 0.9) / 0.05, 3 * (0.75 - 0.9) / 0.05), abs=1e-4)
+    assert knobs[2] == (1.0, 1.0)
     eager = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
                                  attention_kernel="eager", max_new_tokens=4)
     flex = tiny_engine.generate("What is the code?", docs, mode="ape", gamma=2.0, prior="rank",
