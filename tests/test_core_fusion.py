@@ -196,3 +196,23 @@ def test_a_stream_count_that_does_not_match_the_scores_is_named():
 def test_invalid_arguments_are_named_in_the_error(relevance, kwargs, message):
     with pytest.raises(InvalidOptionError, match=message):
         PCEDFusion(relevance, **kwargs)
+
+
+def test_pced_word_switch_without_word_pieces_is_refused_by_name():
+    with pytest.raises(InvalidOptionError,
+                       match=r"^switch='word' needs the vocabulary's word pieces \(LoadedModel\.word_pieces\)$"):
+        PCEDFusion([0.9, 0.4], switch="word")
+
+
+def test_pced_prior_options_reach_the_prior_in_float32():
+    """``prior_tau`` and ``prior_floor`` are the rule's, not the defaults; scores given as float64 (numpy) give a
+    float32 prior, the dtype the batched rule pads into."""
+    from ctx_integrations.engine.modes.priors import log_prior
+
+    scores = np.array([0.9, 0.5, 0.7])
+    tempered = PCEDFusion(scores, prior="softmax", prior_tau=0.2).log_prior
+    assert tempered.dtype == torch.float32
+    assert torch.allclose(tempered, torch.log_softmax(torch.tensor([0.9, 0.5, 0.7]) / 0.2, 0))
+    floored = PCEDFusion(scores, prior="minmax", prior_floor=0.3).log_prior
+    assert torch.equal(floored, log_prior(torch.tensor([0.9, 0.5, 0.7]), "minmax", floor=0.3))
+    assert not torch.equal(floored, PCEDFusion(scores, prior="minmax").log_prior)

@@ -103,3 +103,16 @@ def test_only_the_papers_max_rule_batches_and_by_score_space():
     assert PCEDFusion([0.5], aggregation="mixture").batch_key() is None
     assert PCEDFusion([0.5], aggregation="product").batch_key() is None
     assert PCEDFusion([0.5], switch="word", word_pieces=object()).batch_key() is None
+
+
+def test_a_batch_whose_dynamic_count_equals_its_stream_count_keeps_the_fixed_betas():
+    """Three one-document requests, two of them at their first step with a dynamic beta: the dynamic count (2)
+    equals the batch's streams per request (1 + 1), so a shortcut taken on that count instead of the request
+    count would give the fixed-beta request its JSD too."""
+    batch = [PCEDFusion([0.8]), PCEDFusion([0.6], beta=0.3), PCEDFusion([0.9])]
+    carries = assert_batch_equals_alone(batch, [step_logits(seed, 1) for seed in (3, 4, 5)], [FIRST_STEP] * 3)
+    assert carries[1].tolist() == pytest.approx([0.3])
+
+
+def test_a_batch_of_one_is_the_request_alone():
+    assert_batch_equals_alone([PCEDFusion([0.8, 0.3], beta=0.2)], [step_logits(7, 2)], [FIRST_STEP])
