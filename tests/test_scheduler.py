@@ -397,7 +397,8 @@ def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_go
 def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
     # gpt-fast / nano-vllm: tokens are chosen on the device and read back in one transfer for the whole batch.
     # Counting every tensor-to-Python read while the jobs choose their tokens: a job that read its own token
-    # (or its winner, or its score) back would add reads per job per step.
+    # (or its winner, or its score) back would add reads per job per step. Soft-NBCE's paper rule (the default) and
+    # its hard limit build the support of the nuclei on the device too.
     engine = Engine(tiny_loaded("llama", seed=3))
     inside, reads, steps = [False], [0], [0]
     consume = scheduler_module.Scheduler._consume
@@ -427,12 +428,14 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
         return await asyncio.gather(
             *(engine.agenerate(q, DOCS[:3], max_new_tokens=6) for q in ("Who is the mayor?", "Where is it?")),
             engine.agenerate("What river?", DOCS[:2], mode="soft_nbce", max_new_tokens=6, rule="nbce_code"),
+            engine.agenerate("What river?", DOCS[:3], mode="soft_nbce", max_new_tokens=6),
+            engine.agenerate("Who is the mayor?", DOCS[1:4], mode="nbce", max_new_tokens=6),
             engine.agenerate_many(["When is the fair?", "Who is the harbour master?"], DOCS[2:4], max_new_tokens=6),
             engine.agenerate("Who is it?", DOCS[:3], mode="rapid", gamma=3, max_new_tokens=6, draft_context_tokens=16,
                              chunk_tokens=8, ranking="scores"))
 
     answers = asyncio.run(run())
-    assert all(len(a.token_ids) == 6 for a in answers[:3]) and steps[0] >= 6
+    assert all(len(a.token_ids) == 6 for a in answers[:5]) and steps[0] >= 6
     assert answers[-1].extra["drafted"] > 0  # RAPID's drafts and verdicts were read with the batch's tokens
     assert reads[0] == steps[0]
 

@@ -427,6 +427,74 @@ def test_a_chunk_left_out_of_the_support_gives_its_weight_to_the_others():
     assert fused.tolist() == pytest.approx(expected)
 
 
+def committed_paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """:func:`paper_fusion` as it was written first, a Python loop over the chunks that reads each step's order,
+    weights and overlaps back to the host: the reference the on-device rule must equal bit for bit."""
+    finite = torch.isfinite(scores)
+    support = torch.ones_like(scores[0], dtype=torch.bool)
+    used = torch.zeros_like(weights, dtype=torch.bool)
+    for k in torch.argsort(entropy, stable=True).tolist():
+        if weights[k] > 0 and bool((support & finite[k]).any()):
+            support &= finite[k]
+            used[k] = True
+    kept = torch.where(used, weights, torch.zeros_like(weights))
+    kept = (kept / kept.sum()).unsqueeze(1)
+    terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
+    return torch.where(support, terms.sum(0), torch.full_like(scores[0], -math.inf))
+
+
+def fusion_case(seed: int, chunks: int | None = None, vocab: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random weights, scores and order for :func:`paper_fusion`, with its edge cases drawn often: small nuclei in a
+    small vocabulary (nuclei that share no token with the support so far), weights exactly 0 (the heaviest chunk's
+    too), ties in the order (entropies from a few values), one chunk, every chunk disjoint."""
+    generator = torch.Generator().manual_seed(seed)
+    chunks = chunks or int(torch.randint(1, 7, (1,), generator=generator))
+    vocab = vocab or int(torch.randint(2, 9, (1,), generator=generator))
+    scores = torch.randn(chunks, vocab, generator=generator) * 2 - 3
+    density = float(torch.rand(1, generator=generator)) * 0.8 + 0.1
+    inside = torch.rand(chunks, vocab, generator=generator) < density
+    inside[torch.arange(chunks), torch.randint(0, vocab, (chunks,), generator=generator)] = True  # no empty nucleus
+    if seed % 7 == 0:  # every chunk on a token of its own
+        inside = torch.zeros_like(inside)
+        inside[torch.arange(chunks), torch.arange(chunks) % vocab] = True
+    scores = torch.where(inside, scores, torch.full_like(scores, -math.inf))
+    weights = torch.softmax(torch.randn(chunks, generator=generator) * 3, 0)
+    weights = torch.where(torch.rand(chunks, generator=generator) < 0.3, torch.zeros_like(weights), weights)
+    entropy = torch.randint(0, 3, (chunks,), generator=generator).float() / 2
+    return weights, scores, entropy
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_paper_fusion_equals_its_committed_loop_bit_for_bit(seed):
+    weights, scores, entropy = fusion_case(seed)
+    assert torch.equal(paper_fusion(weights, scores, entropy), committed_paper_fusion(weights, scores, entropy))
+
+
+def test_paper_fusion_cases_cover_the_documented_edge_cases():
+    """The random cases above really hold what the docstring's rule is about: nuclei that share no token, weights
+    exactly 0 (the first chunk in the order's too), ties in the order, a chunk left out of the support."""
+    cases = [fusion_case(seed) for seed in range(300)]
+    disjoint = zero = zero_first = tie = left_out = 0
+    for weights, scores, entropy in cases:
+        finite = torch.isfinite(scores)
+        disjoint += not bool(finite[weights > 0].all(0).any())
+        zero += bool((weights == 0).any())
+        zero_first += bool(weights[torch.argsort(entropy, stable=True)[0]] == 0)
+        tie += len(set(entropy.tolist())) < len(entropy)
+        fused = paper_fusion(weights, scores, entropy)
+        left_out += bool((torch.isfinite(fused) & ~finite[weights > 0].all(0)).any())
+    assert min(disjoint, zero, zero_first, tie, left_out) >= 20, (disjoint, zero, zero_first, tie, left_out)
+
+
+def test_paper_fusion_over_a_batch_is_each_row_alone():
+    cases = [fusion_case(seed, chunks=4, vocab=6) for seed in range(40)]
+    weights, scores, entropy = (torch.stack(parts) for parts in zip(*cases, strict=True))
+    fused = paper_fusion(weights, scores, entropy)
+    for row, case in zip(fused, cases, strict=True):
+        assert torch.equal(row, committed_paper_fusion(*case))
+
+
 def test_defaults_are_the_papers_settings():
     # Soft-NBCE: tau = 0.1, beta = 0.25, top-p 0.9, Algorithm 1; hard NBCE keeps NBCE's beta; PCW is the uniform
     # average without the prior's contrast (beta = 0).

@@ -105,21 +105,29 @@ def paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Ten
       chunk whose nucleus shares no token with the support of those taken so far is left out, its
       weight dropped and the rest renormalised. The most confident chunk is always taken, so the
       support is never empty, and whenever the paper's support is not empty this is the paper's sum.
-    ``weights`` [K], ``scores`` [K, V], ``entropy`` [K]; returns [V]. With a retrieval prior (``gamma`` > 0)
-    ``entropy`` is the negated routing logit instead (:meth:`SoftNBCEFusion.support_order`): still the order
-    of decreasing weight.
+    ``weights`` [..., K], ``scores`` [..., K, V], ``entropy`` [..., K]; returns [..., V] (each leading index on its
+    own). With a retrieval prior (``gamma`` > 0) ``entropy`` is the negated routing logit instead
+    (:meth:`SoftNBCEFusion.support_order`): still the order of decreasing weight.
+
+    Nothing is read back to the host (on an accelerator every read would wait for the device): the chunks are
+    ranked on the device, and each of the K ranks (K from the shape) takes or skips its chunk with ``torch.where``.
     """
     finite = torch.isfinite(scores)
-    support = torch.ones_like(scores[0], dtype=torch.bool)
-    used = torch.zeros_like(weights, dtype=torch.bool)
-    for k in torch.argsort(entropy, stable=True).tolist():
-        if weights[k] > 0 and bool((support & finite[k]).any()):
-            support &= finite[k]
-            used[k] = True
+    order = torch.argsort(entropy, dim=-1, stable=True)
+    ranked_finite = finite.gather(-2, order.unsqueeze(-1).expand_as(finite))
+    ranked_weighted = weights.gather(-1, order) > 0
+    support = torch.ones_like(finite[..., 0, :])
+    taken = []
+    for rank in range(finite.shape[-2]):
+        narrowed = support & ranked_finite[..., rank, :]
+        take = ranked_weighted[..., rank] & narrowed.any(-1)
+        support = torch.where(take.unsqueeze(-1), narrowed, support)
+        taken.append(take)
+    used = torch.zeros_like(ranked_weighted).scatter(-1, order, torch.stack(taken, -1))
     kept = torch.where(used, weights, torch.zeros_like(weights))
-    kept = (kept / kept.sum()).unsqueeze(1)
-    terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
-    return torch.where(support, terms.sum(0), torch.full_like(scores[0], -math.inf))
+    kept = (kept / kept.sum(-1, keepdim=True)).unsqueeze(-1)
+    terms = torch.where(used.unsqueeze(-1) & support.unsqueeze(-2), kept * scores, torch.zeros_like(scores))
+    return torch.where(support, terms.sum(-2), torch.full_like(scores[..., 0, :], -math.inf))
 
 
 def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
