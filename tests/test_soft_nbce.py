@@ -16,6 +16,7 @@ from ctx_integrations.engine.modes.soft_nbce import (
     NBCEFusion,
     PCWFusion,
     SoftNBCEFusion,
+    chunk_sum,
     nucleus_entropy,
     nucleus_logprobs,
     nucleus_mask,
@@ -427,9 +428,12 @@ def test_a_chunk_left_out_of_the_support_gives_its_weight_to_the_others():
     assert fused.tolist() == pytest.approx(expected)
 
 
-def committed_paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+def committed_paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor,
+                           pairwise: bool = True) -> torch.Tensor:
     """:func:`paper_fusion` as it was written first, a Python loop over the chunks that reads each step's order,
-    weights and overlaps back to the host: the reference the on-device rule must equal bit for bit."""
+    weights and overlaps back to the host: the reference the on-device rule must equal bit for bit. Its two sums
+    over the chunks are taken in :func:`chunk_sum`'s order (the rule's since it batches requests of several chunk
+    counts); ``pairwise=False``: in torch's, as first written."""
     finite = torch.isfinite(scores)
     support = torch.ones_like(scores[0], dtype=torch.bool)
     used = torch.zeros_like(weights, dtype=torch.bool)
@@ -437,10 +441,11 @@ def committed_paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy:
         if weights[k] > 0 and bool((support & finite[k]).any()):
             support &= finite[k]
             used[k] = True
+    total = (lambda x: chunk_sum(x, 0).squeeze(0)) if pairwise else (lambda x: x.sum(0))
     kept = torch.where(used, weights, torch.zeros_like(weights))
-    kept = (kept / kept.sum()).unsqueeze(1)
+    kept = (kept / total(kept)).unsqueeze(1)
     terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
-    return torch.where(support, terms.sum(0), torch.full_like(scores[0], -math.inf))
+    return torch.where(support, total(terms), torch.full_like(scores[0], -math.inf))
 
 
 def fusion_case(seed: int, chunks: int | None = None, vocab: int | None = None
@@ -468,7 +473,26 @@ def fusion_case(seed: int, chunks: int | None = None, vocab: int | None = None
 @pytest.mark.parametrize("seed", range(300))
 def test_paper_fusion_equals_its_committed_loop_bit_for_bit(seed):
     weights, scores, entropy = fusion_case(seed)
-    assert torch.equal(paper_fusion(weights, scores, entropy), committed_paper_fusion(weights, scores, entropy))
+    fused = paper_fusion(weights, scores, entropy)
+    assert torch.equal(fused, committed_paper_fusion(weights, scores, entropy))
+    first = committed_paper_fusion(weights, scores, entropy, pairwise=False)  # other sums: the last bit may move
+    assert torch.equal(torch.isfinite(fused), torch.isfinite(first))
+    torch.testing.assert_close(fused, first, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 9, 17])
+def test_chunk_sum_gives_a_request_the_same_bits_whatever_zeros_pad_it(size):
+    values = torch.randn(3, size, 7, generator=torch.Generator().manual_seed(size)) * 10
+    values[0, 0, 0] = -0.0  # a sum of -0.0 alone stays -0.0 (the padding is -0.0, the identity of +)
+    values[0, 1:, 0] = -0.0
+    alone = chunk_sum(values, 1)
+    assert alone.shape == (3, 1, 7)
+    torch.testing.assert_close(alone.squeeze(1), values.sum(1), rtol=1e-6, atol=1e-5)
+    assert str(alone[0, 0, 0].item()) == "-0.0"
+    for width in range(size, 40):
+        padded = torch.cat([values, torch.full((3, width - size, 7), -0.0)], 1)
+        assert torch.equal(chunk_sum(padded, 1).view(torch.int32), alone.view(torch.int32)), width
+    assert torch.equal(chunk_sum(values.transpose(1, 2), -1), alone.transpose(1, 2))
 
 
 def test_paper_fusion_cases_cover_the_documented_edge_cases():
