@@ -46,6 +46,10 @@ RULES = ("paper", "nbce_code")
 MAX_BETA = 100.0
 MIN_TAU = 1e-9
 
+# A request's rho = 1 among a batch's other rhos: above the mass before any token (at most 1 plus fp32 rounding), so
+# every token is kept, as :func:`nucleus_mask` keeps them for rho = 1 alone.
+WHOLE_NUCLEUS = 2.0
+
 # The ``nbce_code`` variant's clip value: a token outside a chunk's top-p nucleus scores as if its
 # log-prob were -100. Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary),
 # so a floored token can never outrank a kept one, yet the weighted sum stays finite.
@@ -62,15 +66,15 @@ def nucleus_mask(logprobs: torch.Tensor, rho: float | torch.Tensor) -> torch.Ten
     """Top-p nucleus of each row of ``logprobs`` ([..., V]): the smallest head of the sorted distribution
     whose mass reaches ``rho``; the top token is always kept, so no row is ever empty. ``rho=1`` keeps
     every token (fp32 rounding would otherwise drop a tail whose cumulative sum already reads 1.0).
-    ``rho`` may be a tensor broadcasting against ``logprobs`` (each request of a batch its own, ``[J, 1, 1]``)."""
+    ``rho`` may be a tensor broadcasting against ``logprobs`` (each request of a batch its own, ``[J, 1, 1]``;
+    :class:`Knobs` holds a request's ``rho=1`` as 2, above any mass before a token, so it keeps every token too)."""
     if not isinstance(rho, torch.Tensor) and rho >= 1:
         return torch.ones_like(logprobs, dtype=torch.bool)
     sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True)
     probs = sorted_logprobs.exp()
     keep_sorted = torch.cumsum(probs, -1) - probs < rho
     keep_sorted[..., 0] = True
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return keep | (rho >= 1) if isinstance(rho, torch.Tensor) else keep
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 def nucleus_logprobs(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -107,12 +111,10 @@ def chunk_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
     values padded with zeros (-0.0, the exact identity of ``+``) to any wider axis meet the same partial sums:
     each doubling adds a half of zeros to the half that holds them.
     """
-    size = values.shape[dim]
+    size, dim = values.shape[dim], dim % values.dim()
     width = 1 << (size - 1).bit_length()
-    if width > size:
-        padding = list(values.shape)
-        padding[dim] = width - size
-        values = torch.cat([values, values.new_full(padding, -0.0)], dim)
+    if width > size:  # F.pad lists (before, after) per axis from the last one back
+        values = torch.nn.functional.pad(values, [0, 0] * (values.dim() - 1 - dim) + [0, width - size], value=-0.0)
     while width > 1:
         width //= 2
         values = values.narrow(dim, 0, width) + values.narrow(dim, width, width)
@@ -199,7 +201,7 @@ class Knobs:
     tau: torch.Tensor  # [J, 1]
     beta: torch.Tensor  # [J, 1, 1]
     scale: torch.Tensor  # [J, 1, 1]: 1 + beta
-    rho: torch.Tensor | float  # [J, 1, 1]; 1.0 when every request keeps every token (no sort)
+    rho: torch.Tensor | float  # [J, 1, 1], 2.0 for rho = 1 (every token); 1.0 when every request keeps every token
     share: torch.Tensor  # [J, W]: 1 / K_j on request j's chunks, 0 on its padding (PCW's weights)
     chunks: torch.Tensor | None  # [J, W] bool: request j's K_j chunks; None when no request is padded
     gamma: torch.Tensor | None  # [J, 1]; None when no request routes by a prior
@@ -213,8 +215,9 @@ class Knobs:
         for rule, count in zip(rules, counts, strict=True):
             pad = [0.0] * (width - count)
             logs = rule.log_prior_values if rule.gamma > 0 else (0.0,) * count
-            rows.append([rule.tau, rule.beta, 1 + rule.beta, rule.rho, rule.gamma, *[1.0 / count] * count, *pad,
-                         *logs, *pad])
+            rho = WHOLE_NUCLEUS if rule.rho >= 1 else rule.rho
+            share = [1.0 / count] * count
+            rows.append([rule.tau, rule.beta, 1 + rule.beta, rho, rule.gamma, *share, *pad, *logs, *pad])
         table = torch.tensor(rows, dtype=torch.float32).to(device)
         share = table[:, 5:5 + width]
         whole = all(rule.rho >= 1 for rule in rules)
