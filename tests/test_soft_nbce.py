@@ -17,6 +17,7 @@ from ctx_integrations.engine.modes.soft_nbce import (
     PCWFusion,
     SoftNBCEFusion,
     chunk_sum,
+    contrast_chunks,
     nucleus_entropy,
     nucleus_logprobs,
     nucleus_mask,
@@ -529,6 +530,58 @@ def test_defaults_are_the_papers_settings():
     assert pcw.chunk_weights(torch.tensor([0.1, 2.0, 5.0])).tolist() == pytest.approx([1 / 3] * 3)
 
 
+def test_chunk_weights_are_the_softmax_of_the_routing_logits():
+    entropy = torch.tensor([0.3, 1.2, 0.05, 2.0])
+    logs = [-0.2, -1.5, -3.0, 0.0]
+    routed = SoftNBCEFusion(tau=0.7, gamma=0.5, log_prior=logs).chunk_weights(entropy)
+    torch.testing.assert_close(routed, torch.softmax(-entropy / 0.7 + 0.5 * torch.tensor(logs), 0))
+    torch.testing.assert_close(SoftNBCEFusion(tau=0.7).chunk_weights(entropy), torch.softmax(-entropy / 0.7, 0))
+    assert NBCEFusion().chunk_weights(entropy).tolist() == [0, 0, 1, 0]
+    assert PCWFusion().chunk_weights(entropy).tolist() == [0.25] * 4
+
+
+def test_with_a_prior_the_support_is_built_in_the_order_of_the_weights():
+    """Chunk 1 is sure of token 5 (entropy 0) but its document ranked low; chunk 2 spreads over tokens 10-13 (entropy
+    log 4) from the top document: their nuclei share no token. By entropy chunk 1 comes first and chunk 2 is left
+    out; with the prior (gamma 0.5, tau 1) chunk 2's routing logit is the larger (-1.39 against -5), so it comes
+    first and chunk 1 is left out."""
+    logits = torch.full((3, 16), -8.0)
+    logits[0] = 0.0
+    logits[1, 5] = 12.0
+    logits[2, 10:14] = 4.0
+    paper = SoftNBCEFusion(tau=1.0)(logits).scores
+    routed = SoftNBCEFusion(tau=1.0, gamma=0.5, log_prior=[-10.0, 0.0])(logits).scores
+    assert torch.isfinite(paper).nonzero().flatten().tolist() == [5]
+    assert torch.isfinite(routed).nonzero().flatten().tolist() == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_one_chunk_at_rho_one_is_the_contrast_with_the_python_floats_bit_for_bit(rule):
+    """One chunk has weight 1 and every token: the scores are (1 + beta) L_chunk - beta L_prior, with 1 + beta
+    computed in Python as the formula reads (for beta = 0.18, 1 + float32(0.18) rounds to another float32)."""
+    logits = random_logits(5, streams=2, vocab=30)
+    logprobs = torch.log_softmax(logits, -1)
+    if rule == "paper":  # the chunk renormalised over its nucleus (all of it), the prior as it is
+        chunk, prior = nucleus_logprobs(logprobs[1], torch.ones(30, dtype=torch.bool)), logprobs[0]
+    else:
+        chunk, prior = logprobs[1], logprobs[0].clamp_min(FILTERED_LOGPROB)
+    expected = (1 + 0.18) * chunk - 0.18 * prior
+    step = SoftNBCEFusion(beta=0.18, rho=1.0, rule=rule)(logits)
+    assert torch.equal(step.scores.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(step.evidence[0].view(torch.int32), expected.view(torch.int32))  # log 1 + S
+
+
+def test_contrast_chunks_takes_a_float_beta_as_distillation_passes_it():
+    logprobs = torch.log_softmax(random_logits(6, streams=3, vocab=20), -1)
+    keep = nucleus_mask(logprobs, 0.7)
+    assert not keep.all()
+    kept = torch.where(keep[1:], logprobs[1:], torch.full_like(logprobs[1:], FILTERED_LOGPROB))
+    expected = torch.where(keep[0], (1 + 0.18) * kept - 0.18 * logprobs[0].clamp_min(FILTERED_LOGPROB), kept)
+    assert torch.equal(contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], 0.18), expected)
+    as_knobs = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], torch.tensor(0.18), torch.tensor(1 + 0.18))
+    assert torch.equal(as_knobs, expected)
+
+
 def test_knob_errors_name_the_knob_and_say_what_it_means():
     with pytest.raises(InvalidOptionError,
                        match=r"^tau must be in \[1e-09, inf\], got 0.0 \(math.inf = uniform average; mode='nbce' is "
@@ -544,3 +597,9 @@ def test_knob_errors_name_the_knob_and_say_what_it_means():
         SoftNBCEFusion(rule="x")
     with pytest.raises(InvalidOptionError, match=r"^Soft-NBCE needs the prior stream plus at least one chunk stream$"):
         SoftNBCEFusion()(torch.zeros(1, 5))
+    for gamma in (-1, 101):
+        with pytest.raises(InvalidOptionError, match=rf"^gamma must be in \[0, 100\], got {float(gamma)} \(weight of "
+                                                     r"the retrieval prior; 0: none\)$"):
+            SoftNBCEFusion(gamma=gamma, log_prior=[0.0])
+    with pytest.raises(InvalidOptionError, match=r"^gamma > 0 needs each chunk's log-prior \(log_prior=\.\.\.\)$"):
+        SoftNBCEFusion(gamma=0.5)

@@ -120,7 +120,7 @@ def test_the_knobs_are_what_the_rules_python_floats_give_an_operation():
     """A request alone computes with its knobs as the Python floats they are (``(1 + beta) * x``, ``x / tau``,
     ``x < rho``): each knob in the batch's tensors must round to what the float does in that operation, 1 + beta
     included (computed from the float32 beta on the device it rounds differently for 0.18 and 0.43)."""
-    rules = [SoftNBCEFusion(tau=0.3, beta=0.18, rho=0.57, gamma=1.7, log_prior=[-0.1, -2.3]),
+    rules = [SoftNBCEFusion(tau=0.3, beta=0.18, rho=0.57, gamma=0.7, log_prior=[-0.1, -2.3]),
              SoftNBCEFusion(tau=0.07, beta=0.43, rho=0.83), SoftNBCEFusion(tau=math.inf, beta=1.91, rho=0.66)]
     knobs = Knobs.of(rules, [2, 1, 3], torch.device("cpu"))
     x = torch.randn(3, 3, VOCAB, generator=torch.Generator().manual_seed(0))
@@ -129,7 +129,7 @@ def test_the_knobs_are_what_the_rules_python_floats_give_an_operation():
         assert torch.equal(bits(knobs.beta[j] * x[j]), bits(rule.beta * x[j])), j
         assert torch.equal(bits(x[j] / knobs.tau[j]), bits(x[j] / rule.tau)), j
         assert torch.equal(x[j] < knobs.rho[j], x[j] < rule.rho), j
-    assert torch.equal(bits(knobs.gamma[0] * knobs.log_prior[0, :2]), bits(1.7 * torch.tensor([-0.1, -2.3])))
+    assert torch.equal(bits(knobs.gamma[0] * knobs.log_prior[0, :2]), bits(0.7 * torch.tensor([-0.1, -2.3])))
     assert knobs.log_prior[0, 2] == 0 and knobs.gamma[1:].eq(0).all() and knobs.log_prior[1:].eq(0).all()
     assert knobs.chunks.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
     assert torch.equal(knobs.share, torch.tensor([[0.5, 0.5, 0], [1, 0, 0], [1 / 3] * 3]))  # PCW's 1 / K alone

@@ -91,15 +91,14 @@ def nucleus_entropy(masked_logprobs: torch.Tensor) -> torch.Tensor:
     return -torch.where(torch.isfinite(masked_logprobs), terms, torch.zeros_like(terms)).sum(-1)
 
 
-def paper_contrast(prior: torch.Tensor, chunks: torch.Tensor, beta: float | torch.Tensor,
-                   scale: float | torch.Tensor | None = None) -> torch.Tensor:
+def paper_contrast(prior: torch.Tensor, chunks: torch.Tensor, beta: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """S_k = (1 + beta) L_k - beta L_prior (Algorithm 1, line 10), with L_k -inf outside chunk k's nucleus
     and the prior unfiltered. Where the prior itself is -inf (a model that masks tokens) the contrast term
     is dropped, S_k = (1 + beta) L_k, so the score is never +inf or NaN (-inf + inf). ``prior`` broadcasts against
-    ``chunks`` (chunk axis -2); ``beta`` may be a tensor (per request of a batch), then ``scale`` is its
-    ``1 + beta`` rounded once from the Python float, as ``(1 + beta) * x`` rounds it (:class:`Knobs`)."""
+    ``chunks`` (chunk axis -2); ``beta`` is each request's (:class:`Knobs`) and ``scale`` its ``1 + beta``, rounded
+    once from the Python float, as ``(1 + beta) * x`` rounds it."""
     penalty = torch.where(torch.isfinite(prior), beta * prior, torch.zeros_like(prior))
-    return (1 + beta if scale is None else scale) * chunks - penalty
+    return scale * chunks - penalty
 
 
 def chunk_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
