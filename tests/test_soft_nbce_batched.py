@@ -137,6 +137,19 @@ def test_the_knobs_are_what_the_rules_python_floats_give_an_operation():
     assert Knobs.of([SoftNBCEFusion(rho=1.0)] * 2, [1, 2], torch.device("cpu")).rho == 1.0  # every token: no sort
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_the_rule_computes_on_the_logits_device(rule):
+    """The knobs go where the logits are (an accelerator's), alone and batched: on the meta device (shapes only) a
+    knob left on the CPU would meet a meta tensor and raise."""
+    meta = torch.device("meta")
+    prior = SoftNBCEFusion(gamma=1.0, log_prior=[0.0, -1.0], rule=rule)
+    assert prior(torch.empty(3, VOCAB, device=meta)).scores.device == meta
+    rows = [list(torch.empty(3, VOCAB, device=meta)), list(torch.empty(2, VOCAB, device=meta))]
+    fused = SoftNBCEFusion.fuse_batch([prior, SoftNBCEFusion(rule=rule)], rows, [FIRST_STEP] * 2)
+    assert fused.scores.device == fused.evidence.device == meta
+    assert SoftNBCEFusion().chunk_weights(torch.empty(3, device=meta)).device == meta
+
+
 def test_a_batch_key_is_a_class_and_a_rule():
     assert SoftNBCEFusion().batch_key() == SoftNBCEFusion(tau=2.0, beta=0.0, rho=0.5, gamma=1.0,
                                                            log_prior=[0.0]).batch_key()
