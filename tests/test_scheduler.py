@@ -17,6 +17,7 @@ import torch
 
 from ctx_integrations import Engine
 from ctx_integrations.engine.core import scheduler as scheduler_module
+from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.model import default_dtype
 from ctx_integrations.engine.core.scheduler import RequestCancelledError
 from ctx_integrations.errors import EngineOverloadedError, InvalidOptionError, RequestTimeoutError
@@ -394,12 +395,23 @@ def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_go
     assert len(engine.generate("Who is the mayor?", DOCS[:2], max_new_tokens=4).token_ids) == 4
 
 
-def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch, batched):
     # gpt-fast / nano-vllm: tokens are chosen on the device and read back in one transfer for the whole batch.
     # Counting every tensor-to-Python read while the jobs choose their tokens: a job that read its own token
-    # (or its winner, or its score) back would add reads per job per step.
+    # (or its winner, or its score) back would add reads per job per step. Soft-NBCE's paper rule (the default) and
+    # its hard limit build the support of the nuclei on the device too, one by one (the CPU's path) and batched
+    # (an accelerator's: PCED's and Soft-NBCE's greedy requests choose their tokens together).
+    monkeypatch.setattr(FusedJob, "batch_on_cpu", batched)
     engine = Engine(tiny_loaded("llama", seed=3))
-    inside, reads, steps = [False], [0], [0]
+    inside, reads, steps, batches = [False], [0], [0], [0]
+    propose_batch = FusedJob.propose_batch.__func__
+
+    def counted_batch(cls, jobs, logits):
+        batches[0] += 1
+        return propose_batch(cls, jobs, logits)
+
+    monkeypatch.setattr(FusedJob, "propose_batch", classmethod(counted_batch))
     consume = scheduler_module.Scheduler._consume
 
     def counted_consume(self, output, joining):
@@ -427,14 +439,18 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch):
         return await asyncio.gather(
             *(engine.agenerate(q, DOCS[:3], max_new_tokens=6) for q in ("Who is the mayor?", "Where is it?")),
             engine.agenerate("What river?", DOCS[:2], mode="soft_nbce", max_new_tokens=6, rule="nbce_code"),
+            engine.agenerate("What river?", DOCS[:3], mode="soft_nbce", max_new_tokens=6),
+            engine.agenerate("Where is the fair?", DOCS[1:3], mode="soft_nbce", max_new_tokens=6, gamma=1.0),
+            engine.agenerate("Who is the mayor?", DOCS[1:4], mode="nbce", max_new_tokens=6),
             engine.agenerate_many(["When is the fair?", "Who is the harbour master?"], DOCS[2:4], max_new_tokens=6),
             engine.agenerate("Who is it?", DOCS[:3], mode="rapid", gamma=3, max_new_tokens=6, draft_context_tokens=16,
                              chunk_tokens=8, ranking="scores"))
 
     answers = asyncio.run(run())
-    assert all(len(a.token_ids) == 6 for a in answers[:3]) and steps[0] >= 6
+    assert all(len(a.token_ids) == 6 for a in answers[:6]) and steps[0] >= 6
     assert answers[-1].extra["drafted"] > 0  # RAPID's drafts and verdicts were read with the batch's tokens
     assert reads[0] == steps[0]
+    assert (batches[0] >= 2 * 6) == batched  # PCED's pair and Soft-NBCE's pair each chose their tokens together
 
 
 def test_map_reduce_runs_both_steps_in_the_shared_batch():

@@ -16,6 +16,8 @@ from ctx_integrations.engine.modes.soft_nbce import (
     NBCEFusion,
     PCWFusion,
     SoftNBCEFusion,
+    chunk_sum,
+    contrast_chunks,
     nucleus_entropy,
     nucleus_logprobs,
     nucleus_mask,
@@ -427,6 +429,97 @@ def test_a_chunk_left_out_of_the_support_gives_its_weight_to_the_others():
     assert fused.tolist() == pytest.approx(expected)
 
 
+def committed_paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor,
+                           pairwise: bool = True) -> torch.Tensor:
+    """:func:`paper_fusion` as it was written first, a Python loop over the chunks that reads each step's order,
+    weights and overlaps back to the host: the reference the on-device rule must equal bit for bit. Its two sums
+    over the chunks are taken in :func:`chunk_sum`'s order (the rule's since it batches requests of several chunk
+    counts); ``pairwise=False``: in torch's, as first written."""
+    finite = torch.isfinite(scores)
+    support = torch.ones_like(scores[0], dtype=torch.bool)
+    used = torch.zeros_like(weights, dtype=torch.bool)
+    for k in torch.argsort(entropy, stable=True).tolist():
+        if weights[k] > 0 and bool((support & finite[k]).any()):
+            support &= finite[k]
+            used[k] = True
+    total = (lambda x: chunk_sum(x, 0).squeeze(0)) if pairwise else (lambda x: x.sum(0))
+    kept = torch.where(used, weights, torch.zeros_like(weights))
+    kept = (kept / total(kept)).unsqueeze(1)
+    terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
+    return torch.where(support, total(terms), torch.full_like(scores[0], -math.inf))
+
+
+def fusion_case(seed: int, chunks: int | None = None, vocab: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random weights, scores and order for :func:`paper_fusion`, with its edge cases drawn often: small nuclei in a
+    small vocabulary (nuclei that share no token with the support so far), weights exactly 0 (the heaviest chunk's
+    too), ties in the order (entropies from a few values), one chunk, every chunk disjoint."""
+    generator = torch.Generator().manual_seed(seed)
+    chunks = chunks or int(torch.randint(1, 7, (1,), generator=generator))
+    vocab = vocab or int(torch.randint(2, 9, (1,), generator=generator))
+    scores = torch.randn(chunks, vocab, generator=generator) * 2 - 3
+    density = float(torch.rand(1, generator=generator)) * 0.8 + 0.1
+    inside = torch.rand(chunks, vocab, generator=generator) < density
+    inside[torch.arange(chunks), torch.randint(0, vocab, (chunks,), generator=generator)] = True  # no empty nucleus
+    if seed % 7 == 0:  # every chunk on a token of its own
+        inside = torch.zeros_like(inside)
+        inside[torch.arange(chunks), torch.arange(chunks) % vocab] = True
+    scores = torch.where(inside, scores, torch.full_like(scores, -math.inf))
+    weights = torch.softmax(torch.randn(chunks, generator=generator) * 3, 0)
+    weights = torch.where(torch.rand(chunks, generator=generator) < 0.3, torch.zeros_like(weights), weights)
+    entropy = torch.randint(0, 3, (chunks,), generator=generator).float() / 2
+    return weights, scores, entropy
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_paper_fusion_equals_its_committed_loop_bit_for_bit(seed):
+    weights, scores, entropy = fusion_case(seed)
+    fused = paper_fusion(weights, scores, entropy)
+    assert torch.equal(fused, committed_paper_fusion(weights, scores, entropy))
+    first = committed_paper_fusion(weights, scores, entropy, pairwise=False)  # other sums: the last bit may move
+    assert torch.equal(torch.isfinite(fused), torch.isfinite(first))
+    torch.testing.assert_close(fused, first, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 9, 17])
+def test_chunk_sum_gives_a_request_the_same_bits_whatever_zeros_pad_it(size):
+    values = torch.randn(3, size, 7, generator=torch.Generator().manual_seed(size)) * 10
+    values[0, 0, 0] = -0.0  # a sum of -0.0 alone stays -0.0 (the padding is -0.0, the identity of +)
+    values[0, 1:, 0] = -0.0
+    alone = chunk_sum(values, 1)
+    assert alone.shape == (3, 1, 7)
+    torch.testing.assert_close(alone.squeeze(1), values.sum(1), rtol=1e-6, atol=1e-5)
+    assert str(alone[0, 0, 0].item()) == "-0.0"
+    for width in range(size, 40):
+        padded = torch.cat([values, torch.full((3, width - size, 7), -0.0)], 1)
+        assert torch.equal(chunk_sum(padded, 1).view(torch.int32), alone.view(torch.int32)), width
+    assert torch.equal(chunk_sum(values.transpose(1, 2), -1), alone.transpose(1, 2))
+
+
+def test_paper_fusion_cases_cover_the_documented_edge_cases():
+    """The random cases above really hold what the docstring's rule is about: nuclei that share no token, weights
+    exactly 0 (the first chunk in the order's too), ties in the order, a chunk left out of the support."""
+    cases = [fusion_case(seed) for seed in range(300)]
+    disjoint = zero = zero_first = tie = left_out = 0
+    for weights, scores, entropy in cases:
+        finite = torch.isfinite(scores)
+        disjoint += not bool(finite[weights > 0].all(0).any())
+        zero += bool((weights == 0).any())
+        zero_first += bool(weights[torch.argsort(entropy, stable=True)[0]] == 0)
+        tie += len(set(entropy.tolist())) < len(entropy)
+        fused = paper_fusion(weights, scores, entropy)
+        left_out += bool((torch.isfinite(fused) & ~finite[weights > 0].all(0)).any())
+    assert min(disjoint, zero, zero_first, tie, left_out) >= 20, (disjoint, zero, zero_first, tie, left_out)
+
+
+def test_paper_fusion_over_a_batch_is_each_row_alone():
+    cases = [fusion_case(seed, chunks=4, vocab=6) for seed in range(40)]
+    weights, scores, entropy = (torch.stack(parts) for parts in zip(*cases, strict=True))
+    fused = paper_fusion(weights, scores, entropy)
+    for row, case in zip(fused, cases, strict=True):
+        assert torch.equal(row, committed_paper_fusion(*case))
+
+
 def test_defaults_are_the_papers_settings():
     # Soft-NBCE: tau = 0.1, beta = 0.25, top-p 0.9, Algorithm 1; hard NBCE keeps NBCE's beta; PCW is the uniform
     # average without the prior's contrast (beta = 0).
@@ -435,6 +528,58 @@ def test_defaults_are_the_papers_settings():
     assert (hard.beta, hard.rho, hard.rule) == (0.25, 0.9, "paper")
     assert (pcw.beta, pcw.rho, pcw.rule) == (0.0, 0.9, "paper")
     assert pcw.chunk_weights(torch.tensor([0.1, 2.0, 5.0])).tolist() == pytest.approx([1 / 3] * 3)
+
+
+def test_chunk_weights_are_the_softmax_of_the_routing_logits():
+    entropy = torch.tensor([0.3, 1.2, 0.05, 2.0])
+    logs = [-0.2, -1.5, -3.0, 0.0]
+    routed = SoftNBCEFusion(tau=0.7, gamma=0.5, log_prior=logs).chunk_weights(entropy)
+    torch.testing.assert_close(routed, torch.softmax(-entropy / 0.7 + 0.5 * torch.tensor(logs), 0))
+    torch.testing.assert_close(SoftNBCEFusion(tau=0.7).chunk_weights(entropy), torch.softmax(-entropy / 0.7, 0))
+    assert NBCEFusion().chunk_weights(entropy).tolist() == [0, 0, 1, 0]
+    assert PCWFusion().chunk_weights(entropy).tolist() == [0.25] * 4
+
+
+def test_with_a_prior_the_support_is_built_in_the_order_of_the_weights():
+    """Chunk 1 is sure of token 5 (entropy 0) but its document ranked low; chunk 2 spreads over tokens 10-13 (entropy
+    log 4) from the top document: their nuclei share no token. By entropy chunk 1 comes first and chunk 2 is left
+    out; with the prior (gamma 0.5, tau 1) chunk 2's routing logit is the larger (-1.39 against -5), so it comes
+    first and chunk 1 is left out."""
+    logits = torch.full((3, 16), -8.0)
+    logits[0] = 0.0
+    logits[1, 5] = 12.0
+    logits[2, 10:14] = 4.0
+    paper = SoftNBCEFusion(tau=1.0)(logits).scores
+    routed = SoftNBCEFusion(tau=1.0, gamma=0.5, log_prior=[-10.0, 0.0])(logits).scores
+    assert torch.isfinite(paper).nonzero().flatten().tolist() == [5]
+    assert torch.isfinite(routed).nonzero().flatten().tolist() == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_one_chunk_at_rho_one_is_the_contrast_with_the_python_floats_bit_for_bit(rule):
+    """One chunk has weight 1 and every token: the scores are (1 + beta) L_chunk - beta L_prior, with 1 + beta
+    computed in Python as the formula reads (for beta = 0.18, 1 + float32(0.18) rounds to another float32)."""
+    logits = random_logits(5, streams=2, vocab=30)
+    logprobs = torch.log_softmax(logits, -1)
+    if rule == "paper":  # the chunk renormalised over its nucleus (all of it), the prior as it is
+        chunk, prior = nucleus_logprobs(logprobs[1], torch.ones(30, dtype=torch.bool)), logprobs[0]
+    else:
+        chunk, prior = logprobs[1], logprobs[0].clamp_min(FILTERED_LOGPROB)
+    expected = (1 + 0.18) * chunk - 0.18 * prior
+    step = SoftNBCEFusion(beta=0.18, rho=1.0, rule=rule)(logits)
+    assert torch.equal(step.scores.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(step.evidence[0].view(torch.int32), expected.view(torch.int32))  # log 1 + S
+
+
+def test_contrast_chunks_takes_a_float_beta_as_distillation_passes_it():
+    logprobs = torch.log_softmax(random_logits(6, streams=3, vocab=20), -1)
+    keep = nucleus_mask(logprobs, 0.7)
+    assert not keep.all()
+    kept = torch.where(keep[1:], logprobs[1:], torch.full_like(logprobs[1:], FILTERED_LOGPROB))
+    expected = torch.where(keep[0], (1 + 0.18) * kept - 0.18 * logprobs[0].clamp_min(FILTERED_LOGPROB), kept)
+    assert torch.equal(contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], 0.18), expected)
+    as_knobs = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], torch.tensor(0.18), torch.tensor(1 + 0.18))
+    assert torch.equal(as_knobs, expected)
 
 
 def test_knob_errors_name_the_knob_and_say_what_it_means():
@@ -452,3 +597,9 @@ def test_knob_errors_name_the_knob_and_say_what_it_means():
         SoftNBCEFusion(rule="x")
     with pytest.raises(InvalidOptionError, match=r"^Soft-NBCE needs the prior stream plus at least one chunk stream$"):
         SoftNBCEFusion()(torch.zeros(1, 5))
+    for gamma in (-1, 101):
+        with pytest.raises(InvalidOptionError, match=rf"^gamma must be in \[0, 100\], got {float(gamma)} \(weight of "
+                                                     r"the retrieval prior; 0: none\)$"):
+            SoftNBCEFusion(gamma=gamma, log_prior=[0.0])
+    with pytest.raises(InvalidOptionError, match=r"^gamma > 0 needs each chunk's log-prior \(log_prior=\.\.\.\)$"):
+        SoftNBCEFusion(gamma=0.5)

@@ -118,9 +118,11 @@ TARGETS = {
                         ("tests/test_scheduler_core.py",)),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",
                         ("x_check_rule*", "x_nucleus_mask*", "x_nucleus_logprobs*", "x_nucleus_entropy*",
-                         "x_paper_contrast*", "x_paper_fusion*", "x_truncated_entropy*", "x_contrast_chunks*",
-                         "xǁSoftNBCEFusionǁ*", "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
-                        ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py", "-m", "not slow")),
+                         "x_paper_contrast*", "x_chunk_sum*", "x_chunk_softmax*", "x_paper_fusion*",
+                         "x_truncated_entropy*", "x_contrast_chunks*", "xǁKnobsǁ*", "xǁSoftNBCEFusionǁ*",
+                         "xǁNBCEFusionǁ*", "xǁPCWFusionǁ*"),
+                        ("tests/test_soft_nbce.py", "tests/test_soft_nbce_streams.py",
+                         "tests/test_soft_nbce_batched.py", "-m", "not slow")),
     # RAPID's rows in the shared batch: the row bookkeeping (its jobs and channel are tested end to end: each
     # mutant there costs a minute of RAPID decodes, ~500 mutants); the on-device verdict
     "speculative_rows": Target("ctx_integrations/engine/modes/speculative_rows.py", ("xǁSequenceRowǁ*",),

@@ -57,7 +57,8 @@ afterwards could leave no allowed token); every other rule's fused scores are ma
 A rule may also evaluate the steps of several requests at once: its ``batch_key()`` (hashable, ``None``: one by
 one) says which rules go together, and its class's ``fuse_batch(rules, rows, states)`` returns a
 :class:`FusedBatch` with, per request, exactly what the request's own ``rule(torch.stack(rows), state)`` gives
-(PCED's :class:`~ctx_integrations.engine.modes.pced.PCEDFusion`). The scheduler then pays a constant number of
+(PCED's :class:`~ctx_integrations.engine.modes.pced.PCEDFusion`, Soft-NBCE's
+:class:`~ctx_integrations.engine.modes.soft_nbce.SoftNBCEFusion`). The scheduler then pays a constant number of
 tensor operations per step for those requests instead of a rule evaluation each (:meth:`FusedJob.propose_batch`)."""
 
 

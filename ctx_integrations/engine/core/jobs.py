@@ -198,7 +198,8 @@ class FusedJob(PooledJob):
     batch_on_cpu = False
     """Whether jobs on the CPU batch their rule too (tests switch it on). Off: a CPU pays no kernel launch to save,
     and the batch's tensors leave the core's cache where one request's stay in it: PCED's rule over 8 requests x 4
-    streams x 49,152 logits took 15 ms batched and 2.8 ms one by one (one thread, docs/scheduler.md)."""
+    streams x 49,152 logits took 15 ms batched and 2.8 ms one by one, Soft-NBCE's 112 and 97 ms (one thread,
+    docs/scheduler.md)."""
 
     def batch_key(self) -> Hashable | None:
         """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) when the answer is

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedStep, FusionState
+from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedBatch, FusedStep, FusionState
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -46,6 +46,10 @@ RULES = ("paper", "nbce_code")
 MAX_BETA = 100.0
 MIN_TAU = 1e-9
 
+# A request's rho = 1 among a batch's other rhos: above the mass before any token (at most 1 plus fp32 rounding), so
+# every token is kept, as :func:`nucleus_mask` keeps them for rho = 1 alone.
+WHOLE_NUCLEUS = 2.0
+
 # The ``nbce_code`` variant's clip value: a token outside a chunk's top-p nucleus scores as if its
 # log-prob were -100. Nucleus log-probs are always above log(0.1 / V) (about -13 for a 50k vocabulary),
 # so a floored token can never outrank a kept one, yet the weighted sum stays finite.
@@ -58,11 +62,13 @@ def check_rule(rule: str) -> None:
                                  f"the Soft-NBCE paper; 'nbce_code': NBCE's reference code), got {rule!r}")
 
 
-def nucleus_mask(logprobs: torch.Tensor, rho: float) -> torch.Tensor:
+def nucleus_mask(logprobs: torch.Tensor, rho: float | torch.Tensor) -> torch.Tensor:
     """Top-p nucleus of each row of ``logprobs`` ([..., V]): the smallest head of the sorted distribution
     whose mass reaches ``rho``; the top token is always kept, so no row is ever empty. ``rho=1`` keeps
-    every token (fp32 rounding would otherwise drop a tail whose cumulative sum already reads 1.0)."""
-    if rho >= 1:
+    every token (fp32 rounding would otherwise drop a tail whose cumulative sum already reads 1.0).
+    ``rho`` may be a tensor broadcasting against ``logprobs`` (each request of a batch its own, ``[J, 1, 1]``;
+    :class:`Knobs` holds a request's ``rho=1`` as 2, above any mass before a token, so it keeps every token too)."""
+    if not isinstance(rho, torch.Tensor) and rho >= 1:
         return torch.ones_like(logprobs, dtype=torch.bool)
     sorted_logprobs, order = torch.sort(logprobs, dim=-1, descending=True)
     probs = sorted_logprobs.exp()
@@ -85,12 +91,40 @@ def nucleus_entropy(masked_logprobs: torch.Tensor) -> torch.Tensor:
     return -torch.where(torch.isfinite(masked_logprobs), terms, torch.zeros_like(terms)).sum(-1)
 
 
-def paper_contrast(prior: torch.Tensor, chunks: torch.Tensor, beta: float) -> torch.Tensor:
+def paper_contrast(prior: torch.Tensor, chunks: torch.Tensor, beta: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """S_k = (1 + beta) L_k - beta L_prior (Algorithm 1, line 10), with L_k -inf outside chunk k's nucleus
     and the prior unfiltered. Where the prior itself is -inf (a model that masks tokens) the contrast term
-    is dropped, S_k = (1 + beta) L_k, so the score is never +inf or NaN (-inf + inf)."""
+    is dropped, S_k = (1 + beta) L_k, so the score is never +inf or NaN (-inf + inf). ``prior`` broadcasts against
+    ``chunks`` (chunk axis -2); ``beta`` is each request's (:class:`Knobs`) and ``scale`` its ``1 + beta``, rounded
+    once from the Python float, as ``(1 + beta) * x`` rounds it."""
     penalty = torch.where(torch.isfinite(prior), beta * prior, torch.zeros_like(prior))
-    return (1 + beta) * chunks - penalty
+    return scale * chunks - penalty
+
+
+def chunk_sum(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over the chunk axis ``dim`` (kept, size 1) in a pairwise order fixed by the axis alone: padded with
+    -0.0 to a power of two, then the two halves added until one is left.
+
+    Written by hand because torch's own sums order their additions by the axis' length (vectorised blocks of
+    rows), so a request padded to a wider batch would round its sums differently than alone. Here a request's
+    values padded with zeros (-0.0, the exact identity of ``+``) to any wider axis meet the same partial sums:
+    each doubling adds a half of zeros to the half that holds them.
+    """
+    size, dim = values.shape[dim], dim % values.dim()
+    width = 1 << (size - 1).bit_length()
+    if width > size:  # F.pad lists (before, after) per axis from the last one back
+        values = torch.nn.functional.pad(values, [0, 0] * (values.dim() - 1 - dim) + [0, width - size], value=-0.0)
+    while width > 1:
+        width //= 2
+        values = values.narrow(dim, 0, width) + values.narrow(dim, width, width)
+    return values
+
+
+def chunk_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax`` over the last axis (the chunks) with :func:`chunk_sum`'s order, so that a request's weights do
+    not depend on the padding beside it (a padded chunk's logit is -inf: exp gives 0)."""
+    exps = torch.exp(logits - logits.amax(-1, keepdim=True))
+    return exps / chunk_sum(exps, -1)
 
 
 def paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
@@ -105,21 +139,29 @@ def paper_fusion(weights: torch.Tensor, scores: torch.Tensor, entropy: torch.Ten
       chunk whose nucleus shares no token with the support of those taken so far is left out, its
       weight dropped and the rest renormalised. The most confident chunk is always taken, so the
       support is never empty, and whenever the paper's support is not empty this is the paper's sum.
-    ``weights`` [K], ``scores`` [K, V], ``entropy`` [K]; returns [V]. With a retrieval prior (``gamma`` > 0)
-    ``entropy`` is the negated routing logit instead (:meth:`SoftNBCEFusion.support_order`): still the order
-    of decreasing weight.
+    ``weights`` [..., K], ``scores`` [..., K, V], ``entropy`` [..., K]; returns [..., V] (each leading index on its
+    own). With a retrieval prior (``gamma`` > 0) ``entropy`` is the negated routing logit instead
+    (:meth:`SoftNBCEFusion.support_order`): still the order of decreasing weight.
+
+    Nothing is read back to the host (on an accelerator every read would wait for the device): the chunks are
+    ranked on the device, and each of the K ranks (K from the shape) takes or skips its chunk with ``torch.where``.
     """
     finite = torch.isfinite(scores)
-    support = torch.ones_like(scores[0], dtype=torch.bool)
-    used = torch.zeros_like(weights, dtype=torch.bool)
-    for k in torch.argsort(entropy, stable=True).tolist():
-        if weights[k] > 0 and bool((support & finite[k]).any()):
-            support &= finite[k]
-            used[k] = True
-    kept = torch.where(used, weights, torch.zeros_like(weights))
-    kept = (kept / kept.sum()).unsqueeze(1)
-    terms = torch.where(used.unsqueeze(1) & support, kept * scores, torch.zeros_like(scores))
-    return torch.where(support, terms.sum(0), torch.full_like(scores[0], -math.inf))
+    order = torch.argsort(entropy, dim=-1, stable=True)
+    ranked_finite = finite.gather(-2, order.unsqueeze(-1).expand_as(finite))
+    ranked_weighted = weights.gather(-1, order) > 0
+    support = torch.ones_like(finite[..., 0, :])
+    taken = []
+    for rank in range(finite.shape[-2]):
+        narrowed = support & ranked_finite[..., rank, :]
+        take = ranked_weighted[..., rank] & narrowed.any(-1)
+        support = torch.where(take.unsqueeze(-1), narrowed, support)
+        taken.append(take)
+    used = torch.zeros_like(ranked_weighted).scatter(-1, order, torch.stack(taken, -1))
+    kept = torch.where(used, weights, torch.full_like(weights, -0.0))
+    kept = (kept / chunk_sum(kept, -1)).unsqueeze(-1)
+    terms = torch.where(used.unsqueeze(-1) & support.unsqueeze(-2), kept * scores, torch.full_like(scores, -0.0))
+    return torch.where(support, chunk_sum(terms, -2).squeeze(-2), torch.full_like(scores[..., 0, :], -math.inf))
 
 
 def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -130,15 +172,58 @@ def truncated_entropy(logprobs: torch.Tensor, keep: torch.Tensor) -> torch.Tenso
 
 
 def contrast_chunks(prior: torch.Tensor, chunks: torch.Tensor, prior_keep: torch.Tensor, chunk_keep: torch.Tensor,
-                    beta: float) -> torch.Tensor:
+                    beta: float | torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """``nbce_code``: S_k = (1 + beta) L~_k - beta L_prior, with L~_k floored at -100 outside chunk k's nucleus.
 
     Where the prior filtered a token the contrast is dropped and S_k = L~_k (NBCE's fallback): the
-    prior's log-prob is only trusted on its own nucleus. ``prior`` broadcasts against ``chunks`` (chunk axis 0).
+    prior's log-prob is only trusted on its own nucleus. ``prior`` broadcasts against ``chunks`` (chunk axis 0, or
+    -2 with a batch axis); ``beta`` and ``scale`` as in :func:`paper_contrast`.
     """
     kept = torch.where(chunk_keep, chunks, torch.full_like(chunks, FILTERED_LOGPROB))
-    contrast = (1 + beta) * kept - beta * prior.clamp_min(FILTERED_LOGPROB)
+    contrast = (1 + beta if scale is None else scale) * kept - beta * prior.clamp_min(FILTERED_LOGPROB)
     return torch.where(prior_keep, contrast, kept)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The knobs of J requests' rules, one row each, as float32 tensors on the logits' device that broadcast
+    against the batch's ``[J, W]`` chunk values and ``[J, W, V]`` scores (W chunk columns: every request's
+    chunks, padded to the widest request's count).
+
+    They are built from the Python floats in one tensor and one transfer (:meth:`of`), so each value is the
+    float32 the float itself rounds to in ``x * float``: a request gets in a batch exactly what it gets alone
+    (``scale`` is ``1 + beta`` computed in Python, as ``(1 + beta) * x`` computes it). A request alone is a
+    batch of one, with the same tensors.
+    """
+
+    rule: str  # "paper" or "nbce_code", the batch's
+    tau: torch.Tensor  # [J, 1]
+    beta: torch.Tensor  # [J, 1, 1]
+    scale: torch.Tensor  # [J, 1, 1]: 1 + beta
+    rho: torch.Tensor | float  # [J, 1, 1], 2.0 for rho = 1 (every token); 1.0 when every request keeps every token
+    share: torch.Tensor  # [J, W]: 1 / K_j on request j's chunks, 0 on its padding (PCW's weights)
+    chunks: torch.Tensor | None  # [J, W] bool: request j's K_j chunks; None when no request is padded
+    gamma: torch.Tensor | None  # [J, 1]; None when no request routes by a prior
+    log_prior: torch.Tensor | None  # [J, W]: each chunk's log-prior where gamma > 0, else 0
+
+    @classmethod
+    def of(cls, rules: Sequence[SoftNBCEFusion], counts: Sequence[int], device: torch.device) -> Knobs:
+        """The knobs of ``rules``, request j with ``counts[j]`` chunks (each rule checks its own count first)."""
+        width, routed = max(counts), any(rule.gamma > 0 for rule in rules)
+        rows = []
+        for rule, count in zip(rules, counts, strict=True):
+            pad = [0.0] * (width - count)
+            logs = rule.log_prior_values if rule.gamma > 0 else (0.0,) * count
+            rho = WHOLE_NUCLEUS if rule.rho >= 1 else rule.rho
+            share = [1.0 / count] * count
+            rows.append([rule.tau, rule.beta, 1 + rule.beta, rho, rule.gamma, *share, *pad, *logs, *pad])
+        table = torch.tensor(rows, dtype=torch.float32).to(device)
+        share = table[:, 5:5 + width]
+        whole = all(rule.rho >= 1 for rule in rules)
+        return cls(rule=rules[0].rule, tau=table[:, 0:1], beta=table[:, 1:2].unsqueeze(2),
+                   scale=table[:, 2:3].unsqueeze(2), rho=1.0 if whole else table[:, 3:4].unsqueeze(2), share=share,
+                   chunks=None if min(counts) == width else share > 0, gamma=table[:, 4:5] if routed else None,
+                   log_prior=table[:, 5 + width:] if routed else None)
 
 
 class SoftNBCEFusion:
@@ -181,42 +266,106 @@ class SoftNBCEFusion:
             raise InvalidOptionError("gamma > 0 needs each chunk's log-prior (log_prior=...)")
         self.beta, self.rho, self.rule, self.gamma = beta, rho, rule, gamma
         self.log_prior = None if log_prior is None else torch.as_tensor(log_prior, dtype=torch.float32)
+        # the priors as Python floats (float32 values, exact), read once here: a step's knobs read no tensor back
+        self.log_prior_values = () if self.log_prior is None else tuple(self.log_prior.tolist())
 
-    def routing(self, entropy: torch.Tensor) -> torch.Tensor:
-        """The chunks' routing logits, -H_k / tau (+ gamma * log_prior_k with a prior); weights are their softmax."""
-        logits = -entropy / self.tau
-        if self.gamma > 0:
-            if self.log_prior.shape[0] != entropy.shape[0]:
-                raise InvalidOptionError(f"got {entropy.shape[0]} chunk streams for {self.log_prior.shape[0]} priors")
-            logits = logits + self.gamma * self.log_prior.to(entropy.device)
-        return logits
+    @staticmethod
+    def routing(entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
+        """The chunks' routing logits ``[J, W]``, -H_k / tau (+ gamma * log_prior_k with a prior), -inf on a request's
+        padding; the weights are their softmax."""
+        logits = -entropy / knobs.tau
+        if knobs.gamma is not None:
+            logits = logits + knobs.gamma * knobs.log_prior
+        return logits if knobs.chunks is None else logits.masked_fill(~knobs.chunks, -math.inf)
+
+    @classmethod
+    def weights(cls, entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
+        """Weights ``[J, W]`` over each request's chunks from their entropies (and, with gamma > 0, their priors);
+        exactly 0 on its padding."""
+        return chunk_softmax(cls.routing(entropy, knobs))
 
     def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
-        """Weights over the chunk axis (0) from the chunks' entropies (and, with gamma > 0, their priors)."""
-        return torch.softmax(self.routing(entropy), dim=0)
+        """This rule's weights over the chunk axis (0) of one step's entropies ``[K]``: :meth:`weights`, alone."""
+        self._check_chunks(entropy.shape[0])
+        return type(self).weights(entropy.unsqueeze(0), Knobs.of([self], [entropy.shape[0]], entropy.device))[0]
 
-    def support_order(self, entropy: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def support_order(cls, entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
         """What :func:`paper_fusion` takes chunks in, ascending: the entropy (the paper's order of decreasing
-        weight), or with a prior the negated routing logit, so the support follows the weights the prior set."""
-        return entropy if self.gamma == 0 else -self.routing(entropy)
+        weight), or with a prior the negated routing logit, so the support follows the weights the prior set.
+        (A request's padding has weight 0, so wherever it ranks it is never taken.)"""
+        if knobs.gamma is None:
+            return entropy
+        return torch.where(knobs.gamma > 0, -cls.routing(entropy, knobs), entropy)
+
+    def _check_chunks(self, count: int) -> None:
+        """Refuse a step without a chunk stream, or with a prior per chunk that are not one per stream."""
+        if count < 1:
+            raise InvalidOptionError("Soft-NBCE needs the prior stream plus at least one chunk stream")
+        if self.gamma > 0 and len(self.log_prior_values) != count:
+            raise InvalidOptionError(f"got {count} chunk streams for {len(self.log_prior_values)} priors")
+
+    @classmethod
+    def fuse(cls, logits: torch.Tensor, knobs: Knobs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused scores ``[J, V]`` and evidence ``[J, W, V]`` (``-inf`` on a request's padding) of J requests'
+        streams ``logits`` ``[J, 1 + W, V]`` (each request's prior, then its chunks, then copies of its prior up to
+        W); the rules share the class and ``knobs.rule``. One request alone is a batch of one (:meth:`__call__`),
+        so one formula serves both, and every operation is per request: a padded chunk has weight exactly 0, so it
+        neither contributes nor restricts the support (the rule's own treatment of a zero weight), and its nucleus
+        is left out of ``nbce_code``'s union.
+        """
+        logprobs = torch.log_softmax(logits.float(), -1)
+        prior, chunk_rows = logprobs[:, :1], logprobs[:, 1:]
+        if knobs.rule == "paper":
+            chunks = nucleus_logprobs(chunk_rows, nucleus_mask(chunk_rows, knobs.rho))
+            scores = paper_contrast(prior, chunks, knobs.beta, knobs.scale)
+            entropy = nucleus_entropy(chunks)
+            weights = cls.weights(entropy, knobs)
+            fused = paper_fusion(weights, scores, cls.support_order(entropy, knobs))
+        else:
+            keep = nucleus_mask(logprobs, knobs.rho)
+            scores = contrast_chunks(prior, chunk_rows, keep[:, :1], keep[:, 1:], knobs.beta, knobs.scale)
+            weights = cls.weights(truncated_entropy(chunk_rows, keep[:, 1:]), knobs)
+            # a padded chunk adds 0 * S = +-0.0, which leaves any sum but -0.0 as it is, and no request's is: its
+            # heaviest chunk (w > 0) adds w * S, S a contrast of log_softmax values, none of them -0.0
+            fused = chunk_sum(weights.unsqueeze(-1) * scores, -2).squeeze(-2)
+            nuclei = keep[:, 1:] if knobs.chunks is None else keep[:, 1:] & knobs.chunks.unsqueeze(-1)
+            fused = torch.where(nuclei.any(-2), fused, torch.full_like(fused, -math.inf))
+        evidence = torch.log(weights.clamp_min(TINY)).unsqueeze(-1) + scores
+        if knobs.chunks is not None:
+            evidence = evidence.masked_fill(~knobs.chunks.unsqueeze(-1), -math.inf)
+        return fused, evidence
 
     def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
-        if logits.shape[0] < 2:
-            raise InvalidOptionError("Soft-NBCE needs the prior stream plus at least one chunk stream")
-        logprobs = torch.log_softmax(logits.float(), -1)
-        if self.rule == "paper":
-            chunks = nucleus_logprobs(logprobs[1:], nucleus_mask(logprobs[1:], self.rho))
-            scores = paper_contrast(logprobs[0], chunks, self.beta)
-            entropy = nucleus_entropy(chunks)
-            weights = self.chunk_weights(entropy)
-            fused = paper_fusion(weights, scores, self.support_order(entropy))
-        else:
-            keep = nucleus_mask(logprobs, self.rho)
-            scores = contrast_chunks(logprobs[0], logprobs[1:], keep[0], keep[1:], self.beta)
-            weights = self.chunk_weights(truncated_entropy(logprobs[1:], keep[1:]))
-            fused = (weights.unsqueeze(1) * scores).sum(0)
-            fused = torch.where(keep[1:].any(0), fused, torch.full_like(fused, -math.inf))
-        return FusedStep(fused, torch.log(weights.clamp_min(TINY)).unsqueeze(1) + scores)
+        self._check_chunks(logits.shape[0] - 1)
+        knobs = Knobs.of([self], [logits.shape[0] - 1], logits.device)
+        fused, evidence = type(self).fuse(logits.unsqueeze(0), knobs)
+        return FusedStep(fused[0], evidence[0])
+
+    def batch_key(self) -> tuple[type, str]:
+        """Rules with equal keys are evaluated together by :meth:`fuse_batch`: one class (Soft-NBCE, hard NBCE or
+        PCW: their weights differ) and one ``rule``; any chunk count, tau, beta, rho, gamma and prior."""
+        return (type(self), self.rule)
+
+    @classmethod
+    def fuse_batch(cls, rules: Sequence[SoftNBCEFusion], rows: Sequence[Sequence[torch.Tensor]],
+                   states: Sequence[FusionState]) -> FusedBatch:
+        """One step of several requests in one evaluation of :meth:`fuse`: what each rule's ``__call__`` gives
+        alone (its scores and evidence), for a number of tensor operations that does not grow with the requests.
+
+        ``rows``: per request its streams' logits (``[V]`` each, the prior first); the rules share a
+        :meth:`batch_key`. Requests with fewer chunks than the widest are padded with copies of their prior row
+        (finite, so no NaN reaches a sum), whose weight is exactly 0 and whose evidence is ``-inf``: a padded
+        chunk never takes weight, never restricts the support and never wins a token or a citation.
+        """
+        counts = [len(streams) - 1 for streams in rows]
+        for rule, count in zip(rules, counts, strict=True):
+            rule._check_chunks(count)
+        width = max(counts)
+        padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
+        logits = torch.stack(padded).float().unflatten(0, (len(rows), width + 1))
+        fused, evidence = cls.fuse(logits, Knobs.of(rules, counts, logits.device))
+        return FusedBatch(fused, evidence, [None] * len(rows))
 
 
 class NBCEFusion(SoftNBCEFusion):
@@ -225,8 +374,11 @@ class NBCEFusion(SoftNBCEFusion):
     def __init__(self, *, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
         super().__init__(tau=1.0, beta=beta, rho=rho, rule=rule)
 
-    def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.one_hot(torch.argmin(entropy, dim=0), entropy.shape[0]).movedim(-1, 0).float()
+    @classmethod
+    def weights(cls, entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
+        if knobs.chunks is not None:
+            entropy = entropy.masked_fill(~knobs.chunks, math.inf)
+        return torch.nn.functional.one_hot(torch.argmin(entropy, dim=-1), entropy.shape[-1]).float()
 
 
 class PCWFusion(SoftNBCEFusion):
@@ -236,8 +388,9 @@ class PCWFusion(SoftNBCEFusion):
     def __init__(self, *, beta: float = 0.0, rho: float = 0.9, rule: str = "paper"):
         super().__init__(tau=math.inf, beta=beta, rho=rho, rule=rule)
 
-    def chunk_weights(self, entropy: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(entropy, 1.0 / entropy.shape[0])
+    @classmethod
+    def weights(cls, entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
+        return knobs.share
 
 
 @dataclass(frozen=True)
