@@ -107,8 +107,9 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def proposal_ops(engine: Engine, requests: int, monkeypatch) -> int:
-    """The fewest operations a step's proposals dispatched while ``requests`` greedy PCED requests took a token."""
+def proposal_ops(engine: Engine, requests: int, monkeypatch, **options) -> int:
+    """The fewest operations a step's proposals dispatched while ``requests`` greedy requests over 3 documents
+    (``options``: their mode and settings) took a token."""
     counts: list[tuple[int, int]] = []
     propose = scheduler_module.Scheduler._propose
 
@@ -121,7 +122,7 @@ def proposal_ops(engine: Engine, requests: int, monkeypatch) -> int:
     monkeypatch.setattr(scheduler_module.Scheduler, "_propose", counted)
 
     async def run():
-        return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:3], max_new_tokens=5, beta=0.5)
+        return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:3], max_new_tokens=5, **options)
                                       for i in range(requests)))
 
     asyncio.run(run())
@@ -129,11 +130,18 @@ def proposal_ops(engine: Engine, requests: int, monkeypatch) -> int:
     return min(ops for taking, ops in counts if taking == requests)
 
 
-def test_the_operations_of_a_steps_proposals_do_not_grow_with_its_requests(engine, monkeypatch):
-    one, eight = proposal_ops(engine, 1, monkeypatch), proposal_ops(engine, 8, monkeypatch)
+def operations_per_step(engine: Engine, monkeypatch, **options) -> tuple[int, int, int, int]:
+    """A step's proposal operations for 1 and 8 requests (``options``), batched then one by one; printed."""
+    one, eight = proposal_ops(engine, 1, monkeypatch, **options), proposal_ops(engine, 8, monkeypatch, **options)
     monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)
-    one_by_one, eight_one_by_one = proposal_ops(engine, 1, monkeypatch), proposal_ops(engine, 8, monkeypatch)
+    one_by_one = proposal_ops(engine, 1, monkeypatch, **options)
+    eight_one_by_one = proposal_ops(engine, 8, monkeypatch, **options)
     print(f"operations per step: batched 1 request {one}, 8 requests {eight}; "
           f"one by one 1 request {one_by_one}, 8 requests {eight_one_by_one}")
+    return one, eight, one_by_one, eight_one_by_one
+
+
+def test_the_operations_of_a_steps_proposals_do_not_grow_with_its_requests(engine, monkeypatch):
+    one, eight, one_by_one, eight_one_by_one = operations_per_step(engine, monkeypatch, beta=0.5)
     assert eight == one
     assert eight_one_by_one == 8 * one_by_one

@@ -15,13 +15,12 @@ import asyncio
 import pytest
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.core import scheduler as scheduler_module
 from ctx_integrations.engine.core.decoding import FIRST_STEP
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion
 from tests.helpers import tiny_loaded
 from tests.test_scheduler import DOCS
-from tests.test_scheduler_batched import CountOps
+from tests.test_scheduler_batched import operations_per_step
 
 # 1 to 5 documents, cut into 1 to 14 chunks (chunk_tokens); the paper's rule and nbce_code; taus, betas, rhos,
 # gammas and priors apart; NBCE and PCW (batches of their own); a sampled request that goes one by one beside them
@@ -109,34 +108,8 @@ def test_concurrent_chunk_fusion_requests_chosen_in_batches_get_their_answers_al
     assert _together(engine) == alone and batches == []
 
 
-def proposal_ops(engine: Engine, requests: int, monkeypatch) -> int:
-    """The fewest operations a step's proposals dispatched while ``requests`` greedy Soft-NBCE requests (the paper's
-    rule, 3 documents) took a token."""
-    counts: list[tuple[int, int]] = []
-    propose = scheduler_module.Scheduler._propose
-
-    def counted(self, taking):
-        with CountOps() as ops:
-            proposals = propose(self, taking)
-        counts.append((len(taking), ops.count))
-        return proposals
-
-    monkeypatch.setattr(scheduler_module.Scheduler, "_propose", counted)
-
-    async def run():
-        return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:3], mode="soft_nbce", max_new_tokens=5)
-                                      for i in range(requests)))
-
-    asyncio.run(run())
-    monkeypatch.setattr(scheduler_module.Scheduler, "_propose", propose)
-    return min(ops for taking, ops in counts if taking == requests)
-
-
 def test_the_operations_of_a_steps_proposals_do_not_grow_with_its_requests(engine, monkeypatch):
-    one, eight = proposal_ops(engine, 1, monkeypatch), proposal_ops(engine, 8, monkeypatch)
-    monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)
-    one_by_one, eight_one_by_one = proposal_ops(engine, 1, monkeypatch), proposal_ops(engine, 8, monkeypatch)
-    print(f"operations per step: batched 1 request {one}, 8 requests {eight}; "
-          f"one by one 1 request {one_by_one}, 8 requests {eight_one_by_one}")
+    # Soft-NBCE with the paper's rule and its defaults, 3 documents
+    one, eight, one_by_one, eight_one_by_one = operations_per_step(engine, monkeypatch, mode="soft_nbce")
     assert eight == one
     assert eight_one_by_one == 8 * one_by_one
