@@ -98,6 +98,9 @@ TARGETS = {
     # the batched greedy pick: each request's token, winner and scores from one batched rule evaluation
     "greedy_proposals": Target("ctx_integrations/engine/core/decoding.py", ("x_greedy_proposals*",),
                                ("tests/test_pced_batched.py",)),
+    # the batched rules' shared padding: each request's streams padded to the widest with copies of its first row
+    "padded_streams": Target("ctx_integrations/engine/core/decoding.py", ("x_padded_streams*",),
+                             ("tests/test_pced_batched.py", "tests/test_soft_nbce_batched.py")),
     # the compile mode's checks and resolution, the compiled step's options and its fallback (Dynamo's own tests, a
     # minute each, are left out: mutmut's trampolines are not traceable anyway)
     "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),

@@ -75,6 +75,16 @@ class FusedBatch:
     carries: list[object]
 
 
+def padded_streams(rows: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """J requests' streams for a ``fuse_batch``: ``[J, 1 + W, V]`` float32, request j's rows (``[V]`` each, its
+    context-free row first, then its K_j experts) padded to the widest count W with copies of that first row (finite,
+    so no NaN reaches a maximum or a sum; the rule gives the padding ``-inf`` evidence), and the counts K_j."""
+    counts = [len(streams) - 1 for streams in rows]
+    width = max(counts)
+    padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
+    return torch.stack(padded).float().unflatten(0, (len(rows), width + 1)), counts
+
+
 def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
     """The identity rule: one stream, its own logits, no attribution."""
     return FusedStep(logits[0])

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedBatch, FusedStep, FusionState
+from ctx_integrations.engine.core.decoding import (
+    FIRST_STEP,
+    DecodeResult,
+    FusedBatch,
+    FusedStep,
+    FusionState,
+    padded_streams,
+)
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -190,13 +197,10 @@ class PCEDFusion:
         padded expert never wins a token or a citation. Each request keeps its own prior, gamma and beta (fixed,
         carried, or its JSD at its first step).
         """
-        counts = [len(streams) - 1 for streams in rows]
+        logits, counts = padded_streams(rows)
         for rule, count in zip(rules, counts, strict=True):
             rule._check_experts(count)
-        width = max(counts)
-        padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
-        logits = torch.stack(padded).float().unflatten(0, (len(rows), width + 1))
-        device = logits.device
+        width, device = logits.shape[1] - 1, logits.device
         experts = (torch.arange(width) < torch.tensor(counts).unsqueeze(1)).to(device)
         given = [state.carry if state.carry is not None else rule.fixed_beta for rule, state in zip(rules, states)]
         dynamic = torch.tensor([j for j, beta in enumerate(given) if beta is None], dtype=torch.long, device=device)

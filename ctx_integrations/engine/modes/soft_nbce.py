@@ -25,7 +25,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, DecodeResult, FusedBatch, FusedStep, FusionState
+from ctx_integrations.engine.core.decoding import (
+    FIRST_STEP,
+    DecodeResult,
+    FusedBatch,
+    FusedStep,
+    FusionState,
+    padded_streams,
+)
 from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
@@ -358,12 +365,9 @@ class SoftNBCEFusion:
         (finite, so no NaN reaches a sum), whose weight is exactly 0 and whose evidence is ``-inf``: a padded
         chunk never takes weight, never restricts the support and never wins a token or a citation.
         """
-        counts = [len(streams) - 1 for streams in rows]
+        logits, counts = padded_streams(rows)
         for rule, count in zip(rules, counts, strict=True):
             rule._check_chunks(count)
-        width = max(counts)
-        padded = [row for streams in rows for row in (*streams, *[streams[0]] * (width + 1 - len(streams)))]
-        logits = torch.stack(padded).float().unflatten(0, (len(rows), width + 1))
         fused, evidence = cls.fuse(logits, Knobs.of(rules, counts, logits.device))
         return FusedBatch(fused, evidence, [None] * len(rows))
 
