@@ -61,16 +61,22 @@ def _answer(answer) -> tuple:
     return (answer.token_ids, [(s.token_id, s.document, s.score) for s in answer.trace], answer.extra.get("beta"))
 
 
-def _together(engine: Engine) -> list:
+def in_two_waves(engine: Engine, first_wave: list[dict], second_wave: list[dict]) -> list:
+    """The answers of ``first_wave``'s requests submitted together and of ``second_wave``'s, joining three steps
+    into the first wave's decode (their first steps beside the others' later ones), in the waves' order."""
     async def run():
-        first = [asyncio.create_task(engine.agenerate(**r)) for r in FIRST_WAVE]
+        first = [asyncio.create_task(engine.agenerate(**r)) for r in first_wave]
         steps = engine.scheduler.stats.steps
         while engine.scheduler.stats.steps < steps + 3:
             await asyncio.sleep(0.001)
-        second = [asyncio.create_task(engine.agenerate(**r)) for r in SECOND_WAVE]
+        second = [asyncio.create_task(engine.agenerate(**r)) for r in second_wave]
         return await asyncio.gather(*first, *second)
 
-    return [_answer(a) for a in asyncio.run(run())]
+    return asyncio.run(run())
+
+
+def _together(engine: Engine) -> list:
+    return [_answer(a) for a in in_two_waves(engine, FIRST_WAVE, SECOND_WAVE)]
 
 
 def test_concurrent_pced_requests_chosen_in_one_batch_get_their_answers_alone_and_one_by_one(engine, monkeypatch):

@@ -10,8 +10,6 @@ path pays them per request.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from ctx_integrations import Engine
@@ -20,7 +18,7 @@ from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion
 from tests.helpers import tiny_loaded
 from tests.test_scheduler import DOCS
-from tests.test_scheduler_batched import operations_per_step
+from tests.test_scheduler_batched import in_two_waves, operations_per_step
 
 # 1 to 5 documents, cut into 1 to 14 chunks (chunk_tokens); the paper's rule and nbce_code; taus, betas, rhos,
 # gammas and priors apart; NBCE and PCW (batches of their own); a sampled request that goes one by one beside them
@@ -68,15 +66,7 @@ def _answer(answer) -> tuple:
 
 
 def _together(engine: Engine) -> list:
-    async def run():
-        first = [asyncio.create_task(engine.agenerate(**r)) for r in FIRST_WAVE]
-        steps = engine.scheduler.stats.steps
-        while engine.scheduler.stats.steps < steps + 3:
-            await asyncio.sleep(0.001)
-        second = [asyncio.create_task(engine.agenerate(**r)) for r in SECOND_WAVE]
-        return await asyncio.gather(*first, *second)
-
-    return [_answer(a) for a in asyncio.run(run())]
+    return [_answer(a) for a in in_two_waves(engine, FIRST_WAVE, SECOND_WAVE)]
 
 
 def test_concurrent_chunk_fusion_requests_chosen_in_batches_get_their_answers_alone_and_one_by_one(engine,
