@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
 from ctx_integrations.engine.core.row_attention import ROW_ATTENTION, RowRule
+from ctx_integrations.engine.core.windows import windows
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
 PAD_ID = -1  # context / question id of padding (matches no real token's ids)
@@ -511,7 +512,9 @@ class RowPool:
         cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
-        mask = visibility_block_mask(*layout) if flex else visibility(*layout)
+        # a sliding-window model's sliding layers see their window only; flex refuses keys beyond it (flex.py)
+        mask = visibility_block_mask(*layout) if flex else windows(model.config).masks(
+            visibility(*layout), positions, self.positions, positions != PAD_POSITION)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
             out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
@@ -525,13 +528,15 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
                 k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
                 layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One token per slot through the model, as one pure function of tensors (what ``torch.compile`` and CUDA
-    graphs capture): the step's metadata written at each slot's column, the mask from the visibility rule,
+    graphs capture): the step's metadata written at each slot's column, the mask from the visibility rule (and
+    a sliding-window model's window, :mod:`~ctx_integrations.engine.core.windows`),
     the keys written in place, fp32 logits ``[slots, 1, V]``. Every shape is the arena's, fixed within a bucket
     of (slots, capacity), so a compiled step neither breaks its graph nor recompiles while requests come, go
     and decode within the bucket (``tests/test_compiled_step.py``)."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
     documents[rows, columns] = 0
-    mask = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
+    mask = windows(model.config).masks(visibility(positions, contexts, questions, k_pos, k_ctx, k_qid), positions,
+                                       k_pos, positions != PAD_POSITION)
     cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers])
     rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache, use_cache=True)
