@@ -3,6 +3,8 @@ transformers' own mask functions apply it, so answers past the window are transf
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -65,6 +67,11 @@ def test_which_layers_slide_is_read_as_transformers_reads_it():
     assert windows(_config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1)) \
         == Windows(16, mixed=True)
     assert windows(_config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=0)) == Windows(16)
+    gemma3 = AutoConfig.for_model("gemma3")  # multimodal: the window is its text model's, one layer in six full
+    assert getattr(gemma3, "sliding_window", None) is None and windows(gemma3) == Windows(4096, mixed=True)
+    # a config that keeps its window with the switch off (Qwen2 before transformers cleared it) slides nowhere
+    assert windows(SimpleNamespace(sliding_window=16, use_sliding_window=False)) == Windows()
+    assert windows(SimpleNamespace(sliding_window=16, use_sliding_window=True)) == Windows(16)
 
 
 def test_a_window_narrows_real_queries_only_and_mixed_models_get_a_mask_per_layer_type():
