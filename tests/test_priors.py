@@ -166,6 +166,58 @@ def test_soft_nbce_mode_gives_each_chunk_its_documents_prior(tiny_engine):
     torch.testing.assert_close(seen[-1]["log_prior"], torch.tensor([0.0, -math.log(2)]))
 
 
+def test_soft_nbces_default_routes_by_the_prior_only_when_the_scores_rank_the_chunks():
+    """The mode's default (our variant): with ranked scores the prior routes (gamma 10) and every token stays in
+    the support, so the issue's confident eighth chunk loses the step; with equal scores it is the paper's rule,
+    bit for bit, whatever gamma is; a given rho or gamma=0 is honoured."""
+    from ctx_integrations.engine.modes.soft_nbce import PAPER_RHO, PRIOR_GAMMA, SoftNBCEFusion, routed_rule
+
+    step = confident_distractor_step()
+    ranked = log_prior(ISSUE_SCORES, "softmax")
+    default = routed_rule(ranked)
+    assert (default.gamma, default.rho) == (PRIOR_GAMMA, 1.0) and PRIOR_GAMMA > 0
+    assert int(default(step).scores.argmax()) == RIGHT
+    flat = routed_rule(log_prior([0.8] * 8, "softmax"))
+    assert (flat.gamma, flat.rho) == (0.0, PAPER_RHO) == (0.0, 0.9)
+    paper = SoftNBCEFusion()
+    assert int(paper(step).scores.argmax()) == WRONG
+    assert torch.equal(flat(step).scores, paper(step).scores) and torch.equal(flat(step).evidence, paper(step).evidence)
+    assert routed_rule(ranked, rho=0.5).rho == 0.5
+    assert (routed_rule(ranked, gamma=0.0).gamma, routed_rule(ranked, gamma=0.0).rho) == (0.0, PAPER_RHO)
+    with pytest.raises(InvalidOptionError, match="gamma must be in"):
+        routed_rule(log_prior([0.8] * 8, "softmax"), gamma=-1.0)  # refused even where it would change nothing
+    with pytest.raises(InvalidOptionError, match=r"gamma must be in \[0, 100\], got 1000.0 \(weight of the retrieval"):
+        routed_rule(log_prior([0.8] * 8, "softmax"), gamma=1000.0)  # unranked: the rule would never see it
+    weak = routed_rule(ranked, gamma=0.5, tau=0.3, beta=0.1, rule="nbce_code")  # any gamma > 0 routes
+    assert (weak.gamma, weak.rho, weak.tau, weak.beta, weak.rule) == (0.5, 1.0, 0.3, 0.1, "nbce_code")
+
+
+def test_soft_nbces_whole_support_keeps_the_answer_only_the_first_passage_holds():
+    """Why the default drops the paper's support when the prior ranks the chunks: the first passage's chunk says the
+    answer (p = 0.55) or a function word (0.4); the seven others only function words. Inside every weighted chunk's
+    top-0.9 nucleus only the function word is left, so the paper's support emits it; the whole vocabulary keeps the
+    answer, which the prior-weighted sum then picks."""
+    from ctx_integrations.engine.modes.soft_nbce import routed_rule
+
+    rows = [_logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01}), _logprobs({RIGHT: 0.55, 0: 0.4})]
+    rows += [_logprobs({0: 0.6, 1: 0.35}) for _ in range(7)]
+    step = torch.stack(rows)
+    ranked = log_prior(ISSUE_SCORES, "softmax")
+    assert int(routed_rule(ranked)(step).scores.argmax()) == RIGHT
+    assert int(routed_rule(ranked, rho=0.9)(step).scores.argmax()) == 0
+
+
+def test_soft_nbce_mode_reports_the_support_and_routing_it_used(tiny_engine):
+    docs = ["The secret code is 48213.", "The market opens at nine."]
+    ranked = [{"text": docs[0], "score": 0.9}, {"text": docs[1], "score": 0.6}]
+    scored = tiny_engine.generate("What is the code?", ranked, mode="soft_nbce", max_new_tokens=2)
+    assert (scored.extra["gamma"], scored.extra["rho"]) == (10.0, 1.0)
+    unscored = tiny_engine.generate("What is the code?", docs, mode="soft_nbce", max_new_tokens=2)
+    assert (unscored.extra["gamma"], unscored.extra["rho"]) == (0.0, 0.9)
+    chosen = tiny_engine.generate("What is the code?", ranked, mode="soft_nbce", max_new_tokens=2, rho=0.8, gamma=2.0)
+    assert (chosen.extra["gamma"], chosen.extra["rho"]) == (2.0, 0.8)
+
+
 def test_ape_bias_is_added_to_each_documents_tempered_scores_on_both_paths():
     """APE's prior: every key of document k gets bias_k on its tempered score (s / T + b_k), on the exclusive
     kernel and on APE's batch row alike; a zero bias is the paper's APE, and a very negative one removes a
@@ -272,29 +324,49 @@ def test_a_calibrated_prior_keeps_a_low_ranked_experts_confident_wrong_name_out(
     assert int(moved.scores.argmax()) == RIGHT and shuffled[int(moved.evidence[:, RIGHT].argmax())] == 0
 
 
+def _answer_in(position: int) -> torch.Tensor:
+    """One step where the expert of the ``position``-th ranked document (1-based) says the answer with p = 0.9 and
+    every other expert, the first's included, spreads its mass over function words."""
+    rows = [_logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01})] + [_logprobs({0: 0.5, 1: 0.3}) for _ in range(8)]
+    rows[position] = _logprobs({RIGHT: 0.9})
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("prior", ["softmax", "rank", "minmax"])
 def test_a_calibrated_prior_still_lets_a_lower_ranked_expert_answer_when_the_first_cannot(prior):
     """The prior carries the ranking, not a veto: when the top document's expert has no answer (its mass on
-    function words) the third document's confident answer still wins, as in the paper's rule."""
-    from ctx_integrations.engine.modes.pced import PCEDFusion
+    function words) the third document's confident answer still wins at the paper's gamma, as in the paper's rule.
+    How far down the ranking an answer can come from is gamma's trade-off (docs/methods.md): at the default gamma
+    (twice the paper's) the softmax prior still lets the second document's answer win, r 0.83 against 0.85."""
+    from ctx_integrations.engine.modes.pced import PAPER_GAMMA, PCEDFusion
 
-    amateur = _logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01})
-    rows = [amateur] + [_logprobs({0: 0.5, 1: 0.3}) for _ in range(8)]
-    rows[3] = _logprobs({RIGHT: 0.9})  # the third-ranked document holds the answer
-    step = PCEDFusion(ISSUE_SCORES, prior=prior)(torch.stack(rows))
+    step = PCEDFusion(ISSUE_SCORES, prior=prior, gamma=PAPER_GAMMA)(_answer_in(3))
     assert int(step.scores.argmax()) == RIGHT and int(step.evidence[:, RIGHT].argmax()) == 2
+    if prior == "softmax":
+        step = PCEDFusion(ISSUE_SCORES)(_answer_in(2))
+        assert int(step.scores.argmax()) == RIGHT and int(step.evidence[:, RIGHT].argmax()) == 1
 
 
 def test_pceds_default_prior_carries_the_ranking():
-    """The default rule (the mode's and the class's) is a calibrated prior: it keeps the issue's confident wrong
-    name of the eighth document out, where the paper's prior (still ``prior="paper"``) lets it win."""
+    """The default rule (the mode's and the class's) is a calibrated prior at twice the paper's gamma: it keeps the
+    issue's confident wrong name of the eighth document out, where the paper's prior (``prior="paper",
+    gamma=PAPER_GAMMA``) lets it win; and it keeps a third-ranked document's confident wrong name out against a
+    first expert that is only 40 % sure of the answer, where the calibrated prior at the paper's gamma does not."""
     import inspect
 
-    from ctx_integrations.engine.modes.pced import PCEDFusion, run_pced
+    from ctx_integrations.engine.modes.pced import PAPER_GAMMA, PRIOR_GAMMA, PCEDFusion, run_pced
     from ctx_integrations.engine.modes.priors import DEFAULT_PRIOR
 
-    assert DEFAULT_PRIOR != "paper"
+    assert DEFAULT_PRIOR != "paper" and PRIOR_GAMMA == 2 * PAPER_GAMMA
     for function in (run_pced, PCEDFusion.__init__):
         assert inspect.signature(function).parameters["prior"].default == DEFAULT_PRIOR
+        assert inspect.signature(function).parameters["gamma"].default == PRIOR_GAMMA
     assert int(PCEDFusion(ISSUE_SCORES)(confident_distractor_step()).scores.argmax()) == RIGHT
-    assert int(PCEDFusion(ISSUE_SCORES, prior="paper")(confident_distractor_step()).scores.argmax()) == WRONG
+    paper = PCEDFusion(ISSUE_SCORES, prior="paper", gamma=PAPER_GAMMA)
+    assert int(paper(confident_distractor_step()).scores.argmax()) == WRONG
+    rows = [_logprobs({0: 0.5, 1: 0.3, RIGHT: 0.01, WRONG: 0.01}), _logprobs({RIGHT: 0.4, 0: 0.2})]
+    rows += [_logprobs({0: 0.5, 1: 0.3}) for _ in range(7)]
+    rows[3] = _logprobs({WRONG: 0.97})
+    step = torch.stack(rows)
+    assert int(PCEDFusion(ISSUE_SCORES)(step).scores.argmax()) == RIGHT
+    assert int(PCEDFusion(ISSUE_SCORES, gamma=PAPER_GAMMA)(step).scores.argmax()) == WRONG
