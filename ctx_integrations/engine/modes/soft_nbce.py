@@ -62,6 +62,13 @@ WHOLE_NUCLEUS = 2.0
 # so a floored token can never outrank a kept one, yet the weighted sum stays finite.
 FILTERED_LOGPROB = -100.0
 
+# The mode's defaults where the retriever ranks the chunks (our variant, measured on NQ-open with real retrieval,
+# 200 questions, docs/evaluation.md): the chunks' weights also follow a retrieval prior of weight PRIOR_GAMMA (a
+# softmax over the retrieved set), and every token stays in the support (rho = 1). Where nothing ranks them (no
+# scores, equal scores, one document cut into chunks) the rule is the paper's: gamma 0, each chunk's top PAPER_RHO.
+PRIOR_GAMMA = 10.0
+PAPER_RHO = 0.9
+
 
 def check_rule(rule: str) -> None:
     if rule not in RULES:
@@ -260,7 +267,7 @@ class SoftNBCEFusion:
     # allows (masking the fused scores afterwards could leave none: a JSON brace outside every nucleus)
     format_masks_streams = True
 
-    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9, rule: str = "paper",
+    def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = PAPER_RHO, rule: str = "paper",
                  gamma: float = 0.0, log_prior: Sequence[float] | torch.Tensor | None = None):
         real_number("tau", tau, minimum=MIN_TAU, allow_inf=True,
                     hint=" (math.inf = uniform average; mode='nbce' is the tau -> 0 limit)")
@@ -375,7 +382,7 @@ class SoftNBCEFusion:
 class NBCEFusion(SoftNBCEFusion):
     """Hard NBCE, the tau -> 0 limit: all weight on the lowest-entropy chunk (the first one on a tie)."""
 
-    def __init__(self, *, beta: float = 0.25, rho: float = 0.9, rule: str = "paper"):
+    def __init__(self, *, beta: float = 0.25, rho: float = PAPER_RHO, rule: str = "paper"):
         super().__init__(tau=1.0, beta=beta, rho=rho, rule=rule)
 
     @classmethod
@@ -389,7 +396,7 @@ class PCWFusion(SoftNBCEFusion):
     """The tau -> infinity limit, the uniform average of the chunks; ``beta=0`` by default, the paper's PCW
     baseline (Ratner et al., 2023: uniform chunk averaging, no prior contrast)."""
 
-    def __init__(self, *, beta: float = 0.0, rho: float = 0.9, rule: str = "paper"):
+    def __init__(self, *, beta: float = 0.0, rho: float = PAPER_RHO, rule: str = "paper"):
         super().__init__(tau=math.inf, beta=beta, rho=rho, rule=rule)
 
     @classmethod
@@ -452,6 +459,30 @@ def fitting_chunk_tokens(ctx: DecodeContext, chunk_tokens: int | None) -> int | 
     return min(chunk_tokens, room)
 
 
+def support_rho(rho: float | None, ranked: bool) -> float:
+    """The top-p each chunk is cut to: ``rho`` when given; by default the paper's 0.9 when nothing ranks the chunks,
+    and 1.0 (every token) when a retrieval prior does.
+
+    The paper's support, a token inside every weighted chunk's nucleus, is its consensus among chunks that nobody
+    ranked (one long document cut into pieces): there ``rho=1.0`` measured lower. Among retrieved passages it drops
+    the answer that only the passage ranked first holds, and the prior already keeps a low-ranked chunk's confident
+    wrong token out (docs/soft_nbce.md, "The retrieval prior").
+    """
+    if rho is not None:
+        return rho
+    return 1.0 if ranked else PAPER_RHO
+
+
+def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
+                rule: str = "paper", gamma: float = PRIOR_GAMMA) -> SoftNBCEFusion:
+    """The soft_nbce mode's rule for chunks with these log-priors ``[K]``: routed by the prior (weight ``gamma``) only
+    when it ranks them (not all equal), with :func:`support_rho`'s top-p; the paper's rule otherwise, exactly."""
+    real_number("gamma", gamma, minimum=0.0, maximum=MAX_BETA, hint=" (weight of the retrieval prior; 0: none)")
+    ranked = gamma > 0 and bool(chunk_log_prior.max() > chunk_log_prior.min())
+    return SoftNBCEFusion(tau=tau, beta=beta, rho=support_rho(rho, ranked), rule=rule, gamma=gamma if ranked else 0.0,
+                          log_prior=chunk_log_prior if ranked else None)
+
+
 def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[int]], SoftNBCEFusion],
                      chunk_tokens: int | None) -> FusedJob:
     """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents.
@@ -468,43 +499,48 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
         result.extra["trace_chunks"] = [step.document for step in result.trace]
         result.trace = [replace(step, document=None if step.document is None else sources[step.document])
                         for step in result.trace]
-        result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks))
+        result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks), rho=rule.rho,
+                            gamma=rule.gamma)
         return result
 
     return expert_streams_job(ctx, rule, contexts=prepared, with_context_free=True, finish=finish)
 
 
 @register_mode("soft_nbce")
-def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float = 0.9,
-                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = 0.0,
+def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
+                  chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = PRIOR_GAMMA,
                   prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
                   prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
     beta: contrast with the prior, (1 + beta) L_chunk - beta L_prior (0: no contrast).
-    rho: top-p of each chunk before fusion.
+    rho: top-p of each chunk before fusion; ``None`` (default): the paper's 0.9 when nothing ranks the chunks, 1.0
+    (every token) when the retrieval prior does (:func:`support_rho`).
     chunk_tokens: split documents into chunks of at most this many tokens (None: one stream per document).
     rule: "paper" (Algorithm 1) or "nbce_code" (NBCE's reference code); see :class:`SoftNBCEFusion`.
-    gamma: weight of a retrieval prior in the chunk weights (0, the paper's: entropy alone; our variant > 0).
+    gamma: weight of a retrieval prior in the chunk weights (our variant, the default 10.0; 0 is the paper's: entropy
+    alone). Chunks whose priors are all equal (no scores, equal scores, one document's chunks) are routed by entropy
+    alone whatever gamma is: the prior would add the same number to each, so the rule is then the paper's, exactly.
     prior, prior_tau, prior_floor: how the documents' scores become that log-prior, as PCED's (see :mod:`.priors`);
     every chunk of a document gets the document's.
+    The paper's rule on every input: ``gamma=0`` (``rho`` is then 0.9).
     """
     check_prior(prior, prior_tau, prior_floor)
     logs = log_prior([d.score for d in ctx.documents], prior, tau=prior_tau, floor=prior_floor)
-    return run_chunk_fusion(ctx, lambda sources: SoftNBCEFusion(tau=tau, beta=beta, rho=rho, rule=rule, gamma=gamma,
-                                                                log_prior=logs[sources]), chunk_tokens)
+    return run_chunk_fusion(ctx, lambda sources: routed_rule(logs[sources], tau=tau, beta=beta, rho=rho, rule=rule,
+                                                             gamma=gamma), chunk_tokens)
 
 
 @register_mode("nbce")
-def run_nbce(ctx: DecodeContext, *, beta: float = 0.25, rho: float = 0.9,
+def run_nbce(ctx: DecodeContext, *, beta: float = 0.25, rho: float = PAPER_RHO,
              chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> FusedJob:
     """Hard NBCE (Soft-NBCE's tau -> 0 limit, the paper's Vanilla NBCE): each token from the lowest-entropy chunk."""
     return run_chunk_fusion(ctx, NBCEFusion(beta=beta, rho=rho, rule=rule), chunk_tokens)
 
 
 @register_mode("pcw")
-def run_pcw(ctx: DecodeContext, *, beta: float = 0.0, rho: float = 0.9,
+def run_pcw(ctx: DecodeContext, *, beta: float = 0.0, rho: float = PAPER_RHO,
             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> FusedJob:
     """Uniform chunk average (Soft-NBCE's tau -> infinity limit with beta = 0, the paper's PCW baseline)."""
     return run_chunk_fusion(ctx, PCWFusion(beta=beta, rho=rho, rule=rule), chunk_tokens)
