@@ -61,6 +61,7 @@ def _config(family: str, **settings):
 
 def test_which_layers_slide_is_read_as_transformers_reads_it():
     assert windows(_config("llama")) == Windows()
+    assert windows(None) == Windows()  # a stand-in for a model (the pool's tests), without a config
     assert windows(_config("mistral", sliding_window=16)) == Windows(16)  # every layer
     assert windows(_config("mistral", sliding_window=None)) == Windows()
     assert windows(_config("qwen2", sliding_window=16)) == Windows()  # use_sliding_window is off by default

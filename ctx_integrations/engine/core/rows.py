@@ -513,7 +513,7 @@ class RowPool:
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
         # a sliding-window model's sliding layers see their window only; flex refuses keys beyond it (flex.py)
-        mask = visibility_block_mask(*layout) if flex else windows(model.config).masks(
+        mask = visibility_block_mask(*layout) if flex else windows(getattr(model, "config", None)).masks(
             visibility(*layout), positions, self.positions, positions != PAD_POSITION)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
@@ -535,8 +535,8 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
     and decode within the bucket (``tests/test_compiled_step.py``)."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
     documents[rows, columns] = 0
-    mask = windows(model.config).masks(visibility(positions, contexts, questions, k_pos, k_ctx, k_qid), positions,
-                                       k_pos, positions != PAD_POSITION)
+    full = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
+    mask = windows(getattr(model, "config", None)).masks(full, positions, k_pos, positions != PAD_POSITION)
     cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers])
     rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache, use_cache=True)

@@ -41,7 +41,8 @@ class Windows:
 
 
 def windows(config: object) -> Windows:
-    """The sliding window of a transformers config (its text model's), as its own mask functions apply it."""
+    """The sliding window of a transformers config (its text model's), as its own mask functions apply it; none
+    for ``None`` (a stand-in for a model, without a config)."""
     text = getattr(config, "get_text_config", lambda: config)()
     size = getattr(text, "sliding_window", None)
     if size is None or getattr(text, "use_sliding_window", True) is False:
