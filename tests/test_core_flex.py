@@ -86,15 +86,30 @@ def test_a_model_forward_with_the_block_mask_equals_the_boolean_mask(family):
     assert loaded.model.config._attn_implementation == "sdpa"
 
 
-def test_the_flex_attention_refuses_a_dense_mask_and_keys_beyond_a_sliding_window():
+def test_the_flex_attention_refuses_a_dense_mask():
     from ctx_integrations.engine.core.flex import flex_attention_forward
 
     query, key = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(InvalidOptionError, match="BlockMask"):
         flex_attention_forward(torch.nn.Module(), query, key, key, torch.ones(1, 1, 1, 8, dtype=torch.bool))
-    layout = [torch.zeros(1, 1, dtype=torch.long)] * 3 + [torch.zeros(1, 8, dtype=torch.long)] * 3
-    with pytest.raises(InvalidOptionError, match="exceed this model's window of 4"):
-        flex_attention_forward(torch.nn.Module(), query, key, key, visibility_block_mask(*layout), sliding_window=4)
+
+
+def test_a_windowed_block_mask_is_the_windowed_boolean_mask():
+    """A sliding layer's block mask (``window=``) allows exactly what the eager kernel's windowed mask allows,
+    padding queries included (they keep their keys, so no query row is empty)."""
+    from ctx_integrations.engine.core.windows import Windows
+
+    generator = torch.Generator().manual_seed(5)
+    layout = random_layout(generator, 3, 40, 12)
+    q_pos = layout[0]
+    q_pos[0, -1] = PAD_POSITION  # one padding query
+    dense = Windows(6).masks(visibility(*layout), q_pos, layout[3], q_pos != PAD_POSITION)
+    block = visibility_block_mask(*layout, window=6)
+    b = torch.arange(3).view(3, 1, 1, 1)
+    q = torch.arange(12).view(1, 1, 12, 1)
+    k = torch.arange(40).view(1, 1, 1, 40)
+    assert torch.equal(block.mask_mod(b, torch.zeros_like(b), q, k), dense)
+    assert not torch.equal(dense, visibility(*layout))  # the window hides something here
 
 
 # -- a compiled kernel that cannot be built must not fail a request (the H200 run: Inductor's NoValidChoicesError

@@ -87,3 +87,14 @@ def test_a_window_narrows_real_queries_only_and_mixed_models_get_a_mask_per_laye
     assert torch.equal(sliding[0, 0, 2], full[0, 0, 2])  # padding keeps its keys: no query row is left empty
     mixed = Windows(4, mixed=True).masks(full, q_pos, k_pos, real)
     assert set(mixed) == {FULL, SLIDING} and mixed[FULL] is full and torch.equal(mixed[SLIDING], sliding)
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_the_flex_kernel_applies_the_window_as_the_eager_one_does(family, overrides):
+    """FlexAttention (CUDA's default kernel, here unfused on the CPU) gets a block mask per layer type with the same
+    window, where it used to refuse a pool wider than the window."""
+    engine = Engine(_loaded(family, WINDOW, overrides), attention_kernel="flex")
+    reference = greedy_reference(engine.loaded, prompt_ids(engine, [DOCUMENT], QUESTION), 12)
+    for mode, options in (("concat", {}), ("pced", {"beta": 0.0, "gamma": 0.0})):
+        answer = engine.generate(QUESTION, [DOCUMENT], mode=mode, max_new_tokens=12, **options)
+        assert answer.token_ids == reference, mode

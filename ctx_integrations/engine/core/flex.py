@@ -215,10 +215,8 @@ def flex_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if kwargs.get("softcap") is not None:
         raise InvalidOptionError("attention_kernel='flex' does not support attention logit soft-capping (e.g. "
                                  "Gemma 2); use attention_kernel='eager' with this model")
-    window = kwargs.get("sliding_window")  # Mistral passes its window on every call; it only matters beyond it
-    if window is not None and key.shape[2] > window:
-        raise InvalidOptionError(f"attention_kernel='flex' does not apply sliding-window attention, and "
-                                 f"{key.shape[2]} keys exceed this model's window of {window}")
+    # a sliding layer's window (the ``sliding_window`` transformers passes) is already in its block mask: the pool
+    # builds one per layer type (windows.py)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out, _ = run_flex(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

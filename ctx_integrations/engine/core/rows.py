@@ -84,16 +84,21 @@ def visibility(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_
 
 
 def visibility_block_mask(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch.Tensor, k_pos: torch.Tensor,
-                          k_ctx: torch.Tensor, k_qid: torch.Tensor) -> BlockMask:
+                          k_ctx: torch.Tensor, k_qid: torch.Tensor, window: int | None = None) -> BlockMask:
     """The same rule as a FlexAttention block mask (heads share it): no ``[B, Q, K]`` boolean tensor is kept.
 
     FlexAttention evaluates :func:`visible` per (row, query, key) from the same six tensors and skips
     the 128 x 128 tiles nobody sees (other contexts, other questions' answers, padding). Pass it as
-    ``attention_mask`` with the model inside ``attention_swapped(model, FLEX_ATTENTION)``.
+    ``attention_mask`` with the model inside ``attention_swapped(model, FLEX_ATTENTION)``. ``window``: a sliding
+    layer's, narrowing each real query to the keys less than ``window`` positions behind it
+    (:meth:`~ctx_integrations.engine.core.windows.Windows.masks`' rule).
     """
 
     def mask_mod(b, h, q, k):
-        return visible(q_pos[b, q], q_ctx[b, q], q_qid[b, q], k_pos[b, k], k_ctx[b, k], k_qid[b, k])
+        seen = visible(q_pos[b, q], q_ctx[b, q], q_qid[b, q], k_pos[b, k], k_ctx[b, k], k_qid[b, k])
+        if window is None:
+            return seen
+        return seen & ((q_pos[b, q] - k_pos[b, k] < window) | (q_pos[b, q] == PAD_POSITION))
 
     return block_mask(mask_mod, q_pos.shape[0], q_pos.shape[1], k_pos.shape[1], q_pos.device)
 
@@ -512,9 +517,12 @@ class RowPool:
         cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
-        # a sliding-window model's sliding layers see their window only; flex refuses keys beyond it (flex.py)
-        mask = visibility_block_mask(*layout) if flex else windows(getattr(model, "config", None)).masks(
-            visibility(*layout), positions, self.positions, positions != PAD_POSITION)
+        # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
+        slide = windows(getattr(model, "config", None))
+        if flex:
+            mask = slide.block_masks(lambda window: visibility_block_mask(*layout, window=window))
+        else:
+            mask = slide.masks(visibility(*layout), positions, self.positions, positions != PAD_POSITION)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
             out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,

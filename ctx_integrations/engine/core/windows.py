@@ -7,11 +7,13 @@ layer would see every key of its row: past the window the answer silently differ
 Mistral with an 8-token window answered other tokens than transformers' ``generate`` on the same 247-token prompt).
 Each sliding layer's mask adds the window's rule on the virtual positions, which are each row's own sequence
 positions: a query at position q sees a key at position k only if q - k < window (transformers'
-``sliding_window_overlay``). transformers has no hook for a caller's own mask, so the rule is written here.
+``sliding_window_overlay``), on the boolean masks of the eager kernel and the block masks of the flex kernel alike.
+transformers has no hook for a caller's own mask, so the rule is written here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,13 @@ class Windows:
         near = (q_pos.unsqueeze(2) - k_pos.unsqueeze(1) < self.size) | ~real.unsqueeze(2)
         sliding = full & near.unsqueeze(1)
         return {FULL: full, SLIDING: sliding} if self.mixed else sliding
+
+
+    def block_masks(self, build: Callable[[int | None], object]) -> object:
+        """The same choice for FlexAttention block masks: ``build(window)`` makes one (``None``: no window)."""
+        if self.size is None:
+            return build(None)
+        return {FULL: build(None), SLIDING: build(self.size)} if self.mixed else build(self.size)
 
 
 def windows(config: object) -> Windows:
