@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
 from ctx_integrations.engine.core.row_attention import ROW_ATTENTION, RowRule
-from ctx_integrations.engine.core.windows import windows
+from ctx_integrations.engine.core.windows import in_window, windows
 
 PAD_POSITION = 1 << 40  # the "infinite" virtual position of padding
 PAD_ID = -1  # context / question id of padding (matches no real token's ids)
@@ -91,14 +91,14 @@ def visibility_block_mask(q_pos: torch.Tensor, q_ctx: torch.Tensor, q_qid: torch
     the 128 x 128 tiles nobody sees (other contexts, other questions' answers, padding). Pass it as
     ``attention_mask`` with the model inside ``attention_swapped(model, FLEX_ATTENTION)``. ``window``: a sliding
     layer's, narrowing each real query to the keys less than ``window`` positions behind it
-    (:meth:`~ctx_integrations.engine.core.windows.Windows.masks`' rule).
+    (:func:`~ctx_integrations.engine.core.windows.in_window`).
     """
 
     def mask_mod(b, h, q, k):
         seen = visible(q_pos[b, q], q_ctx[b, q], q_qid[b, q], k_pos[b, k], k_ctx[b, k], k_qid[b, k])
         if window is None:
             return seen
-        return seen & ((q_pos[b, q] - k_pos[b, k] < window) | (q_pos[b, q] == PAD_POSITION))
+        return seen & in_window(q_pos[b, q], k_pos[b, k], window, q_pos[b, q] != PAD_POSITION)
 
     return block_mask(mask_mod, q_pos.shape[0], q_pos.shape[1], k_pos.shape[1], q_pos.device)
 
@@ -520,7 +520,7 @@ class RowPool:
         # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
         slide = windows(getattr(model, "config", None))
         if flex:
-            mask = slide.block_masks(lambda window: visibility_block_mask(*layout, window=window))
+            mask = slide.per_layer_type(lambda window: visibility_block_mask(*layout, window=window))
         else:
             mask = slide.masks(visibility(*layout), positions, self.positions, positions != PAD_POSITION)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None

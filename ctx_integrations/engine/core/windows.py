@@ -15,10 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
+
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types
+
+
+def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, size: int, real: torch.Tensor) -> torch.Tensor:
+    """The window's rule itself, elementwise (inputs broadcast): a real query sees the keys less than ``size``
+    positions behind it; a padding query (``real`` False) keeps what the visibility rule lets it see, so no query
+    row is left without a key. The eager kernel's boolean masks and the flex kernel's block masks both use it."""
+    return (q_pos - k_pos < size) | ~real
 
 
 @dataclass(frozen=True)
@@ -29,24 +39,25 @@ class Windows:
     size: int | None = None
     mixed: bool = False
 
-    def masks(self, full: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              real: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The ``attention_mask`` to give the model: ``full`` (``[B, 1, Q, K]``, the pool's visibility) as it is
-        without a window; else narrowed to keys less than ``size`` positions behind each real query (``q_pos``
-        ``[B, Q]``, ``k_pos`` ``[B, K]``; ``real`` ``[B, Q]``: not padding, whose rows keep what ``full`` lets them
-        see, so no query row is left without a key), alone or beside ``full`` when only some layers slide."""
-        if self.size is None:
-            return full
-        near = (q_pos.unsqueeze(2) - k_pos.unsqueeze(1) < self.size) | ~real.unsqueeze(2)
-        sliding = full & near.unsqueeze(1)
-        return {FULL: full, SLIDING: sliding} if self.mixed else sliding
-
-
-    def block_masks(self, build: Callable[[int | None], object]) -> object:
-        """The same choice for FlexAttention block masks: ``build(window)`` makes one (``None``: no window)."""
+    def per_layer_type(self, build: Callable[[int | None], T]) -> T | dict[str, T]:
+        """The ``attention_mask`` to give the model, of any kind: ``build(window)`` makes one mask (``None``: no
+        window); one without a window, one with it, or both by layer type when only some layers slide."""
         if self.size is None:
             return build(None)
         return {FULL: build(None), SLIDING: build(self.size)} if self.mixed else build(self.size)
+
+    def masks(self, full: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              real: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """:meth:`per_layer_type` for the eager kernel's boolean masks: ``full`` (``[B, 1, Q, K]``, the pool's
+        visibility) as it is, or narrowed by :func:`in_window` for ``q_pos`` ``[B, Q]``, ``k_pos`` ``[B, K]`` and
+        ``real`` ``[B, Q]`` (the queries that are not padding)."""
+
+        def build(window: int | None) -> torch.Tensor:
+            if window is None:
+                return full
+            return full & in_window(q_pos.unsqueeze(2), k_pos.unsqueeze(1), window, real.unsqueeze(2)).unsqueeze(1)
+
+        return self.per_layer_type(build)
 
 
 def windows(config: object) -> Windows:

@@ -70,6 +70,10 @@ PRIOR_GAMMA = 10.0
 PAPER_RHO = 0.9
 
 
+def check_gamma(gamma: float) -> None:
+    real_number("gamma", gamma, minimum=0.0, maximum=MAX_BETA, hint=" (weight of the retrieval prior; 0: none)")
+
+
 def check_rule(rule: str) -> None:
     if rule not in RULES:
         raise InvalidOptionError(f"rule must be one of {', '.join(map(repr, RULES))} ('paper': Algorithm 1 of "
@@ -275,7 +279,7 @@ class SoftNBCEFusion:
         real_number("beta", beta, minimum=0.0, maximum=MAX_BETA)
         real_number("rho", rho, minimum=0.0, maximum=1.0, min_inclusive=False, hint=" (each chunk's top-p)")
         check_rule(rule)
-        real_number("gamma", gamma, minimum=0.0, maximum=MAX_BETA, hint=" (weight of the retrieval prior; 0: none)")
+        check_gamma(gamma)
         if gamma > 0 and log_prior is None:
             raise InvalidOptionError("gamma > 0 needs each chunk's log-prior (log_prior=...)")
         self.beta, self.rho, self.rule, self.gamma = beta, rho, rule, gamma
@@ -477,7 +481,7 @@ def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float 
                 rule: str = "paper", gamma: float = PRIOR_GAMMA) -> SoftNBCEFusion:
     """The soft_nbce mode's rule for chunks with these log-priors ``[K]``: routed by the prior (weight ``gamma``) only
     when it ranks them (not all equal), with :func:`support_rho`'s top-p; the paper's rule otherwise, exactly."""
-    real_number("gamma", gamma, minimum=0.0, maximum=MAX_BETA, hint=" (weight of the retrieval prior; 0: none)")
+    check_gamma(gamma)  # here too: a rule nothing ranks is built with gamma 0, so its own check would not see it
     ranked = gamma > 0 and bool(chunk_log_prior.max() > chunk_log_prior.min())
     return SoftNBCEFusion(tau=tau, beta=beta, rho=support_rho(rho, ranked), rule=rule, gamma=gamma if ranked else 0.0,
                           log_prior=chunk_log_prior if ranked else None)
