@@ -93,6 +93,37 @@ def test_another_bucket_is_one_more_graph_and_a_failed_compile_falls_back_with_o
     assert engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6).token_ids == expected  # no second warning
 
 
+def test_the_compiled_step_writes_in_place_only_into_static_inputs_as_cuda_graph_trees_require(monkeypatch):
+    # CUDA graph trees skip a graph that mutates an input not known to keep its address; the step writes the new
+    # keys, values and column metadata into the arena in place, so every such tensor must be marked static (the
+    # H200 run skipped CUDA graphs at every step for 68 unmarked ones). AOT autograd's metadata says which inputs
+    # the traced graph mutates and which are static, the two lists the graph trees compare.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(graph, example_inputs):
+        meta = torch._guards.TracingContext.try_get().fw_metadata
+        graphs.append((set(meta.mutated_inp_runtime_indices), set(meta.static_input_indices)))
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=capture)
+    monkeypatch.setattr(runner_module, "compiled_decode_step",
+                        lambda mode: compiled_step.compiled_decode_step(mode, backend=backend))
+    torch._dynamo.reset()
+    try:
+        engine = Engine(tiny_loaded("llama", seed=3), compile_mode="default")
+        expected = Engine(tiny_loaded("llama", seed=3), compile_mode=None).generate("Who?", DOCS, mode="pced",
+                                                                                  max_new_tokens=6).token_ids
+        assert engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6).token_ids == expected
+    finally:
+        torch._dynamo.reset()
+    assert graphs and not engine.scheduler.runner.step.failed
+    for mutated, static in graphs:  # 2 layers' keys and values and 4 metadata tensors, all of them static
+        assert len(mutated) == 8 and mutated <= static, (mutated, static)
+
+
 def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_of_a_model():
     assert compiled_step.resolve_compile_mode("auto", torch.device("cpu")) is None
     assert compiled_step.resolve_compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
@@ -151,7 +182,8 @@ def test_the_decode_step_is_compiled_once_per_mode_and_backend_with_a_raised_rec
         assert compiled_step.compiled_decode_step("reduce-overhead") is step
         assert compiles == [(decode_step, {"dynamic": False, "backend": "inductor", "mode": "reduce-overhead"})]
         default_limit = torch._dynamo.config.recompile_limit
-        assert step(1, 2) == ((1, 2), compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
+        args = (None, *range(6), *(torch.zeros(2) for _ in range(4)), [(torch.zeros(3), torch.zeros(3))])
+        assert step(*args) == (args, compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
         assert torch._dynamo.config.recompile_limit == default_limit  # only while the step runs
         compiled_step.compiled_decode_step("default", backend="eager")
         assert compiles[1] == (decode_step, {"dynamic": False, "backend": "eager"})  # a mode is inductor's option
@@ -171,6 +203,8 @@ def test_a_guarded_step_runs_the_compiled_step_until_it_fails_then_the_eager_one
             raise RuntimeError("NoValidChoicesError: " + "x" * 300)
         return "compiled"
 
+    raised_line = compiled.__code__.co_firstlineno + 3
+
     guarded = compiled_step.GuardedStep(compiled, "max-autotune")
     assert (guarded.step, guarded.mode, guarded.failed) == (compiled, "max-autotune", False)
     assert guarded(1, 2) == "compiled" and calls == [("compiled", (1, 2))]
@@ -179,7 +213,8 @@ def test_a_guarded_step_runs_the_compiled_step_until_it_fails_then_the_eager_one
     assert calls[1:] == [("compiled", (3,)), ("eager", (3,))] and guarded.failed
     assert [str(w.message) for w in warned] == [
         "the compiled decode step (compile_mode='max-autotune') failed (RuntimeError: NoValidChoicesError: "
-        + "x" * (200 - len("NoValidChoicesError: ")) + "); decoding goes on with the eager step"]
+        + "x" * (200 - len("NoValidChoicesError: ")) + f", raised at {__file__}:{raised_line} in compiled); "
+        "decoding goes on with the eager step"]
     assert warned[0].filename == __file__  # the warning points at the step's caller
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -19,6 +19,7 @@ once and the engine goes on with the eager step.
 from __future__ import annotations
 
 import functools
+import traceback
 import warnings
 from collections.abc import Callable
 
@@ -48,11 +49,27 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
     options = {} if backend != "inductor" else {"mode": mode}
     compiled = torch.compile(decode_step, dynamic=False, backend=backend, **options)
 
-    def step(*args: object) -> torch.Tensor:
+    def step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
+             questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,
+             k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
+             layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        mark_arena_static(k_pos, k_ctx, k_qid, documents, *(tensor for pair in layers for tensor in pair))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args)
+            return compiled(model, ids, positions, contexts, questions, rows, columns, k_pos, k_ctx, k_qid,
+                            documents, layers)
 
     return step
+
+
+def mark_arena_static(*arena: torch.Tensor) -> None:
+    """Tell Dynamo that the arena's tensors (the keys, values and per-column metadata the step writes in place)
+    keep their address: CUDA graph trees capture a step that mutates its inputs only when those inputs are static
+    (parameters or marked so). Unmarked, the H200 run skipped CUDA graphs for every step ("skipping cudagraphs
+    due to mutated inputs (68 instances)": 32 layers' keys and values and 4 metadata tensors) and ran the
+    compiled step without them. ``guard=False``: an arena re-allocated at the same shape is re-recorded by the
+    graph trees, not recompiled by Dynamo."""
+    for tensor in arena:
+        torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 class GuardedStep:
@@ -70,6 +87,16 @@ class GuardedStep:
             except Exception as error:  # noqa: BLE001 - compile errors come in many types; the request must not fail
                 self.failed = True
                 warnings.warn(f"the compiled decode step (compile_mode={self.mode!r}) failed ({type(error).__name__}: "
-                              f"{str(error)[:200]}); decoding goes on with the eager step", RuntimeWarning,
-                              stacklevel=2)
+                              f"{str(error)[:200]}, raised at {raised_at(error)}); decoding goes on with the eager "
+                              "step", RuntimeWarning, stacklevel=2)
         return decode_step(*args)
+
+
+def raised_at(error: BaseException) -> str:
+    """``file:line in function`` of the frame that raised ``error`` (a bare ``AssertionError`` from inside
+    torch, as the H200 run gave, says nothing without it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "an unknown place"
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno} in {last.name}"
