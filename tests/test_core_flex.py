@@ -138,7 +138,7 @@ def failing_compile(monkeypatch):
     compiled = FailingCompile()
     monkeypatch.setattr(flex, "_use_compiled", lambda device: True)
     monkeypatch.setattr(flex, "_compiled_flex", lambda: compiled)
-    monkeypatch.setattr(flex, "_FAILED_SHAPES", {})
+    monkeypatch.setattr(flex, "_FAILED_KERNELS", {})
     return compiled
 
 
@@ -191,6 +191,36 @@ def test_a_shape_that_builds_with_smaller_tiles_keeps_the_compiled_kernel(failin
     assert failing_compile.calls == [None, *flex.FALLBACK_KERNEL_OPTIONS]
     run_flex(query, key, value, visibility_block_mask(*layout), 0.25)
     assert failing_compile.calls[-1] == flex.FALLBACK_KERNEL_OPTIONS[1] and len(failing_compile.calls) == 4
+
+
+def test_other_lengths_of_a_failed_kind_skip_the_failing_build_and_a_one_token_query_tries_it(failing_compile):
+    # Under dynamic=True a kind whose default build failed fails at every length (the H200: each try a failed
+    # compile of seconds, at every new prompt or context length); a decode's one-token query is another kernel.
+    from ctx_integrations.engine.core import flex
+
+    failing_compile.works_with = flex.FALLBACK_KERNEL_OPTIONS[0]
+    generator = torch.Generator().manual_seed(3)
+
+    def call(q_len, kv_len, dtype=torch.float32, head_dim=16):
+        layout = random_layout(generator, 1, kv_len, q_len)
+        query = torch.randn(1, 4, q_len, head_dim, generator=generator).to(dtype)
+        key, value = torch.randn(2, 1, 2, kv_len, head_dim, generator=generator).to(dtype)
+        return run_flex(query, key, value, visibility_block_mask(*layout), 0.25)
+
+    with pytest.warns(RuntimeWarning, match=r"query \(1, 4, 20, 16\).*for this shape and later calls of this dtype, "
+                                            r"head dim and query kind \(many tokens\)"):
+        call(20, 300)
+    assert failing_compile.calls == [None, flex.FALLBACK_KERNEL_OPTIONS[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(37, 700)  # another prompt and context length: straight to the options that built
+    assert failing_compile.calls[2:] == [flex.FALLBACK_KERNEL_OPTIONS[0]]
+    for other_kind in (dict(q_len=1, kv_len=300), dict(q_len=20, kv_len=300, head_dim=32),
+                       dict(q_len=20, kv_len=300, dtype=torch.bfloat16)):
+        before = len(failing_compile.calls)
+        with pytest.warns(RuntimeWarning, match="kernel_options="):
+            call(**other_kind)
+        assert failing_compile.calls[before:] == [None, flex.FALLBACK_KERNEL_OPTIONS[0]], other_kind
 
 
 def test_a_model_step_under_a_failing_compile_gives_the_eager_logits(failing_compile):

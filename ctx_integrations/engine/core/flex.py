@@ -60,18 +60,24 @@ def _use_compiled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-# Kernel options tried, in order, when the autotuned kernel cannot be built for a shape: Inductor raised
-# "NoValidChoicesError: No choices to select ... target: flex_attention" on an H200 for a bf16 32k-token
-# prefill (head dim 128, dynamic shapes) and on fp32 with head dim 16: no tile configuration fitted the
-# shape's constraints (shared memory per block, the head dim's alignment). Smaller tiles and one pipeline
-# stage fit more shapes; if none builds, the shape is computed without the compiled kernel (:func:`_fallback`).
+# Kernel options tried, in order, when the autotuned kernel cannot be built: Inductor raised "NoValidChoicesError:
+# No choices to select ... target: flex_attention" on an H200 (torch 2.11) for every prefill-shaped call (a query
+# of 39 to 120 tokens: bf16 with head dim 128 over 32k-131k keys, bf16 and fp32 with head dim 16), never for a
+# one-token decode; the first options below built each of them (two H200 runs, 2026-11-27). Smaller tiles and
+# one pipeline stage fit more shapes; if none builds, the call is computed without the compiled kernel
+# (:func:`_fallback`).
 FALLBACK_KERNEL_OPTIONS: tuple[dict[str, int], ...] = ({"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1},
                                                        {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1})
-_FAILED_SHAPES: dict[tuple, dict[str, int] | None] = {}  # shape -> kernel options that built, or None: fallback
+_FAILED_KERNELS: dict[tuple, dict[str, int] | None] = {}  # kernel kind -> options that built, or None: fallback
 
 
-def _shape(query: torch.Tensor, key: torch.Tensor, return_lse: bool) -> tuple:
-    return (tuple(query.shape), tuple(key.shape), str(query.dtype), return_lse)
+def _kernel_kind(query: torch.Tensor, key: torch.Tensor, return_lse: bool, score_mod: object) -> tuple:
+    """What the compiled kernel is specialised on under ``dynamic=True``: dtype, head dims, grouping, a one-token
+    query or a longer one (Dynamo specialises sizes 0 and 1), the outputs asked and whether a score_mod is fused.
+    Lengths are symbolic: a kind whose default build failed once fails again at every other length (each try a
+    failed compile of seconds), so later calls of that kind go straight to what worked."""
+    return (str(query.dtype), query.shape[-1], query.shape[1] // key.shape[1], query.shape[2] == 1, return_lse,
+            score_mod is not None)
 
 
 def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
@@ -84,7 +90,7 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
     compiled kernel that cannot be built for a shape never fails the request: the shape is retried with
     :data:`FALLBACK_KERNEL_OPTIONS`, then computed in query chunks with SDPA under the block mask's dense
     mask (:func:`_fallback`, which applies ``score_mod`` too); either way one warning names the shape, and later
-    calls of that shape go straight to what worked.
+    calls of that kind of shape (:func:`_kernel_kind`) go straight to what worked.
     """
     options: dict[str, object] = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
     if score_mod is not None:
@@ -92,14 +98,14 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
     if return_lse:
         options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
     if _use_compiled(query.device):
-        shape = _shape(query, key, return_lse)
-        if shape not in _FAILED_SHAPES:
+        kind = _kernel_kind(query, key, return_lse, score_mod)
+        if kind not in _FAILED_KERNELS:
             try:
                 result = _compiled_flex()(query, key, value, **options)
             except Exception as error:  # noqa: BLE001 - Inductor's errors have many types; the request must not fail
-                result = _recover(shape, error, query, key, value, block_mask, scale, return_lse, options)
+                result = _recover(kind, error, query, key, value, block_mask, scale, return_lse, options)
         else:
-            result = _recover(shape, None, query, key, value, block_mask, scale, return_lse, options)
+            result = _recover(kind, None, query, key, value, block_mask, scale, return_lse, options)
     else:
         with warnings.catch_warnings():  # "called without torch.compile()": on CPU that is the point
             warnings.simplefilter("ignore", UserWarning)
@@ -110,28 +116,30 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
     return out, (lse.lse if AuxRequest is not None else lse)
 
 
-def _recover(shape: tuple, error: Exception | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _recover(kind: tuple, error: Exception | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              block_mask: BlockMask, scale: float, return_lse: bool, options: dict[str, object]) -> object:
-    """The result of a shape whose default compiled kernel failed: smaller tiles, or the chunked fallback."""
-    if shape in _FAILED_SHAPES:
-        kernel = _FAILED_SHAPES[shape]
+    """The result of a call whose kind's default compiled kernel failed: smaller tiles, or the chunked fallback."""
+    if kind in _FAILED_KERNELS:
+        kernel = _FAILED_KERNELS[kind]
         if kernel is not None:
             return _compiled_flex()(query, key, value, kernel_options=kernel, **options)
         return _fallback(query, key, value, block_mask, scale, return_lse, options.get("score_mod"))
+    shape = f"query {tuple(query.shape)}, keys {tuple(key.shape)}, {query.dtype}"
+    later = "later calls of this dtype, head dim and query kind" + (" (one token)" if kind[3] else " (many tokens)")
     for kernel in FALLBACK_KERNEL_OPTIONS:
         try:
             result = _compiled_flex()(query, key, value, kernel_options=kernel, **options)
         except Exception:  # noqa: BLE001 - try the next configuration
             continue
-        _FAILED_SHAPES[shape] = kernel
-        warnings.warn(f"FlexAttention's compiled kernel could not be built for query {shape[0]}, keys {shape[1]}, "
-                      f"{shape[2]} ({type(error).__name__}); it runs with kernel_options={kernel} for this shape",
-                      RuntimeWarning, stacklevel=3)
+        _FAILED_KERNELS[kind] = kernel
+        warnings.warn(f"FlexAttention's compiled kernel could not be built for {shape} ({type(error).__name__}); "
+                      f"it runs with kernel_options={kernel} for this shape and {later}", RuntimeWarning,
+                      stacklevel=3)
         return result
-    _FAILED_SHAPES[shape] = None
-    warnings.warn(f"FlexAttention's compiled kernel could not be built for query {shape[0]}, keys {shape[1]}, "
-                  f"{shape[2]} ({type(error).__name__}: {str(error)[:200]}); this shape is computed with SDPA in "
-                  "query chunks under the block mask instead (slower, same result)", RuntimeWarning, stacklevel=3)
+    _FAILED_KERNELS[kind] = None
+    warnings.warn(f"FlexAttention's compiled kernel could not be built for {shape} ({type(error).__name__}: "
+                  f"{str(error)[:200]}); this shape and {later} are computed with SDPA in query chunks under the "
+                  "block mask instead (slower, same result)", RuntimeWarning, stacklevel=3)
     return _fallback(query, key, value, block_mask, scale, return_lse, options.get("score_mod"))
 
 
