@@ -1070,17 +1070,28 @@ def main(argv: list[str] | None = None, started: float | None = None) -> list[di
     return rows
 
 
+def compile_counts() -> dict[str, int]:
+    """Dynamo's graphs compiled and Inductor's CUDA-graph skips so far in this process: per case, where first-call
+    compile time went and whether the compiled steps ran as CUDA graphs (the H200 run of 2026-11-27 showed neither
+    in its table; only the log said "skipping cudagraphs due to mutated inputs")."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs_compiled": int(counters["stats"]["unique_graphs"]),
+            "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
 def run_case(bench: Bench, case: Case, budget: Budget | None, rows: list[dict], settings: dict[str, Any],
              lock: threading.Lock, doing: dict[str, Any], save: Callable[[bool], None]) -> None:
     """Run ``case`` (or skip it when the budget says it would not fit); its rows printed and saved at once."""
     label = {"section": case.section, "model": bench.model_name, **case.label}
     refusal = budget.refusal(case.prior_s) if budget is not None else None
-    seconds = 0.0
+    seconds, compiles = 0.0, {key: 0 for key in compile_counts()}
     if refusal is not None:
         case_rows = [{**label, "skipped": refusal}]
     else:
         estimate = budget.estimate(case.prior_s) if budget is not None else None
         doing.update(what=f"{case.section} {case.label}", case=label)
+        compiled_before = compile_counts()
         begun = time.perf_counter()
         try:
             case_rows = [{**label, **row} for row in case.run()]
@@ -1092,6 +1103,7 @@ def run_case(bench: Bench, case: Case, budget: Budget | None, rows: list[dict], 
         finally:
             bench.forget_engines()
         seconds = time.perf_counter() - begun
+        compiles = {key: value - compiled_before[key] for key, value in compile_counts().items()}
         if budget is not None:
             budget.record(case.prior_s, seconds)
     where = ", ".join(f"{k}={v}" for k, v in case.label.items())
@@ -1099,6 +1111,7 @@ def run_case(bench: Bench, case: Case, budget: Budget | None, rows: list[dict], 
         print(f"\n### {case.section} ({bench.model_name}{', ' + where if where else ''}): skipped, {refusal}")
     else:
         guess = f", estimated {estimate:.0f} s" if estimate is not None else ""
+        guess += f", {compiles['graphs_compiled']} graphs compiled, {compiles['cudagraph_skips']} CUDA-graph skips"
         print(f"\n### {case.section} ({bench.model_name}{', ' + where if where else ''}: {seconds:.1f} s{guess})")
         print_table(case_rows, COLUMNS[case.section] + [c for c in ("error",) if any(c in r for r in case_rows)])
     sys.stdout.flush()
@@ -1106,7 +1119,7 @@ def run_case(bench: Bench, case: Case, budget: Budget | None, rows: list[dict], 
     with lock:
         rows.extend(case_rows)
         settings["cases"].append({"section": case.section, "model": bench.model_name, **case.label, "status": status,
-                                  "prior_s": case.prior_s, "seconds": seconds})
+                                  "prior_s": case.prior_s, "seconds": seconds, **compiles})
         doing.update(what="between cases", case=None)
         save(False)
 

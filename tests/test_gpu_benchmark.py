@@ -125,6 +125,8 @@ def test_the_budget_runs_the_table_in_order_writes_every_case_at_once_and_skips_
     assert settings["sections"] == [gpu.TABLE] and settings["budget_s"] == 600 and settings["shapes"]["repeats"] == 1
     assert [_case_key(c) for c in settings["cases"]] == _table_cases()
     assert settings["seconds"] < 600
+    # each case says what it compiled (nothing on the CPU: the engines' compile_mode="auto" is eager there)
+    assert all(c["graphs_compiled"] == 0 and c["cudagraph_skips"] == 0 for c in settings["cases"])
     skipped = [c for c in settings["cases"] if c["status"] == "skipped"]
     assert [c["section"] for c in skipped] == ["ape", "ape"]
     assert all(c["status"] == "done" for c in settings["cases"] if c["section"] != "ape")
@@ -339,3 +341,17 @@ def test_the_users_memory_table_is_the_computed_one():
     eight = rows[("Llama-3.1-8B", 64)]  # 64 x 2048 x 128 KiB = 16 GiB; 65 rows x 2560 columns x 128 KiB
     assert eight["kv_documents_gib"] == 16.0 and eight["kv_rows_gib"] == 65 * 2560 * 128 / 2**20
     assert rows[("Llama-3.2-1B", 8)]["kv_documents_gib"] == 0.5 and eight["kv_per_token_kib"] == 128
+
+
+def test_compile_counts_see_a_graph_dynamo_compiles():
+    import torch
+
+    before = gpu.compile_counts()
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    finally:
+        torch._dynamo.reset()
+    after = gpu.compile_counts()
+    assert after["graphs_compiled"] == before["graphs_compiled"] + 1
+    assert after["cudagraph_skips"] == before["cudagraph_skips"]  # no CUDA graph on the CPU, none skipped
