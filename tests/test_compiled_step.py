@@ -76,6 +76,32 @@ def test_the_compiled_step_is_one_graph_per_bucket_that_never_breaks_nor_recompi
     assert all(slots == slot_bucket(slots) for slots, _ in buckets) and {c for _, c in buckets} == {512}
 
 
+def test_buckets_after_the_first_two_reuse_a_symbolic_graph_instead_of_compiling_their_own(traced):
+    # Each graph is an Inductor compile of tens of seconds on a GPU (the H200's 32-concurrent case visits ~20
+    # buckets). Caught: a step compiled with dynamic=False (one graph per bucket), and an arena whose tensors are
+    # inference tensors in one bucket and normal ones in another (Dynamo guards on the dispatch keys: a recompile
+    # although the shapes are symbolic).
+    seed_model = dict(family="llama", seed=3, position_sensitive=True)
+    eager = Engine(tiny_loaded(**seed_model), compile_mode=None)
+    engine = Engine(tiny_loaded(**seed_model), compile_mode="default")
+    buckets: set[tuple[int, int]] = set()
+    step = engine.scheduler.runner.step.step
+
+    def recording(*args):
+        buckets.add((args[1].shape[0], args[7].shape[1]))
+        return step(*args)
+
+    engine.scheduler.runner.step.step = recording
+    long_documents = [" ".join(f"word{i}" for i in range(300)) + " " + text for text in DOCS]
+    # one request at a time (the buckets visited do not depend on the threads' timing): PCED's rows are its
+    # documents and the no-context row, so 1 .. 20 documents walk the slot buckets 2, 4, 8, 16 and 24
+    for documents in [[f"Note {i}. {DOCS[i % 3]}" for i in range(n)] for n in (1, 2, 4, 6, 11, 20)] + [long_documents]:
+        expected = eager.generate("Who is the mayor?", documents, mode="pced", max_new_tokens=8).token_ids
+        assert engine.generate("Who is the mayor?", documents, mode="pced", max_new_tokens=8).token_ids == expected
+    assert {slots for slots, _ in buckets} == {2, 4, 8, 16, 24} and {c for _, c in buckets} == {512, 1536}, buckets
+    assert traced["stats"]["unique_graphs"] <= 3 and not traced["graph_break"], (dict(traced["stats"]), buckets)
+
+
 def test_another_bucket_is_one_more_graph_and_a_failed_compile_falls_back_with_one_warning(traced, monkeypatch):
     engine = Engine(tiny_loaded("llama", seed=3), compile_mode="default")
     engine.generate("Who?", DOCS[:1], mode="concat", max_new_tokens=6)  # 1 slot
@@ -180,13 +206,13 @@ def test_the_decode_step_is_compiled_once_per_mode_and_backend_with_a_raised_rec
     try:
         step = compiled_step.compiled_decode_step("reduce-overhead")
         assert compiled_step.compiled_decode_step("reduce-overhead") is step
-        assert compiles == [(decode_step, {"dynamic": False, "backend": "inductor", "mode": "reduce-overhead"})]
+        assert compiles == [(decode_step, {"dynamic": None, "backend": "inductor", "mode": "reduce-overhead"})]
         default_limit = torch._dynamo.config.recompile_limit
         args = (None, *range(6), *(torch.zeros(2) for _ in range(4)), [(torch.zeros(3), torch.zeros(3))])
         assert step(*args) == (args, compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
         assert torch._dynamo.config.recompile_limit == default_limit  # only while the step runs
         compiled_step.compiled_decode_step("default", backend="eager")
-        assert compiles[1] == (decode_step, {"dynamic": False, "backend": "eager"})  # a mode is inductor's option
+        assert compiles[1] == (decode_step, {"dynamic": None, "backend": "eager"})  # a mode is inductor's option
     finally:
         compiled_step.compiled_decode_step.cache_clear()
 

@@ -195,6 +195,26 @@ def test_build_lays_rows_out_from_column_0_with_spare_slots_free():
     assert_holds(pool, rows)
 
 
+def arena(pool: RowPool) -> list[torch.Tensor]:
+    return [pool.positions, pool.contexts, pool.questions, pool.documents, *(t for pair in pool.layers for t in pair)]
+
+
+def test_every_arena_tensor_is_an_inference_tensor_however_it_was_made():
+    # A compiled step guards on its inputs' dispatch keys: an arena built of normal tensors in one bucket and of
+    # inference tensors (made by the methods running under inference mode) in another recompiled the step although
+    # its shapes were symbolic.
+    pool, _ = built([[piece(1, 3)], [piece(2, 5)]])
+    made = {"built": arena(pool)}
+    pool.resize_slots(4)
+    made["resized"] = arena(pool)
+    pool.merge(built([[piece(3, GROW_COLUMNS + 2)]] * 3)[0])
+    made["merged"] = arena(pool)
+    pool.keep_rows([0])
+    made["compacted and trimmed"] = arena(pool)
+    assert {name: [t.is_inference() for t in tensors] for name, tensors in made.items()} == \
+        {name: [True] * len(tensors) for name, tensors in made.items()}
+
+
 def test_a_joining_pools_rows_take_the_free_slots_and_only_they_are_copied():
     pool, rows = built([[piece(1, 5)], [piece(2, 9)], [piece(3, 2)]], attention=["a", None, None])
     pool.resize_slots(4)

@@ -4,8 +4,9 @@ A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth lim
 its ~30 layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is
 the step as one pure function of the arena's tensors, whose shapes change only when the arena moves to
 another bucket of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by
-a 512-column block; ``torch.compile(mode="reduce-overhead")`` captures it once per bucket as a CUDA graph
-(as vLLM captures one per batch size) and replays it at every later step of the bucket. On the CPU the
+a 512-column block; ``torch.compile(mode="reduce-overhead")`` compiles it at most three times (static, then
+the slot count, then the capacity made symbolic: :func:`compiled_decode_step`), captures it once per bucket
+as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of the bucket. On the CPU the
 compile costs minutes for seconds of gain, so the default there is the eager step; the CPU tests run the
 step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and assert that it takes
 one graph, never breaks and never recompiles within a bucket (``tests/test_compiled_step.py``), which is
@@ -47,7 +48,11 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
     from ctx_integrations.engine.core.rows import decode_step
 
     options = {} if backend != "inductor" else {"mode": mode}
-    compiled = torch.compile(decode_step, dynamic=False, backend=backend, **options)
+    # dynamic=None (Dynamo's automatic dynamic shapes): the first bucket compiles with static shapes; the first
+    # time the slot count or the capacity changes, that dimension is recompiled as a symbol once, and every later
+    # bucket reuses the graph (CUDA graph trees still record one graph per concrete shape, a cheap capture). With
+    # dynamic=False each bucket was an Inductor compile of its own: about 20 buckets at 32 concurrent requests.
+    compiled = torch.compile(decode_step, dynamic=None, backend=backend, **options)
 
     def step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
              questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,

@@ -233,6 +233,8 @@ class RowPool:
         return max(self.lengths, default=0)
 
     @classmethod
+    @torch.inference_mode()  # like every other method that allocates the arena: a compiled step guards on the
+    # tensors' dispatch keys, and a normal tensor where an inference tensor was cost a recompile of the same bucket
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
               dtype: torch.dtype, attention: list[RowRule | None] | None = None,
               slots: int | None = None, grow_columns: int | None = None, padded_slots: bool = True) -> RowPool:
