@@ -102,6 +102,30 @@ def test_buckets_after_the_first_two_reuse_a_symbolic_graph_instead_of_compiling
     assert traced["stats"]["unique_graphs"] <= 3 and not traced["graph_break"], (dict(traced["stats"]), buckets)
 
 
+@pytest.mark.parametrize("mode", ["ippd", "rapid"])
+def test_steps_of_several_tokens_in_a_row_run_the_compiled_step_and_answer_as_the_eager_one(traced, mode):
+    # IPPD's stack takes one token per unfinished answer in its one row, RAPID's target row its drafts: on a GPU
+    # those steps ran the eager forward beside a compiled batch (IPPD 0.6x prefix-cached batching on the H200).
+    # Caught: the compiled step fed the wrong columns of a wide step, or its logits read at the wrong columns.
+    seed_model = dict(family="llama", seed=3, position_sensitive=True)
+    questions = ["Who is the mayor?", "When is the fair?", "Where is Marrowgate?", "What is served?"]
+    run = (lambda engine: [a.token_ids for a in engine.generate_many(questions, DOCS, max_new_tokens=12)]) \
+        if mode == "ippd" else \
+        (lambda engine: [engine.generate(q, DOCS, mode="rapid", max_new_tokens=12).token_ids for q in questions])
+    expected = run(Engine(tiny_loaded(**seed_model), compile_mode=None))
+    engine = Engine(tiny_loaded(**seed_model), compile_mode="default")
+    widths = []
+    step = engine.scheduler.runner.step.step
+
+    def recording(*args):
+        widths.append(args[1].shape[1])
+        return step(*args)
+
+    engine.scheduler.runner.step.step = recording
+    assert run(engine) == expected and all(len(ids) >= 6 for ids in expected)
+    assert max(widths) > 1 and not traced["graph_break"] and not engine.scheduler.runner.step.failed, widths
+
+
 def test_another_bucket_is_one_more_graph_and_a_failed_compile_falls_back_with_one_warning(traced, monkeypatch):
     engine = Engine(tiny_loaded("llama", seed=3), compile_mode="default")
     engine.generate("Who?", DOCS[:1], mode="concat", max_new_tokens=6)  # 1 slot

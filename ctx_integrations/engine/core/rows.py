@@ -447,8 +447,9 @@ class RowPool:
         model's own attention) or ``"flex"`` (block mask, FlexAttention; see :func:`visibility_block_mask`), as
         resolved by ``flex.resolve_kernel``. Rows with their own attention rule (``attention``) read their row
         of the boolean mask (built for those rows only on the flex kernel). ``step``: a compiled form of
-        :func:`decode_step` to run instead of the eager forward when every row takes at most one token and none
-        has its own rule (:mod:`~ctx_integrations.engine.core.compiled_step`).
+        :func:`decode_step` to run instead of the eager forward when no row has its own rule
+        (:mod:`~ctx_integrations.engine.core.compiled_step`): one token per row when decoding, an IPPD stack's
+        tokens (one per unfinished answer) or a RAPID verification's drafts in one row, whatever the width.
         """
         device = self.positions.device
         fed = [sum(len(r.ids) for r in row) for row in runs]
@@ -479,10 +480,10 @@ class RowPool:
         rules = [(self.slots[b], rule, ends[b][-1]) for b, rule in enumerate(self.attention)
                  if rule is not None and ends[b]]
         try:
-            if step is not None and width == 1 and not rules:
+            if step is not None and not rules:
                 logits = step(model, ids, positions, contexts, questions, rows, columns, self.positions,
                               self.contexts, self.questions, self.documents, self.layers)
-                column_of = {0: 0}
+                column_of = {c: c for c in range(width)}
             else:
                 logits, column_of = self._eager_forward(model, kernel, ids, positions, contexts, questions, rows,
                                                         columns, ends, rules)
@@ -537,10 +538,11 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
                 questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,
                 k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
                 layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One token per slot through the model, as one pure function of tensors (what ``torch.compile`` and CUDA
-    graphs capture): the step's metadata written at each slot's column, the mask from the visibility rule (and
+    """The step's tokens of every slot (``[slots, width]``: one each when decoding) through the model, as one pure
+    function of tensors (what ``torch.compile`` and CUDA graphs capture): the step's metadata written at each
+    slot's columns, the mask from the visibility rule (and
     a sliding-window model's window, :mod:`~ctx_integrations.engine.core.windows`),
-    the keys written in place, fp32 logits ``[slots, 1, V]``. Every shape is the arena's, fixed within a bucket
+    the keys written in place, fp32 logits ``[slots, width, V]``. Every shape is the arena's, fixed within a bucket
     of (slots, capacity), so a compiled step neither breaks its graph nor recompiles while requests come, go
     and decode within the bucket (``tests/test_compiled_step.py``)."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
