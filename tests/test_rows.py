@@ -468,10 +468,11 @@ def test_rows_leave_and_join_through_free_slots_without_copying_the_arena(model)
     check(model, [rows[4]], pool.forward(model, runs, 0), runs)
 
 
-def test_the_decode_step_answers_and_writes_as_the_eager_forward_and_runs_only_for_one_token_per_row(model):
+def test_the_decode_step_answers_and_writes_as_the_eager_forward_and_runs_unless_a_row_has_its_own_rule(model):
     # rows.decode_step is what torch.compile captures (tests/test_compiled_step.py); here it runs as plain Python
     # beside the eager forward over an arena with a free slot: the same logits bit for bit, the same keys and
-    # metadata written, and it runs only when every row takes at most one token and no row has its own rule.
+    # metadata written, at any width (a row of several tokens beside a row of one: padding written after the
+    # shorter), and it runs whenever no row has its own rule.
     from ctx_integrations.engine.core.rows import decode_step
 
     rows = [Row(model, 81, 6), Row(model, 82, 11), Row(model, 83, 3)]
@@ -491,7 +492,7 @@ def test_the_decode_step_answers_and_writes_as_the_eager_forward_and_runs_only_f
                  [[rows[0].run(tokens(87, 2, model))], [rows[1].run(tokens(88, 1, model))]]):
         before = len(calls)
         eager, stepped = pools[0].forward(model, runs, 0), pools[1].forward(model, runs, 0, step=step)
-        assert len(calls) - before == (1 if max(len(r[0].ids) if r else 0 for r in runs) == 1 else 0)
+        assert len(calls) - before == 1
         check(model, rows, stepped, runs)
         for got, expected in zip(stepped, eager):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -499,11 +500,11 @@ def test_the_decode_step_answers_and_writes_as_the_eager_forward_and_runs_only_f
             assert torch.equal(torch.as_tensor(getattr(pools[0], name)), torch.as_tensor(getattr(pools[1], name))), name
         for (keys, values), (their_keys, their_values) in zip(pools[0].layers, pools[1].layers):
             assert torch.equal(keys, their_keys) and torch.equal(values, their_values)
-    assert calls == [(4, 1)] * 2  # every slot of the arena takes a token (padding in the free ones)
+    assert calls == [(4, 1), (4, 1), (4, 2)]  # every slot of the arena takes the step's width (padding in the free)
 
     def rule(query, key, value, visible, documents, scaling, last_query):
         return torch.zeros(1, query.shape[2], query.shape[1], query.shape[3])
 
     ruled = RowPool.build([[], []], shape(model), torch.device("cpu"), torch.float32, attention=[None, rule])
     ruled.forward(model, [[Run((5,), 0)], [Run((6,), 0)]], 0, step=step)  # a row with its own rule: eager
-    assert len(calls) == 2 and ruled.forwards == 1
+    assert len(calls) == 3 and ruled.forwards == 1

@@ -97,8 +97,8 @@ class ModelRunner:
         (the other rows take no token in that forward); every other group (RAPID's verifications, IPPD's
         stacks, prompts of other lengths joining together) runs on a copy of its rows
         (:meth:`RowPool.select`), whose new columns are brought back after. ``step``: the compiled decode step
-        the in-place forward runs when it takes one token per row (the running pool only: its shapes are the
-        arena's, fixed within a bucket).
+        the in-place forward runs, whatever its width, when no row in it has its own attention rule (the running
+        pool only: its shapes are the arena's, fixed within a bucket).
         """
         tokens = [sum(len(run.ids) for run in row) for row in runs]
         groups: dict[int, list[int]] = {}
