@@ -19,7 +19,9 @@ once and the engine goes on with the eager step.
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -77,6 +79,30 @@ def mark_arena_static(*arena: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(tensor, guard=False)
 
 
+def cudagraph_trees_in_this_thread() -> None:
+    """Give this thread the thread-local state CUDA graph trees look up, if it has none.
+
+    Inductor keeps its CUDA graph tree managers in thread-local storage set up only in the thread that imported
+    it (and autograd's threads); torch 2.11's lookup then fails with a bare ``AssertionError`` in any other thread
+    (``cudagraph_trees.get_obj``: ``assert torch._C._is_key_in_tls(attr_name)``), and the engine's steps run on
+    its scheduler's own thread: on the H200 the compiled step failed so, and decoded eagerly from then on.
+    Later torch releases set the state up on first use (``_initialize_tls``); this does the same, with that
+    function where it exists and by its three steps where it does not. Written by hand: torch has no public
+    call for it."""
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    initialize = getattr(trees, "_initialize_tls", None)
+    if initialize is not None:
+        initialize(trees.local)
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
+
+
 class GuardedStep:
     """A compiled step that falls back to the eager one for good, with one warning, the first time it fails."""
 
@@ -88,6 +114,7 @@ class GuardedStep:
 
         if not self.failed:
             try:
+                cudagraph_trees_in_this_thread()
                 return self.step(*args)
             except Exception as error:  # noqa: BLE001 - compile errors come in many types; the request must not fail
                 self.failed = True
