@@ -328,3 +328,18 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up(monkeypatch, torc
     guarded = compiled_step.GuardedStep(lambda *args: _torch_2_11_lookup("tree_manager_containers") is not None,
                                         "reduce-overhead")
     assert _in_a_fresh_thread(lambda: guarded(1)) is True and not guarded.failed
+
+
+def test_a_failures_place_is_the_innermost_frame_of_its_traceback():
+    def inner():
+        raise AssertionError
+
+    def middle():
+        inner()
+
+    try:
+        middle()
+    except AssertionError as error:
+        raised = error
+    assert compiled_step.raised_at(raised) == f"{__file__}:{inner.__code__.co_firstlineno + 1} in inner"
+    assert compiled_step.raised_at(AssertionError()) == "an unknown place"  # never raised: no traceback

@@ -201,24 +201,28 @@ def test_other_lengths_of_a_failed_kind_skip_the_failing_build_and_a_one_token_q
     failing_compile.works_with = flex.FALLBACK_KERNEL_OPTIONS[0]
     generator = torch.Generator().manual_seed(3)
 
-    def call(q_len, kv_len, dtype=torch.float32, head_dim=16):
+    def call(q_len, kv_len, dtype=torch.float32, head_dim=16, kv_heads=2, return_lse=False, score_mod=None):
         layout = random_layout(generator, 1, kv_len, q_len)
         query = torch.randn(1, 4, q_len, head_dim, generator=generator).to(dtype)
-        key, value = torch.randn(2, 1, 2, kv_len, head_dim, generator=generator).to(dtype)
-        return run_flex(query, key, value, visibility_block_mask(*layout), 0.25)
+        key, value = torch.randn(2, 1, kv_heads, kv_len, head_dim, generator=generator).to(dtype)
+        return run_flex(query, key, value, visibility_block_mask(*layout), 0.25, return_lse, score_mod)
 
-    with pytest.warns(RuntimeWarning, match=r"query \(1, 4, 20, 16\).*for this shape and later calls of this dtype, "
-                                            r"head dim and query kind \(many tokens\)"):
+    with pytest.warns(RuntimeWarning, match=r"query \(1, 4, 20, 16\).*\(RuntimeError\); it runs with kernel_options=.*"
+                                            r"for this shape and later calls of this dtype, head dim and query kind "
+                                            r"\(many tokens\)") as warned:
         call(20, 300)
+    assert [w.filename for w in warned if w.category is RuntimeWarning] == [__file__]  # at run_flex's caller
     assert failing_compile.calls == [None, flex.FALLBACK_KERNEL_OPTIONS[0]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         call(37, 700)  # another prompt and context length: straight to the options that built
     assert failing_compile.calls[2:] == [flex.FALLBACK_KERNEL_OPTIONS[0]]
     for other_kind in (dict(q_len=1, kv_len=300), dict(q_len=20, kv_len=300, head_dim=32),
-                       dict(q_len=20, kv_len=300, dtype=torch.bfloat16)):
+                       dict(q_len=20, kv_len=300, dtype=torch.bfloat16), dict(q_len=20, kv_len=300, kv_heads=4),
+                       dict(q_len=20, kv_len=300, return_lse=True), dict(q_len=20, kv_len=300, score_mod=_prior_bias)):
         before = len(failing_compile.calls)
-        with pytest.warns(RuntimeWarning, match="kernel_options="):
+        query_kind = "one token" if other_kind["q_len"] == 1 else "many tokens"
+        with pytest.warns(RuntimeWarning, match=rf"kernel_options=.*query kind \({query_kind}\)"):
             call(**other_kind)
         assert failing_compile.calls[before:] == [None, flex.FALLBACK_KERNEL_OPTIONS[0]], other_kind
 

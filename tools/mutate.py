@@ -101,11 +101,11 @@ TARGETS = {
     # the batched rules' shared padding: each request's streams padded to the widest with copies of its first row
     "padded_streams": Target("ctx_integrations/engine/core/decoding.py", ("x_padded_streams*",),
                              ("tests/test_pced_batched.py", "tests/test_soft_nbce_batched.py")),
-    # the compile mode's checks and resolution, the compiled step's options and its fallback (Dynamo's own tests, a
-    # minute each, are left out: mutmut's trampolines are not traceable anyway)
+    # the compile mode's checks and resolution, the compiled step's options, static arena, symbolic shapes, step
+    # thread and fallback (the engine-level Dynamo tests over many requests, the slowest, are left out)
     "compiled_step": Target("ctx_integrations/engine/core/compiled_step.py", ("*",),
                             ("tests/test_compiled_step.py", "-k",
-                             "not one_graph and not another_bucket and not slot_buckets and not symbolic_graph "
+                             "not one_graph and not another_bucket and not slot_buckets "
                              "and not several_tokens")),
     # a flex kernel that cannot be built: smaller tiles, then SDPA in query chunks, remembered per kernel kind
     "flex_fallback": Target("ctx_integrations/engine/core/flex.py", ("x__kernel_kind*", "x__recover*", "x_run_flex*"),

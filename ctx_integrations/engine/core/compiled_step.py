@@ -91,7 +91,7 @@ def cudagraph_trees_in_this_thread() -> None:
     call for it."""
     from torch._inductor import cudagraph_trees as trees
 
-    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+    if torch._C._is_key_in_tls("tree_manager_containers"):  # what 2.11's lookup asserts
         return
     initialize = getattr(trees, "_initialize_tls", None)
     if initialize is not None:
