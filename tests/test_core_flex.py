@@ -3,6 +3,7 @@ boolean mask, on CPU (FlexAttention's unfused reference there; the compiled kern
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -211,7 +212,8 @@ def test_other_lengths_of_a_failed_kind_skip_the_failing_build_and_a_one_token_q
                                             r"for this shape and later calls of this dtype, head dim and query kind "
                                             r"\(many tokens\)") as warned:
         call(20, 300)
-    assert [w.filename for w in warned if w.category is RuntimeWarning] == [__file__]  # at run_flex's caller
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames between run_flex and its caller
+        assert [w.filename for w in warned if w.category is RuntimeWarning] == [__file__]  # at run_flex's caller
     assert failing_compile.calls == [None, flex.FALLBACK_KERNEL_OPTIONS[0]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
