@@ -1,16 +1,17 @@
 """The row pool's decode step under ``torch.compile``: CUDA graphs per bucket of (slots, capacity) on a GPU.
 
-A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth limit: every step launched
-its ~30 layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is
-the step as one pure function of the arena's tensors, whose shapes change only when the arena moves to
-another bucket of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by
-a 512-column block; ``torch.compile(mode="reduce-overhead")`` compiles it at most three times (static, then
-the slot count, then the capacity made symbolic: :func:`compiled_decode_step`), captures it once per bucket
-as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of the bucket. On the CPU the
-compile costs minutes for seconds of gain, so the default there is the eager step; the CPU tests run the
-step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and assert that it takes
-one graph, never breaks and never recompiles within a bucket (``tests/test_compiled_step.py``), which is
-the precondition a GPU then only has to confirm.
+A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth limit: every step launched its
+~30 layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is the step
+as one pure function of the arena's tensors, whose shapes change only when the arena moves to another bucket
+of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by a 512-column block;
+``torch.compile(mode="reduce-overhead")`` compiles it a few times (static, then once more the first time the
+slot count, the capacity or the step's width changes, made symbolic: :func:`compiled_decode_step`), captures
+it once per bucket as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of
+the bucket. On the CPU the compile costs minutes for seconds of gain, so the default there is the eager step;
+the CPU tests run the step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and
+assert that it never breaks, never recompiles within a bucket, takes a few graphs across many buckets and
+writes in place only into static inputs (``tests/test_compiled_step.py``): the preconditions a GPU then only
+has to confirm.
 
 ``compile_mode`` values: ``"auto"`` (``"reduce-overhead"`` on CUDA, ``None`` elsewhere), ``None`` (the
 eager step, the reference) or a ``torch.compile`` mode. A step that fails to compile or run compiled warns
@@ -51,9 +52,10 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
 
     options = {} if backend != "inductor" else {"mode": mode}
     # dynamic=None (Dynamo's automatic dynamic shapes): the first bucket compiles with static shapes; the first
-    # time the slot count or the capacity changes, that dimension is recompiled as a symbol once, and every later
-    # bucket reuses the graph (CUDA graph trees still record one graph per concrete shape, a cheap capture). With
-    # dynamic=False each bucket was an Inductor compile of its own: about 20 buckets at 32 concurrent requests.
+    # time the slot count, the capacity or the step's width changes, that dimension is recompiled as a symbol once
+    # (a slot count of 1 is its own graph: Dynamo specialises sizes 0 and 1), and every later bucket reuses the
+    # graph (CUDA graph trees still record one graph per concrete shape, a cheap capture). With dynamic=False each
+    # bucket was an Inductor compile of its own: about 20 buckets at 32 concurrent requests.
     compiled = torch.compile(decode_step, dynamic=None, backend=backend, **options)
 
     def step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,

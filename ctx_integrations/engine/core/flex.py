@@ -63,9 +63,9 @@ def _use_compiled(device: torch.device) -> bool:
 # Kernel options tried, in order, when the autotuned kernel cannot be built: Inductor raised "NoValidChoicesError:
 # No choices to select ... target: flex_attention" on an H200 (torch 2.11) for every prefill-shaped call (a query
 # of 39 to 120 tokens: bf16 with head dim 128 over 32k-131k keys, bf16 and fp32 with head dim 16), never for a
-# one-token decode; the first options below built each of them (two H200 runs, 2026-11-27). Smaller tiles and
-# one pipeline stage fit more shapes; if none builds, the call is computed without the compiled kernel
-# (:func:`_fallback`).
+# one-token decode; the first options below built each of them (the H200 run of 2026-11-27: its benchmark and
+# its CUDA tests). Smaller tiles and one pipeline stage fit more shapes; if none builds, the call is computed
+# without the compiled kernel (:func:`_fallback`).
 FALLBACK_KERNEL_OPTIONS: tuple[dict[str, int], ...] = ({"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1},
                                                        {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1})
 _FAILED_KERNELS: dict[tuple, dict[str, int] | None] = {}  # kernel kind -> options that built, or None: fallback

@@ -540,11 +540,11 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
                 layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The step's tokens of every slot (``[slots, width]``: one each when decoding) through the model, as one pure
     function of tensors (what ``torch.compile`` and CUDA graphs capture): the step's metadata written at each
-    slot's columns, the mask from the visibility rule (and
-    a sliding-window model's window, :mod:`~ctx_integrations.engine.core.windows`),
-    the keys written in place, fp32 logits ``[slots, width, V]``. Every shape is the arena's, fixed within a bucket
-    of (slots, capacity), so a compiled step neither breaks its graph nor recompiles while requests come, go
-    and decode within the bucket (``tests/test_compiled_step.py``)."""
+    slot's columns, the mask from the visibility rule (and a sliding-window model's window,
+    :mod:`~ctx_integrations.engine.core.windows`), the keys written in place, fp32 logits ``[slots, width, V]``.
+    Every shape is the arena's (and the step's width), fixed within a bucket of (slots, capacity), so a compiled
+    step neither breaks its graph nor recompiles while requests come, go and decode within the bucket
+    (``tests/test_compiled_step.py``)."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
     documents[rows, columns] = 0
     full = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
