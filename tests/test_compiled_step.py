@@ -302,15 +302,13 @@ def _in_a_fresh_thread(function):
     return result[0]
 
 
-@pytest.mark.parametrize("torch_sets_up", [True, False])
-def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up(monkeypatch, torch_sets_up):
+def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     # On torch 2.11 CUDA graph trees failed with a bare AssertionError in any thread but the one that imported them:
     # the H200 run's compiled step, on the scheduler's thread. Caught: the set-up skipped, done in the wrong thread,
-    # or redone over a thread's existing state (its tree managers lost).
-    from torch._inductor import cudagraph_trees as trees
+    # redone over a thread's existing state (its tree managers lost), or stashed in torch's C++ thread-local state
+    # (a process exit abort: tests/test_scheduler_exit.py).
+    import torch._inductor.cudagraph_trees  # noqa: F401 - imported here first: this thread has the state
 
-    if not torch_sets_up:  # a torch without _initialize_tls: the three steps by hand
-        monkeypatch.delattr(trees, "_initialize_tls")
     assert isinstance(_in_a_fresh_thread(lambda: _torch_2_11_lookup("tree_manager_containers")), AssertionError)
 
     def set_up_twice():
@@ -319,10 +317,11 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up(monkeypatch, torc
         containers["mine"] = "a tree manager"
         compiled_step.cudagraph_trees_in_this_thread()
         assert _torch_2_11_lookup("tree_manager_containers") is containers
-        return containers, locks
+        return containers, locks, torch._C._is_key_in_tls("tree_manager_containers")
 
-    containers, locks = _in_a_fresh_thread(set_up_twice)
+    containers, locks, stashed = _in_a_fresh_thread(set_up_twice)
     assert containers == {"mine": "a tree manager"} and isinstance(locks[0], type(threading.Lock()))
+    assert not stashed  # nothing left in the C++ thread-local state
     assert "mine" not in _torch_2_11_lookup("tree_manager_containers")  # this thread's own state is untouched
 
     guarded = compiled_step.GuardedStep(lambda *args: _torch_2_11_lookup("tree_manager_containers") is not None,

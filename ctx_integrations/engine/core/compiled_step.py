@@ -87,22 +87,18 @@ def cudagraph_trees_in_this_thread() -> None:
     Inductor keeps its CUDA graph tree managers in thread-local storage set up only in the thread that imported
     it (and autograd's threads); torch 2.11's lookup then fails with a bare ``AssertionError`` in any other thread
     (``cudagraph_trees.get_obj``: ``assert torch._C._is_key_in_tls(attr_name)``), and the engine's steps run on
-    its scheduler's own thread: on the H200 the compiled step failed so, and decoded eagerly from then on.
-    Later torch releases set the state up on first use (``_initialize_tls``); this does the same, with that
-    function where it exists and by its three steps where it does not. Written by hand: torch has no public
-    call for it."""
+    its scheduler's own thread: on the H200 the compiled step failed so, and decoded eagerly from then on. The
+    lookup reads the Python thread-local attributes first, so those are set here (an empty manager dict and a
+    lock per device, as torch sets them). Not torch's ``_initialize_tls`` (2.13+): it also stashes the objects in
+    the C++ thread-local state autograd copies into its threads, and a scheduler thread holding Python objects
+    there aborted the process at exit ("terminate called without an active exception", 3 runs in 4 on the CPU).
+    Written by hand: torch has no public call for it."""
     from torch._inductor import cudagraph_trees as trees
 
-    if torch._C._is_key_in_tls("tree_manager_containers"):  # what 2.11's lookup asserts
-        return
-    initialize = getattr(trees, "_initialize_tls", None)
-    if initialize is not None:
-        initialize(trees.local)
+    if hasattr(trees.local, "tree_manager_containers"):
         return
     trees.local.tree_manager_containers = {}
     trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
-    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
-    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
 
 
 class GuardedStep:
