@@ -307,8 +307,6 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     # the H200 run's compiled step, on the scheduler's thread. Caught: the set-up skipped, done in the wrong thread,
     # redone over a thread's existing state (its tree managers lost), or stashed in torch's C++ thread-local state
     # (a process exit abort: tests/test_scheduler_exit.py).
-    import torch._inductor.cudagraph_trees  # noqa: F401 - imported here first: this thread has the state
-
     assert isinstance(_in_a_fresh_thread(lambda: _torch_2_11_lookup("tree_manager_containers")), AssertionError)
 
     def set_up_twice():
@@ -322,7 +320,11 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     containers, locks, stashed = _in_a_fresh_thread(set_up_twice)
     assert containers == {"mine": "a tree manager"} and isinstance(locks[0], type(threading.Lock()))
     assert not stashed  # nothing left in the C++ thread-local state
-    assert "mine" not in _torch_2_11_lookup("tree_manager_containers")  # this thread's own state is untouched
+    def another_threads_state():
+        compiled_step.cudagraph_trees_in_this_thread()
+        return _torch_2_11_lookup("tree_manager_containers")
+
+    assert _in_a_fresh_thread(another_threads_state) == {}  # each thread its own state
 
     guarded = compiled_step.GuardedStep(lambda *args: _torch_2_11_lookup("tree_manager_containers") is not None,
                                         "reduce-overhead")
