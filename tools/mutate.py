@@ -81,7 +81,8 @@ TARGETS = {
     # The pool's forward (the eager one and the decode step's pure function) and its cache layer, against the tiny
     # model's rows answering as if alone (the eager kernel's tests)
     "rows_forward": Target("ctx_integrations/engine/core/rows.py",
-                           ("xǁRowPoolǁforward*", "xǁRowPoolǁ_eager_forward*", "x_decode_step*", "xǁPoolLayerǁ*"),
+                           ("xǁRowPoolǁforward*", "xǁRowPoolǁ_eager_forward*", "x_step_mask*", "x_decode_step*",
+                            "xǁPoolLayerǁ*"),
                            ("tests/test_rows.py", "tests/test_row_arena.py", "-k", "not flex")),
     # one forward per token count (in place, apart), joining rows made the pool or merged in, errors reported
     "runner": Target("ctx_integrations/engine/core/runner.py", ("xǁModelRunnerǁ*",),

@@ -17,6 +17,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -68,16 +69,28 @@ def _use_compiled(device: torch.device) -> bool:
 # without the compiled kernel (:func:`_fallback`).
 FALLBACK_KERNEL_OPTIONS: tuple[dict[str, int], ...] = ({"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1},
                                                        {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1})
-_FAILED_KERNELS: dict[tuple, dict[str, int] | None] = {}  # kernel kind -> options that built, or None: fallback
 
 
-def _kernel_kind(query: torch.Tensor, key: torch.Tensor, return_lse: bool, score_mod: object) -> tuple:
-    """What the compiled kernel is specialised on under ``dynamic=True``: dtype, head dims, grouping, a one-token
-    query or a longer one (Dynamo specialises sizes 0 and 1), the outputs asked and whether a score_mod is fused.
-    Lengths are symbolic: a kind whose default build failed once fails again at every other length (each try a
-    failed compile of seconds), so later calls of that kind go straight to what worked."""
-    return (str(query.dtype), query.shape[-1], query.shape[1] // key.shape[1], query.shape[2] == 1, return_lse,
-            score_mod is not None)
+class KernelKind(NamedTuple):
+    """What the compiled kernel is specialised on under ``dynamic=True``: dtype, head dim, query heads per KV head,
+    a one-token query or a longer one (Dynamo specialises sizes 0 and 1), the outputs asked and whether a score_mod
+    is fused. Lengths are symbolic: a kind whose default build failed once fails again at every other length (each
+    try a failed compile of seconds), so later calls of that kind go straight to what worked."""
+
+    dtype: str
+    head_dim: int
+    groups: int
+    one_token: bool
+    return_lse: bool
+    score_mod: bool
+
+
+_FAILED_KERNELS: dict[KernelKind, dict[str, int] | None] = {}  # kernel kind -> options that built, or None: fallback
+
+
+def _kernel_kind(query: torch.Tensor, key: torch.Tensor, return_lse: bool, score_mod: object) -> KernelKind:
+    return KernelKind(str(query.dtype), query.shape[-1], query.shape[1] // key.shape[1], query.shape[2] == 1,
+                      return_lse, score_mod is not None)
 
 
 def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scale: float,
@@ -116,7 +129,7 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
     return out, (lse.lse if AuxRequest is not None else lse)
 
 
-def _recover(kind: tuple, error: Exception | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _recover(kind: KernelKind, error: Exception | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              block_mask: BlockMask, scale: float, return_lse: bool, options: dict[str, object]) -> object:
     """The result of a call whose kind's default compiled kernel failed: smaller tiles, or the chunked fallback."""
     if kind in _FAILED_KERNELS:
@@ -125,7 +138,8 @@ def _recover(kind: tuple, error: Exception | None, query: torch.Tensor, key: tor
             return _compiled_flex()(query, key, value, kernel_options=kernel, **options)
         return _fallback(query, key, value, block_mask, scale, return_lse, options.get("score_mod"))
     shape = f"query {tuple(query.shape)}, keys {tuple(key.shape)}, {query.dtype}"
-    later = "later calls of this dtype, head dim and query kind" + (" (one token)" if kind[3] else " (many tokens)")
+    query_kind = "one token" if kind.one_token else "many tokens"
+    later = f"later calls of this dtype, head dim and query kind ({query_kind})"
     for kernel in FALLBACK_KERNEL_OPTIONS:
         try:
             result = _compiled_flex()(query, key, value, kernel_options=kernel, **options)

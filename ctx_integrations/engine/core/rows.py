@@ -521,17 +521,26 @@ class RowPool:
         rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
         keep_all = keep == list(range(step))
         # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
-        slide = windows(getattr(model, "config", None))
         if flex:
-            mask = slide.per_layer_type(lambda window: visibility_block_mask(*layout, window=window))
+            mask = windows(getattr(model, "config", None)).per_layer_type(
+                lambda window: visibility_block_mask(*layout, window=window))
         else:
-            mask = slide.masks(visibility(*layout), positions, self.positions, positions != PAD_POSITION)
+            mask = step_mask(model, *layout)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
             out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
                         use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
                         **extra)
         return out.logits.float(), {c: i for i, c in enumerate(keep)}
+
+
+def step_mask(model: torch.nn.Module, positions: torch.Tensor, contexts: torch.Tensor, questions: torch.Tensor,
+              k_pos: torch.Tensor, k_ctx: torch.Tensor, k_qid: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A step's boolean ``attention_mask`` over the arena (the eager forward's and :func:`decode_step`'s): the
+    visibility rule, narrowed to the window on a sliding-window model's sliding layers (one mask per layer type when
+    only some slide; a stand-in model without a config has no window)."""
+    full = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
+    return windows(getattr(model, "config", None)).masks(full, positions, k_pos, positions != PAD_POSITION)
 
 
 def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
@@ -547,8 +556,7 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
     (``tests/test_compiled_step.py``)."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
     documents[rows, columns] = 0
-    full = visibility(positions, contexts, questions, k_pos, k_ctx, k_qid)
-    mask = windows(getattr(model, "config", None)).masks(full, positions, k_pos, positions != PAD_POSITION)
+    mask = step_mask(model, positions, contexts, questions, k_pos, k_ctx, k_qid)
     cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers])
     rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache, use_cache=True)
