@@ -454,12 +454,46 @@ def test_the_layout_needs_a_non_empty_document_span_from_column_zero_on():
             ApeLayout(start, end, 1.0, 1.0)
 
 
-@pytest.mark.parametrize("family, pooled", [("llama", True), ("qwen2", True), ("mistral", False)])
-def test_ape_is_a_batch_row_unless_the_model_has_sliding_windows(family, pooled):
-    """A sliding-window model (Mistral) keeps the exclusive path, whose attention checks the window call by
-    call; the row rule would otherwise read keys the model never lets a query see."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_ape_is_a_batch_row_on_every_model_it_computes(family):
+    """A sliding-window model (Mistral, window 4096 here) is a row too: a window as wide as the request's keys hides
+    none of them, so the row rule is the reference's math on its sliding layers as well."""
     engine = Engine(tiny_loaded(family, seed=7, position_sensitive=True))
     answer = engine.generate(QUESTION, DOCS, mode="ape", attention_temperature=0.6, scale=0.8, max_new_tokens=6)
     expected = ape_reference_greedy(engine.loaded, engine, DOCS, QUESTION, 0.6, 0.8, 6)
     assert answer.token_ids == expected
-    assert (engine.stats()["exclusive_s"] == 0) == pooled
+    assert engine.stats()["exclusive_s"] == 0 and engine.stats()["forwards"] > 0
+
+
+def _ape_keys(engine: Engine, max_new_tokens: int) -> int:
+    """The keys APE's last answer token attends to: prefix, every document, the question, the answer before it."""
+    layout = engine.layout
+    documents = sum(len(layout.context_ids(d)) for d in DOCS)
+    return len(layout.prefix_ids) + documents + len(layout.suffix_ids(QUESTION)) + max_new_tokens - 1
+
+
+def test_a_sliding_window_as_wide_as_apes_keys_answers_and_one_narrower_is_refused_before_any_work():
+    keys = _ape_keys(Engine(tiny_loaded("mistral", seed=7, position_sensitive=True)), 6)
+    wide = Engine(tiny_loaded("mistral", seed=7, position_sensitive=True, sliding_window=keys))
+    answer = wide.generate(QUESTION, DOCS, mode="ape", attention_temperature=0.6, scale=0.8, max_new_tokens=6)
+    assert answer.token_ids == ape_reference_greedy(wide.loaded, wide, DOCS, QUESTION, 0.6, 0.8, 6)
+    assert len(answer.token_ids) == 6  # every answer token was decoded, the last one beside all the keys
+    narrow = Engine(tiny_loaded("mistral", seed=7, position_sensitive=True, sliding_window=keys - 1))
+    streamed: list[str] = []
+    with pytest.raises(InvalidOptionError, match=rf"^APE does not support sliding-window attention over {keys} keys "
+                                                 rf"\(window {keys - 1}\): .* max_new_tokens=6 .*lower max_new_tokens$"):
+        narrow.generate(QUESTION, DOCS, mode="ape", max_new_tokens=6, on_token=streamed.append)
+    stats = narrow.stats()
+    assert streamed == [] and stats["forwards"] == 0 and stats["cache"]["misses"] == 0  # refused when planned
+    # the same request with a shorter answer fits the window
+    assert narrow.generate(QUESTION, DOCS, mode="ape", max_new_tokens=5).token_ids
+
+
+def test_a_soft_capped_model_is_refused_when_planned_on_every_kernel():
+    engine = Engine(tiny_loaded("gemma2", seed=1, head_dim=16))
+    for kernel in ("auto", "eager", "flex"):
+        with pytest.raises(InvalidOptionError, match=r"^APE does not support attention logit soft-capping \(e\.g\. "
+                                                     r"Gemma 2\); use mode='pced' or mode='concat' with this model$"):
+            engine.generate(QUESTION, DOCS, mode="ape", max_new_tokens=3, attention_kernel=kernel)
+    assert engine.stats()["forwards"] == 0 and engine.stats()["cache"]["misses"] == 0
+    assert engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=3).token_ids  # the advice holds

@@ -14,7 +14,7 @@ import torch
 import ctx_integrations  # noqa: F401  (registers every mode)
 from ctx_integrations import Engine
 from ctx_integrations.cli import _print_answer
-from ctx_integrations.engine.modes.ape import FLEX_ATTRIBUTION_NOTE, attribution_plan
+from ctx_integrations.engine.modes.ape import FLEX_ATTRIBUTION_NOTE, ape_plan
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded
 
@@ -55,7 +55,7 @@ def test_the_flex_kernel_gives_no_trace_and_says_why(answers):
     assert answer.to_dict()["extra"]["attribution_note"] == FLEX_ATTRIBUTION_NOTE  # what the server and adapters send
 
 
-def test_attribution_true_forces_eager_and_false_turns_it_off_without_a_note(answers):
+def test_attribution_true_runs_the_row_and_false_turns_it_off_without_a_note(answers):
     forced, off = answers["flex forced"], answers["off"]
     assert [s.document for s in forced.trace] == [s.document for s in answers["default"].trace]
     assert "attribution" not in forced.extra
@@ -68,15 +68,19 @@ def test_attribution_never_changes_the_tokens(answers):
     assert len(tokens) == 5 and all(a.token_ids == tokens for a in answers.values())
 
 
-def test_the_plan_follows_the_resolved_kernel():
-    # "auto" on CUDA resolves to flex without touching a GPU: the CUDA default must carry the note
-    assert attribution_plan(None, "auto", torch.device("cuda")) == ("flex", False, FLEX_ATTRIBUTION_NOTE)
-    assert attribution_plan(None, "auto", "cpu") == ("eager", True, None)
-    assert attribution_plan(None, "eager", "cuda") == ("eager", True, None)
-    assert attribution_plan(True, "auto", "cuda") == ("eager", True, None)
-    assert attribution_plan(False, "auto", "cuda") == ("flex", False, None)
+def test_the_plan_runs_apes_row_unless_flex_is_asked_for_and_says_when_it_cannot_cite():
+    # (flex, record, note): "auto" is APE's row on CUDA too (the row records on the batch's flex kernel as well)
+    for device in ("cpu", torch.device("cuda")):
+        assert ape_plan(None, "auto", device) == (False, True, None)
+        assert ape_plan(None, "eager", device) == (False, True, None)
+        assert ape_plan(False, "auto", device) == (False, False, None)
+        assert ape_plan(None, "flex", device) == (True, False, FLEX_ATTRIBUTION_NOTE)
+        assert ape_plan(False, "flex", device) == (True, False, None)
+        assert ape_plan(True, "flex", device) == (False, True, None)  # citations asked for: the row, which records
     with pytest.raises(InvalidOptionError, match="attention_kernel must be one of"):
-        attribution_plan(True, "flash", "cpu")  # forcing eager does not skip the kernel check
+        ape_plan(True, "flash", "cpu")  # forcing the row does not skip the kernel check
+    with pytest.raises(InvalidOptionError, match="attention_kernel must be one of"):
+        ape_plan(None, "flash", "cpu")
 
 
 @pytest.mark.parametrize("bad", ["yes", "true", 1, 0, 1.0, [True]])

@@ -8,12 +8,14 @@ document or the wrong query.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ctx_integrations.engine.core.row_attention import row_attention
 from ctx_integrations.engine.modes.ape import ApeLayout, ApeRowAttention, ape_attention
+from ctx_integrations.errors import InvalidOptionError
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 PREFIX, ENDS, Q_LEN, PADDING = 3, (4, 9), 3, 5  # prefix | doc 1 (4) | doc 2 (5) | queries | padding columns
@@ -110,19 +112,27 @@ def test_apes_row_rule_with_swapped_knobs_or_another_last_query_differs():
     assert not torch.allclose(last[0], first[0])
 
 
-def test_only_models_without_soft_capping_or_sliding_windows_fit_apes_row():
+def test_ape_refuses_soft_capping_and_windows_narrower_than_its_keys_whatever_the_config_says_it_by():
     from types import SimpleNamespace as Config
 
-    from ctx_integrations.engine.modes.ape import fits_a_row
+    from ctx_integrations.engine.modes.ape import check_model
 
-    assert fits_a_row(Config())  # Llama: neither
-    assert not fits_a_row(Config(attn_logit_softcapping=50.0))  # Gemma 2
-    assert fits_a_row(Config(attn_logit_softcapping=None, layer_types=["full_attention"] * 2, sliding_window=4096))
-    assert not fits_a_row(Config(layer_types=["full_attention", "sliding_attention"], sliding_window=None))
-    assert not fits_a_row(Config(sliding_window=4096))  # Mistral: a window and no switch
-    assert not fits_a_row(Config(sliding_window=4096, use_sliding_window=True))
-    assert fits_a_row(Config(sliding_window=4096, use_sliding_window=False))  # Qwen2 without layer types
-    assert fits_a_row(Config(sliding_window=None, use_sliding_window=True))
+    window = r"^APE does not support sliding-window attention over 9 keys \(window 8\): .*max_new_tokens=3 "
+    check_model(Config(), 10**6, 3)  # Llama: neither
+    with pytest.raises(InvalidOptionError, match=r"^APE does not support attention logit soft-capping \(e\.g\. Gemma"):
+        check_model(Config(attn_logit_softcapping=50.0), 1, 3)  # Gemma 2, at any length
+    check_model(Config(attn_logit_softcapping=None, sliding_window=None), 10**6, 3)
+    for config in (Config(sliding_window=8),  # Mistral: a window and no switch
+                   Config(sliding_window=8, use_sliding_window=True),
+                   Config(sliding_window=8, layer_types=["full_attention", "sliding_attention"])):  # mixed
+        check_model(config, 8, 3)  # a window as wide as the keys hides none of them
+        with pytest.raises(InvalidOptionError, match=window):
+            check_model(config, 9, 3)
+    check_model(Config(sliding_window=8, use_sliding_window=False), 10**6, 3)  # Qwen2 without layer types
+    check_model(Config(sliding_window=8, layer_types=["full_attention"] * 2), 10**6, 3)
+    nested = Config(get_text_config=lambda: Config(attn_logit_softcapping=30.0))  # a multimodal model's text config
+    with pytest.raises(InvalidOptionError, match="soft-capping"):
+        check_model(nested, 1, 3)
 
 
 def test_apes_row_rule_groups_heads_for_any_kv_head_count():

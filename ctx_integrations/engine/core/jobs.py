@@ -9,7 +9,7 @@ K streams, one rule over their K logit rows, one chosen token appended to all K.
 questions and MapReduce's map step are pooled jobs of their own; a job may hand its request on to a
 follow-up job (MapReduce's reduce step).
 
-An *exclusive* job (APE on the flex kernel or on a sliding-window / soft-capped model; ``warm()``) runs its
+An *exclusive* job (APE on FlexAttention's merge, ``attention_kernel="flex"``; ``warm()``) runs its
 own forward passes on the model between the pooled steps: it is a generator
 that yields after each forward, so a long answer never holds the other requests for more than a step.
 """

@@ -25,6 +25,7 @@ import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -36,6 +37,7 @@ from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Strea
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.validation import real_number
+from ctx_integrations.engine.core.windows import windows
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
 from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
 from ctx_integrations.errors import InvalidOptionError
@@ -255,7 +257,8 @@ class _ApeInputs:
 
 
 def _ape_inputs(ctx: DecodeContext) -> _ApeInputs:
-    """Check the request (window, per-request budget, a model whose attention can be swapped) and get its caches."""
+    """Check the request (window, per-request budget, a model whose attention APE computes and can swap) and get its
+    caches: everything APE refuses is refused here, before any cache is computed or any token streamed."""
     engine, layout = ctx.engine, ctx.engine.layout
     suffix = list(ctx.suffix_ids)
     prefix_len, longest = len(layout.prefix_ids), max(p.tokens for p in ctx.prepared)
@@ -263,10 +266,30 @@ def _ape_inputs(ctx: DecodeContext) -> _ApeInputs:
     ctx.check_window(prefix_len + longest + len(suffix), "the longest document with the question")
     with ape_attention_swapped(engine.loaded.model):  # refuse a model that cannot take the swap before any work
         pass
-    ctx.check_streams(1, prefix_len + sum(p.tokens for p in ctx.prepared) + len(suffix) + ctx.stop.max_new_tokens,
-                      "APE's caches")
+    keys = prefix_len + sum(p.tokens for p in ctx.prepared) + len(suffix) + ctx.stop.max_new_tokens
+    check_model(engine.loaded.model.config, keys - 1, ctx.stop.max_new_tokens)
+    ctx.check_streams(1, keys, "APE's caches")
     caches = engine.store.documents_prepared(layout, ctx.prepared, stats=ctx.cache)
     return _ApeInputs(suffix, engine.store.prefix(layout), caches, prefix_len, prefix_len + longest)
+
+
+def check_model(config: object, keys: int, max_new_tokens: int) -> None:
+    """Refuse, when the request is planned, a model whose attention APE does not compute: logit soft-capping
+    (Gemma 2), or a sliding window narrower than the ``keys`` the last answer token attends to (the prefix, every
+    document, the question and the answer before it). A window at least that wide hides none of them (APE's
+    positions span fewer than its keys), so the row rule is exact on every layer, sliding or not; the same limits
+    the attention functions check call by call (:func:`~ctx_integrations.engine.modes.ape_flex.check_call`) would
+    otherwise fail the request after its first tokens were streamed."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise InvalidOptionError("APE does not support attention logit soft-capping (e.g. Gemma 2); use mode='pced' "
+                                 "or mode='concat' with this model")
+    window = windows(config).size
+    if window is not None and keys > window:
+        raise InvalidOptionError(
+            f"APE does not support sliding-window attention over {keys} keys (window {window}): the prefix, the "
+            f"documents, the question and max_new_tokens={max_new_tokens} put that many keys before the last answer "
+            "token; retrieve fewer or shorter documents or lower max_new_tokens")
 
 
 def _ape_row_job(ctx: DecodeContext, attention_temperature: float, scale: float, attribution: bool,
@@ -284,34 +307,22 @@ def _ape_row_job(ctx: DecodeContext, attention_temperature: float, scale: float,
                     lambda result: inputs.finish(result, masses, layers, None), attention=rule)
 
 
-def fits_a_row(config: object) -> bool:
-    """Whether APE's row rule computes this model's attention: not with logit soft-capping (Gemma 2) or
-    sliding windows, which only the exclusive path's attention checks (and refuses) call by call."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return "sliding_attention" not in layer_types
-    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
-
-
-def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, kernel: str,
-               attribution: bool, unavailable_note: str | None,
-               bias: tuple[float, ...] = ()) -> Generator[None, None, DecodeResult]:
-    """APE as an exclusive job on a cache of its own: one forward of its own per scheduler step."""
+def _ape_flex_steps(ctx: DecodeContext, attention_temperature: float, scale: float, unavailable_note: str | None,
+                    bias: tuple[float, ...] = ()) -> Generator[None, None, DecodeResult]:
+    """APE on FlexAttention's merge (``attention_kernel="flex"``): an exclusive job over a sequence of its own, one
+    forward of its own per scheduler step. The one APE path beside the pool: the long-context fast path
+    (docs/scheduler.md measures it against the row)."""
     engine, inputs = ctx.engine, _ape_inputs(ctx)
     model = engine.loaded.model
     streams = concatenated_stream(inputs.prefix, inputs.caches, next_position=inputs.query_position)
     ends = tuple(itertools.accumulate(c.length for c in inputs.caches))
-    masses: list[torch.Tensor] | None = [] if attribution else None
     streams.forward_kwargs["ape_layout"] = ApeLayout(inputs.prefix_len, inputs.prefix_len + inputs.total,
-                                                     attention_temperature, scale, ends, masses, bias)
+                                                     attention_temperature, scale, ends, None, bias)
     ctx.timings["cache_s"] = time.perf_counter() - ctx.started
-    implementation = APE_FLEX_ATTENTION if kernel == "flex" else APE_ATTENTION
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         # the swap spans one forward only: the scheduler runs other requests' forwards between APE's steps
-        with ape_attention_swapped(model, implementation):
+        with ape_attention_swapped(model, APE_FLEX_ATTENTION):
             return forward_sequences(model, streams, ids)
 
     first_logits = forward(torch.tensor([inputs.suffix], device=engine.loaded.device))
@@ -319,29 +330,38 @@ def _ape_steps(ctx: DecodeContext, attention_temperature: float, scale: float, k
     yield
     result = yield from fused_steps(forward, engine.loaded.tokenizer, first_logits, single_stream, ctx.sampler,
                                     ctx.stop, ctx.on_token, ctx.started)
-    return inputs.finish(result, masses, model.config.num_hidden_layers, unavailable_note)
+    return inputs.finish(result, None, model.config.num_hidden_layers, unavailable_note)
 
 
 # Said in the answer (``extra["attribution_note"]``) when the default attribution=None ran the flex kernel.
 FLEX_ATTRIBUTION_NOTE = ("the flex attention kernel does not expose per-document attention mass; pass attribution=True "
-                         "(CLI: --option attribution=true) to run the eager kernel, which records it")
+                         "(CLI: --option attribution=true) to run APE's row in the shared batch, which records it")
 
 
-def attribution_plan(attribution: object, attention_kernel: str, device: object) -> tuple[str, bool, str | None]:
-    """(kernel, record the attention mass?, note for the answer) for APE's ``attribution`` option.
+class ApePlan(NamedTuple):
+    """Where an APE request runs: ``flex`` FlexAttention's merge on an exclusive job, else APE's row in the shared
+    batch; ``record`` the per-document attention mass (citations); ``note`` said in the answer when it cannot."""
 
-    ``None`` (default): record whenever the resolved kernel can, i.e. on the eager kernel (CPU, or
-    ``attention_kernel="eager"``); on flex (``"auto"`` on CUDA) record nothing and return
-    :data:`FLEX_ATTRIBUTION_NOTE`, so an answer without citations says why. ``True``: record, forcing
-    the eager kernel. ``False``: record nothing, no note.
+    flex: bool
+    record: bool
+    note: str | None
+
+
+def ape_plan(attribution: object, attention_kernel: str, device: object) -> ApePlan:
+    """The plan for APE's ``attention_kernel`` and ``attribution`` options.
+
+    ``"auto"`` / ``"eager"``: APE's row (on whichever kernel the shared batch runs), recording the attention mass
+    unless ``attribution=False``. ``"flex"``: FlexAttention's merge, which does not expose the mass: with
+    ``attribution=None`` (default) the answer says so (:data:`FLEX_ATTRIBUTION_NOTE`), ``True`` takes the row
+    instead (it records), ``False`` records nothing and says nothing.
     """
     if attribution is not None and not isinstance(attribution, bool):
         raise InvalidOptionError(f"APE's attribution must be True, False or None (record per-document attention "
                                  f"mass whenever the attention kernel can), got {attribution!r}")
-    kernel = resolve_kernel(attention_kernel, device)
-    if attribution is None:
-        return kernel, kernel == "eager", None if kernel == "eager" else FLEX_ATTRIBUTION_NOTE
-    return ("eager" if attribution else kernel), attribution, None
+    resolve_kernel(attention_kernel, device)  # an unknown kernel, or flex without FlexAttention, is refused
+    if attention_kernel == "flex" and attribution is not True:
+        return ApePlan(True, False, FLEX_ATTRIBUTION_NOTE if attribution is None else None)
+    return ApePlan(False, attribution is not False, None)
 
 
 @register_mode("ape")
@@ -356,17 +376,17 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = ATTENTION_TEMP
     T = S = 1 (the defaults, measured best with the prior on NQ-open; the paper tunes both per task, the authors'
     code has 0.9 / 0.9) is plain attention over the concatenated caches, the prior's bias apart.
     attention_kernel: ``"auto"`` (default) or ``"eager"``: one row of the shared batch (on either batch
-    kernel) with its own attention rule (:class:`ApeRowAttention`, the reference's math); ``"flex"``:
-    FlexAttention's merge over APE's own sequence (``ape_flex.py``), an exclusive job, one forward of its
-    own per step. A model with soft-capping or sliding windows (:func:`fits_a_row`) always takes the
-    exclusive path (its per-call checks refuse what APE cannot do; there ``"auto"`` is flex on CUDA,
-    eager elsewhere).
+    kernel) with its own attention rule (:class:`ApeRowAttention`, the reference's math), for every model APE
+    computes; ``"flex"``: FlexAttention's merge over APE's own sequence (``ape_flex.py``), an exclusive job, one
+    forward of its own per step (faster to the first token on long contexts; no citations). A model with
+    logit soft-capping (Gemma 2), or a sliding window narrower than the request's keys with its answer, is
+    refused when the request is planned (:func:`check_model`).
     attribution: record, per generated token, the merged attention mass on each document (mean over
     layers and heads, ``extra["attention_mass"]``) and put the document with the most mass in the trace,
-    so APE answers have citations. ``None`` (default): whenever the kernel can (APE's row, the exclusive
-    eager kernel; FlexAttention does not expose the per-document mass: its answers carry
-    ``extra["attribution"] = "unavailable"`` and ``extra["attribution_note"]`` saying why and what to
-    pass). ``True`` forces the eager kernel; ``False`` records nothing. It never changes the tokens.
+    so APE answers have citations. ``None`` (default): whenever the path can (APE's row; FlexAttention does not
+    expose the per-document mass: its answers carry ``extra["attribution"] = "unavailable"`` and
+    ``extra["attribution_note"]`` saying why and what to pass). ``True`` runs APE's row even with
+    ``attention_kernel="flex"``; ``False`` records nothing. It never changes the tokens (:func:`ape_plan`).
     gamma: weight of a retrieval prior (our variant, the default 3.0; 0 is the paper's APE, which uses no
     scores): the question's tempered attention scores on every key of document k get
     gamma * (log_prior_k - max log_prior), so the top document's attention is unchanged and a low-ranked
@@ -376,11 +396,10 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = ATTENTION_TEMP
     """
     check_knobs(attention_temperature, scale)
     bias = document_bias(ctx, gamma, prior, prior_tau, prior_floor)
-    kernel, record, note = attribution_plan(attribution, attention_kernel, ctx.engine.loaded.device)
-    if attention_kernel in ("auto", "eager") and fits_a_row(ctx.engine.loaded.model.config):
-        return _ape_row_job(ctx, attention_temperature, scale, attribution is not False, bias)
-    return ExclusiveJob([ctx], single_result(_ape_steps(ctx, attention_temperature, scale, kernel, record, note,
-                                                        bias)))
+    plan = ape_plan(attribution, attention_kernel, ctx.engine.loaded.device)
+    if plan.flex:
+        return ExclusiveJob([ctx], single_result(_ape_flex_steps(ctx, attention_temperature, scale, plan.note, bias)))
+    return _ape_row_job(ctx, attention_temperature, scale, plan.record, bias)
 
 
 def document_bias(ctx: DecodeContext, gamma: float, prior: str, prior_tau: float,
