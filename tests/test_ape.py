@@ -480,8 +480,9 @@ def test_a_sliding_window_as_wide_as_apes_keys_answers_and_one_narrower_is_refus
     assert len(answer.token_ids) == 6  # every answer token was decoded, the last one beside all the keys
     narrow = Engine(tiny_loaded("mistral", seed=7, position_sensitive=True, sliding_window=keys - 1))
     streamed: list[str] = []
-    with pytest.raises(InvalidOptionError, match=rf"^APE does not support sliding-window attention over {keys} keys "
-                                                 rf"\(window {keys - 1}\): .* max_new_tokens=6 .*lower max_new_tokens$"):
+    refused = rf"^APE does not support sliding-window attention over {keys} keys \(window {keys - 1}\): .* " \
+              r"max_new_tokens=6 .*lower max_new_tokens$"
+    with pytest.raises(InvalidOptionError, match=refused):
         narrow.generate(QUESTION, DOCS, mode="ape", max_new_tokens=6, on_token=streamed.append)
     stats = narrow.stats()
     assert streamed == [] and stats["forwards"] == 0 and stats["cache"]["misses"] == 0  # refused when planned

@@ -62,7 +62,7 @@ def _runner_logits(engine: Engine, rows: list[tuple[int, int]], steps: list[list
             new = tokens(1000 * number + b, count, model)
             runs.append([Run(tuple(new), len(held[b]))] if count else [])
             held[b] = held[b] + new
-        result = runner.execute(ScheduledStep(joining=pieces, joining_runs=runs) if number == 0
+        result = runner.forward(ScheduledStep(joining=pieces, joining_runs=runs) if number == 0
                                 else ScheduledStep(decode=runs))
         logits = result.joined if number == 0 else result.decoded
         assert logits is not None, result.join_error or result.decode_error

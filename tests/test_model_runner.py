@@ -61,7 +61,7 @@ class Forwards:
 def joined(runner: ModelRunner, model, rows: list[Row], seed: int) -> list[list[Run]]:
     """Join ``rows`` (their cached pieces and a first token each) into the runner's pool; returns their runs."""
     first = [[row.run(tokens(seed + b, 1, model))] for b, row in enumerate(rows)]
-    out = runner.execute(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first))
+    out = runner.forward(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first))
     assert out.join_error is None
     check(model, rows, out.joined, first)
     return first
@@ -80,7 +80,7 @@ def test_the_group_with_most_rows_runs_in_place_with_the_step_and_the_others_apa
     forwards = Forwards(monkeypatch, runner)
     runs = [[row.run(tokens(30 + b, count, model))] if count else [] for b, (row, count) in enumerate(zip(rows,
                                                                                                          counts))]
-    out = runner.execute(ScheduledStep(decode=runs))
+    out = runner.forward(ScheduledStep(decode=runs))
     groups = [count for count in dict.fromkeys(counts) if count not in (0, in_place)]  # in the order they appear
     assert out.forwards == 1 + len(groups) == len(forwards.calls) and out.decode_error is None
     assert forwards.calls[0] == (True, [c if c == in_place else 0 for c in counts], step)
@@ -96,7 +96,7 @@ def test_the_group_with_most_rows_runs_in_place_with_the_step_and_the_others_apa
     for b, row in enumerate(rows):
         assert runner.pool.positions[runner.pool.slots[b], :len(row.ids)].tolist() == list(range(len(row.ids)))
     runs = [[row.run(tokens(40 + b, 1, model))] for b, row in enumerate(rows)]
-    out = runner.execute(ScheduledStep(decode=runs))  # one token each: one forward, in place, every row exact
+    out = runner.forward(ScheduledStep(decode=runs))  # one token each: one forward, in place, every row exact
     assert out.forwards == 1 and forwards.calls[-1] == (True, [1] * len(rows), step)
     check(model, rows, out.decoded, runs)
 
@@ -121,7 +121,7 @@ def test_the_eager_step_holds_exactly_its_rows_in_tight_columns(loaded, compiled
     assert runner.pool.slot_count == (16 if padded else 8)  # exact: compacted away at once
     rows = [rows[b] for b in (0, 2, 4, 6, 8, 1, 3, 5)]
     runs = [[row.run(tokens(110 + b, 1, model))] for b, row in enumerate(rows)]
-    check(model, rows, runner.execute(ScheduledStep(decode=runs)).decoded, runs)
+    check(model, rows, runner.forward(ScheduledStep(decode=runs)).decoded, runs)
 
 
 def test_joining_rows_become_the_pool_in_a_whole_bucket_of_slots_then_merge_into_it(loaded, monkeypatch):
@@ -129,7 +129,7 @@ def test_joining_rows_become_the_pool_in_a_whole_bucket_of_slots_then_merge_into
     runner = ModelRunner(loaded, "eager")
     runner.step = rows_module.decode_step
     forwards = Forwards(monkeypatch, runner)
-    assert runner.execute(ScheduledStep(decode=[[Run((5,), 0)]])).forwards == 0  # no pool: nothing to decode
+    assert runner.forward(ScheduledStep(decode=[[Run((5,), 0)]])).forwards == 0  # no pool: nothing to decode
     rows = [Row(model, 50 + b, 3 + 2 * b) for b in range(3)]
     joined(runner, model, rows, 60)
     assert (runner.pool.rows, runner.pool.slot_count) == (3, 4)  # room for one more without a copy
@@ -137,19 +137,19 @@ def test_joining_rows_become_the_pool_in_a_whole_bucket_of_slots_then_merge_into
     newcomer = [Row(model, 70, 5)]
     runs = [[row.run(tokens(71 + b, 1, model))] for b, row in enumerate(rows)]
     first = [[newcomer[0].run(tokens(75, 2, model))]]
-    out = runner.execute(ScheduledStep(decode=runs, joining=[newcomer[0].pieces], joining_runs=first))
+    out = runner.forward(ScheduledStep(decode=runs, joining=[newcomer[0].pieces], joining_runs=first))
     assert out.forwards == 2 and out.rows == 3 and (out.decode_error, out.join_error) == (None, None)
     check(model, rows, out.decoded, runs)
     check(model, newcomer, out.joined, first)
     assert (runner.pool.rows, runner.pool.slot_count) == (4, 4)
     rows += newcomer
     runs = [[row.run(tokens(80 + b, 1, model))] for b, row in enumerate(rows)]
-    check(model, rows, runner.execute(ScheduledStep(decode=runs)).decoded, runs)
+    check(model, rows, runner.forward(ScheduledStep(decode=runs)).decoded, runs)
     runner.keep_rows([3, 1])
     rows = [rows[3], rows[1]]
     assert runner.pool.rows == 2
     runs = [[row.run(tokens(90 + b, 1, model))] for b, row in enumerate(rows)]
-    check(model, rows, runner.execute(ScheduledStep(decode=runs)).decoded, runs)
+    check(model, rows, runner.forward(ScheduledStep(decode=runs)).decoded, runs)
     runner.keep_rows([])
     assert runner.pool is None
     runner.keep_rows([0])  # nothing to keep rows of: still nothing
@@ -162,10 +162,10 @@ def test_a_running_row_is_rewound_before_its_decode_and_joining_rows_carry_their
     rows = [Row(model, 100, 6), Row(model, 101, 9)]
     joined(runner, model, rows, 102)
     runs = [[rows[0].run(tokens(104, 3, model))], [rows[1].run(tokens(105, 3, model))]]
-    runner.execute(ScheduledStep(decode=runs))
+    runner.forward(ScheduledStep(decode=runs))
     rows[0].ids = rows[0].ids[:-2]
     runs = [[rows[0].run(tokens(106, 1, model))], [rows[1].run(tokens(107, 1, model))]]
-    out = runner.execute(ScheduledStep(decode=runs, rewind={0: len(rows[0].ids) - 1}))
+    out = runner.forward(ScheduledStep(decode=runs, rewind={0: len(rows[0].ids) - 1}))
     check(model, rows, out.decoded, runs)  # as if the two rejected tokens had never been fed
 
     def rule(query, key, value, visible, documents, scaling, last_query):
@@ -173,7 +173,7 @@ def test_a_running_row_is_rewound_before_its_decode_and_joining_rows_carry_their
 
     newcomers = [Row(model, 108, 4), Row(model, 109, 5)]
     first = [[row.run(tokens(110 + b, 1, model))] for b, row in enumerate(newcomers)]
-    out = runner.execute(ScheduledStep(joining=[r.pieces for r in newcomers], joining_runs=first,
+    out = runner.forward(ScheduledStep(joining=[r.pieces for r in newcomers], joining_runs=first,
                                        joining_attention=[None, rule]))
     assert runner.pool.attention == [None, None, None, rule]
     check(model, newcomers[:1], out.joined[:1], first[:1])
@@ -191,7 +191,7 @@ def test_a_forward_that_raises_is_reported_and_the_joining_rows_never_join(loade
     monkeypatch.setattr(rows_module.RowPool, "forward", broken)
     newcomer = Row(model, 122, 3)
     lengths = list(runner.pool.lengths)
-    out = runner.execute(ScheduledStep(decode=[[rows[0].run([7])]], joining=[newcomer.pieces],
+    out = runner.forward(ScheduledStep(decode=[[rows[0].run([7])]], joining=[newcomer.pieces],
                                        joining_runs=[[newcomer.run([8])]]))
     assert str(out.decode_error) == str(out.join_error) == "out of memory"
     assert (out.decoded, out.joined) == (None, None) and runner.pool.rows == 1 and runner.pool.lengths == lengths

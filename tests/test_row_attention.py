@@ -99,6 +99,47 @@ def test_apes_row_rule_equals_its_sequence_attention_on_the_same_keys_padding_ig
     torch.testing.assert_close(rule.masses[0], layout.masses[0], atol=1e-6, rtol=1e-5)
 
 
+def _reference_with_prior(query, key, value, temperature, scale, scaling, bias):
+    """APE's merge with the retrieval prior, in float64, one head and one query at a time: document k's keys get
+    ``bias[k]`` added to their tempered scores (docs/ape.md), the prefix and the queries' own keys none."""
+    real = PREFIX + ENDS[-1] + Q_LEN
+    column_bias = torch.tensor([bias[0]] * ENDS[0] + [bias[1]] * (ENDS[1] - ENDS[0]), dtype=torch.float64)
+    out = torch.zeros(1, Q_LEN, HEADS, DIM, dtype=torch.float64)
+    for h in range(HEADS):
+        k, v = key[0, h // (HEADS // KV_HEADS), :real].double(), value[0, h // (HEADS // KV_HEADS), :real].double()
+        for i in range(Q_LEN):
+            s = k @ query[0, h, i].double() * scaling
+            own = PREFIX + ENDS[-1] + i
+            context = s[PREFIX:PREFIX + ENDS[-1]] / temperature + column_bias
+            outside = torch.cat([s[:PREFIX], s[PREFIX + ENDS[-1]:own + 1]])
+            v_outside = torch.cat([v[:PREFIX], v[PREFIX + ENDS[-1]:own + 1]])
+            w = torch.softmax(torch.stack([scale * temperature * torch.logsumexp(context, 0),
+                                           torch.logsumexp(outside, 0)]), 0)
+            out[0, i, h] = (w[0] * torch.softmax(context, 0) @ v[PREFIX:PREFIX + ENDS[-1]]
+                            + w[1] * torch.softmax(outside, 0) @ v_outside)
+    return out
+
+
+def test_the_retrieval_prior_lowers_a_documents_attention_by_its_bias_in_the_row_rule_and_the_reference():
+    # The prior (gamma * (log p_k - max log p) <= 0) is added to document k's tempered scores: a sign flip would
+    # raise the low-ranked document's attention, a bias on the prefix or the wrong document would move others.
+    query, key, value, keys = _inputs(4, rows=1)
+    visible, documents = _ape_row_mask(keys)
+    real, bias = PREFIX + ENDS[-1] + Q_LEN, (0.0, -2.5)
+    expected = _reference_with_prior(query, key, value, 0.7, 0.9, 0.35, bias)
+    rule = ApeRowAttention(0.7, 0.9, len(ENDS), masses=[], document_bias=bias)
+    out = rule(query, key, value, visible, documents, 0.35, Q_LEN - 1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    layout = ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.7, 0.9, document_ends=ENDS, masses=[], document_bias=bias)
+    sequence, _ = ape_attention(nn.Module(), query, key[:, :, :real], value[:, :, :real], None, scaling=0.35,
+                                ape_layout=layout)
+    torch.testing.assert_close(sequence.double(), expected, atol=1e-5, rtol=1e-5)
+    plain = ApeRowAttention(0.7, 0.9, len(ENDS), masses=[])
+    plain(query, key, value, visible, documents, 0.35, Q_LEN - 1)
+    assert rule.masses[0][1] < plain.masses[0][1]  # the second document, biased down, holds less of the attention
+    torch.testing.assert_close(rule.masses[0], layout.masses[0], atol=1e-6, rtol=1e-5)
+
+
 def test_apes_row_rule_with_swapped_knobs_or_another_last_query_differs():
     query, key, value, keys = _inputs(3, rows=1)
     visible, documents = _ape_row_mask(keys)
@@ -148,3 +189,10 @@ def test_apes_row_rule_groups_heads_for_any_kv_head_count():
                                     ape_layout=ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.6, 0.8))
         out = ApeRowAttention(0.6, 0.8, len(ENDS))(query, key, value, visible, documents, 0.35, Q_LEN - 1)
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_prior_for_another_number_of_documents_is_refused_by_count():
+    with pytest.raises(InvalidOptionError, match=r"^APE got 1 document biases for 2 documents$"):
+        ApeRowAttention(0.7, 0.9, 2, document_bias=(0.0,))
+    with pytest.raises(InvalidOptionError, match=r"^APE got 3 document biases for 2 documents$"):
+        ApeLayout(PREFIX, PREFIX + ENDS[-1], 0.7, 0.9, document_ends=ENDS, document_bias=(0.0, -1.0, -2.0))

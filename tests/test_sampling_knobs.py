@@ -123,9 +123,9 @@ def test_chat_ippd_and_exclusive_ape_take_the_penalties(engine):
     assert [a.token_ids for a in answers] == [engine.generate(q, DOCS, mode="concat", sampling=knob).token_ids
                                               for q in (QUESTION, "Where is Marrowgate?")]
     assert all(len(set(a.token_ids)) == 1 for a in answers)
-    windowed = Engine(tiny_loaded("mistral", seed=3))  # sliding windows: APE runs as an exclusive job
-    assert len(set(windowed.generate(QUESTION, DOCS, mode="ape", sampling=knob).token_ids)) == 1
-    assert windowed.stats()["exclusive_s"] > 0
+    flex = Engine(engine.loaded)  # APE on FlexAttention's merge runs as an exclusive job
+    assert len(set(flex.generate(QUESTION, DOCS, mode="ape", attention_kernel="flex", sampling=knob).token_ids)) == 1
+    assert flex.stats()["exclusive_s"] > 0
 
 
 def test_rapid_refuses_what_its_acceptance_cannot_honour(engine):
@@ -134,3 +134,40 @@ def test_rapid_refuses_what_its_acceptance_cannot_honour(engine):
             engine.generate(QUESTION, DOCS, mode="rapid", sampling=SamplingParams(max_tokens=4, **knob))
         assert refused.value.field == next(iter(knob))
     assert engine.generate(QUESTION, DOCS, mode="rapid", sampling=SamplingParams(max_tokens=4)).token_ids
+
+
+def _multinomial_draw(scores: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float,
+                      generator: torch.Generator) -> int:
+    """The sampler's draw as it was written before it stayed on the device: the knobs in transformers' order, a
+    boolean-indexed nucleus, then ``torch.multinomial`` on the CPU with the answer's generator."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper
+
+    logits = scores.float().cpu() / temperature
+    if top_k:
+        logits = TopKLogitsWarper(top_k)(None, logits.unsqueeze(0))[0]
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, -1) - sorted_probs < top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    if min_p:
+        probs = torch.softmax(MinPLogitsWarper(min_p)(None, probs.log().unsqueeze(0))[0], dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0),
+                                   dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0),
+                                   dict(temperature=1.3, top_p=0.95, top_k=50, min_p=0.02)])
+def test_the_sampled_draw_is_multinomials_own_bit_for_bit_with_the_same_seed(knobs):
+    # The draw is written out as torch.multinomial's exponential race (argmax p / q, q ~ Exp(1) from the answer's
+    # CPU generator) so nothing is read back: every seed must give multinomial's token, draw after draw (a
+    # different race, a q drawn in another dtype or shape, or a nucleus that dropped or kept other tokens differ).
+    scores = torch.randn(4096, generator=torch.Generator().manual_seed(5)) * 3
+    for seed in range(40):
+        sampler = TokenSampler(seed=seed, **knobs)
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            token, best = sampler.pick(scores)
+            assert int(token) == _multinomial_draw(scores, generator=generator, **knobs)
+            assert float(best) == float(scores.max())

@@ -19,6 +19,7 @@ from ctx_integrations import Engine
 from ctx_integrations.engine.core import scheduler as scheduler_module
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.model import default_dtype
+from ctx_integrations.engine.core.runner import ModelRunner
 from ctx_integrations.engine.core.scheduler import RequestCancelledError
 from ctx_integrations.errors import EngineOverloadedError, InvalidOptionError, RequestTimeoutError
 from tests.helpers import greedy_reference, loop_ticks, tiny_loaded
@@ -398,10 +399,10 @@ def test_an_unexpected_error_in_a_step_fails_the_running_requests_and_serving_go
 @pytest.mark.parametrize("batched", [False, True])
 def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch, batched):
     # gpt-fast / nano-vllm: tokens are chosen on the device and read back in one transfer for the whole batch.
-    # Counting every tensor-to-Python read while the jobs choose their tokens: a job that read its own token
-    # (or its winner, or its score) back would add reads per job per step. Soft-NBCE's paper rule (the default) and
-    # its hard limit build the support of the nuclei on the device too, one by one (the CPU's path) and batched
-    # (an accelerator's: PCED's and Soft-NBCE's greedy requests choose their tokens together).
+    # Counting every tensor-to-Python read while the runner steps and the jobs take their tokens: a job that read
+    # its own token (or its winner, or its score) back would add reads per job per step. Soft-NBCE's paper rule (the
+    # default) and its hard limit build the support of the nuclei on the device too, one by one (the CPU's path) and
+    # batched (an accelerator's: PCED's and Soft-NBCE's greedy requests choose their tokens together).
     monkeypatch.setattr(FusedJob, "batch_on_cpu", batched)
     engine = Engine(tiny_loaded("llama", seed=3))
     inside, reads, steps, batches = [False], [0], [0], [0]
@@ -412,11 +413,19 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch, batch
         return propose_batch(cls, jobs, logits)
 
     monkeypatch.setattr(FusedJob, "propose_batch", classmethod(counted_batch))
-    consume = scheduler_module.Scheduler._consume
+    execute, consume = ModelRunner.execute, scheduler_module.Scheduler._consume
 
-    def counted_consume(self, output, joining):
+    def counted_execute(self, step):  # the forwards and the choice of the step's tokens
         inside[0] = True
-        steps[0] += output.decoded is not None or output.joined is not None
+        try:
+            output = execute(self, step)
+        finally:
+            inside[0] = False
+        steps[0] += bool(output.chosen)
+        return output
+
+    def counted_consume(self, output, joining):  # the jobs taking what was chosen
+        inside[0] = True
         try:
             consume(self, output, joining)
         finally:
@@ -434,6 +443,7 @@ def test_the_batch_reads_its_chosen_tokens_back_once_per_step(monkeypatch, batch
     for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
         counting(name)
     monkeypatch.setattr(scheduler_module.Scheduler, "_consume", counted_consume)
+    monkeypatch.setattr(ModelRunner, "execute", counted_execute)
 
     async def run():
         return await asyncio.gather(

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ctx_integrations.engine.core.choice import ScheduledRequest, choose, per_request
 from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
 from ctx_integrations.engine.core.rows import Piece, Run
 from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, Scheduler
@@ -45,30 +47,33 @@ class FakeRunner:
     def execute(self, step: ScheduledStep) -> StepOutput:
         time.sleep(0.001)  # a step takes time, so requests arrive while others run
         assert self.running.wait(WAIT_S)
-        out = StepOutput()
+        out, taking = StepOutput(), []
         joining = [int(pieces[0].kv.flatten()[0]) for pieces in step.joining]
         self.log.append((list(self.labels) if step.decode else [], joining))
         self.rewinds.append(dict(step.rewind))
-        self.requests.append((list(step.decode_requests), list(step.joining_requests)))
-        assert sum(rows for _, rows in step.decode_requests) == len(step.decode)  # ids cover exactly the rows
-        assert sum(rows for _, rows in step.joining_requests) == len(step.joining)
+        self.requests.append(([r[:2] for r in step.decode_requests], [r[:2] for r in step.joining_requests]))
+        assert sum(r.rows for r in step.decode_requests) == len(step.decode)  # ids cover exactly the rows
+        assert sum(r.rows for r in step.joining_requests) == len(step.joining)
         self.attention.extend(zip(joining, step.joining_attention, strict=True))
         if step.decode:
             assert len(step.decode) == len(self.labels), "the step's rows are not the batch's rows"
             if self.fail_decode_at == len(self.log):
                 out.decode_error = RuntimeError("decode broke")
             else:
-                out.decoded = [torch.tensor([[label, len(runs)]] * max(len(runs), 1), dtype=torch.float)
-                               for label, runs in zip(self.labels, step.decode)]
+                decoded = [torch.tensor([[label, len(runs)]] * max(len(runs), 1), dtype=torch.float)
+                           for label, runs in zip(self.labels, step.decode)]
+                taking += per_request(step.decode_requests, decoded)
             out.forwards += 1
         if joining:
             if self.fail_join_of in joining:
                 out.join_error = RuntimeError("prefill broke")
             else:
-                out.joined = [torch.tensor([[label, len(runs)]], dtype=torch.float)
-                              for label, runs in zip(joining, step.joining_runs)]
+                joined = [torch.tensor([[label, len(runs)]], dtype=torch.float)
+                          for label, runs in zip(joining, step.joining_runs)]
+                taking += per_request(step.joining_requests, joined)
                 self.labels.extend(joining)
             out.forwards += 1
+        out.chosen, out.failed = choose(taking)  # as the model runner chooses: each job from its own rows
         out.rows = len(self.labels)
         out.forward_s = 0.5 * out.forwards  # what the scheduler adds up into its stats
         self.forwards += out.forwards
@@ -391,10 +396,14 @@ def test_the_row_table_maps_rows_to_requests():
     table = RowTable()
     a, b = FakeJob(1, rows=2), FakeJob(2, rows=3, drop={1: [1]})
     table.entries += [(a, "a", 2), (b, "b", 3)]
-    assert [(s, rows) for _, s, rows in table.split(["a0", "a1", "b0", "b1", "b2"])] == [
+    requests = table.requests()
+    assert requests == [("a", 2, a), ("b", 3, b)]
+    over = SimpleNamespace(request_id="gone", over=True)  # failed this step: its rows run, nobody chooses for them
+    assert RowTable([(a, over, 2)]).requests() == [ScheduledRequest("gone", 2, None)]
+    assert [(r.request_id, rows) for r, rows in per_request(requests, ["a0", "a1", "b0", "b1", "b2"])] == [
         ("a", ["a0", "a1"]), ("b", ["b0", "b1", "b2"])]
-    with pytest.raises(AssertionError, match="4 rows of output for a batch of 5"):
-        list(table.split([0, 1, 2, 3]))
+    with pytest.raises(AssertionError, match="4 rows of output for requests of 5 rows"):
+        per_request(requests, [0, 1, 2, 3])
     assert table.retire(lambda job, s: False) == (None, [])  # nobody leaves: keep everything as it is
     b.accept([200.0, 201.0, 202.0])  # row 201 finishes
     keep, left = table.retire(lambda job, s: s == "a")
@@ -415,7 +424,7 @@ def test_the_row_table_offsets_each_requests_rewinds_by_every_row_before_it_and_
                       (Rewinding(3, 3, {2: 9}), "c", 3)]
     assert table.rewinds() == {2: 5, 2 + 1 + 2: 9}  # offsets 0, 2 and 3
     # a submission without a request id (a test's label) is named by itself
-    assert table.requests() == [("a", 2), ("b", 1), ("c", 3)]
+    assert [r[:2] for r in table.requests()] == [("a", 2), ("b", 1), ("c", 3)]
 
 
 def test_a_follow_up_job_carries_the_request_on_in_new_rows(scheduler):

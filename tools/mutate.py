@@ -118,10 +118,15 @@ TARGETS = {
     # what Engine.submit returns: the pieces buffer and the handle's readers (sync, async, late, cancelling)
     "handle": Target("ctx_integrations/engine/core/handle.py", ("*",), ("tests/test_answer_handle.py",)),
     "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
+    # the step's token choice (proposals batched by key, one read back) and the sampler's on-device draw
+    "choice": Target("ctx_integrations/engine/core/choice.py", ("*",),
+                     ("tests/test_scheduler_core.py", "tests/test_host_reads.py")),
+    "sampler": Target("ctx_integrations/engine/core/decoding.py", ("xǁTokenSamplerǁpick*",),
+                      ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py")),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
                         ("xǁSchedulerǁ_plan*", "xǁSchedulerǁ_build*", "xǁSchedulerǁ_take_ready*",
                          "xǁSchedulerǁ_reserved*", "xǁSchedulerǁ_retire*", "xǁSchedulerǁ_consume*",
-                         "xǁSchedulerǁ_propose*", "xǁSchedulerǁ_waiting*", "xǁSchedulerǁ_step*", "xǁSchedulerǁ_count*",
+                         "xǁSchedulerǁ_waiting*", "xǁSchedulerǁ_step*", "xǁSchedulerǁ_count*",
                          "xǁSchedulerǁ_follow_up*", "xǁSchedulerǁ_bytes_needed*"),
                         ("tests/test_scheduler_core.py",)),
     "soft_nbce": Target("ctx_integrations/engine/modes/soft_nbce.py",

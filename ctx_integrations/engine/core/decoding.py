@@ -306,18 +306,20 @@ class TokenSampler:
         """The token (a 0-d tensor on ``scores``' device) and the score whose finiteness the caller checks
         (:meth:`check`) once it reads both back.
 
-        Greedy reads nothing back, so a batch of jobs can read all their tokens in one transfer. Sampling
-        reads the scores once: its seeded generator is a CPU one (the same draws on every device), and
-        NaN scores must be refused before ``multinomial`` sees them. Sampling applies temperature, then
-        top_k (transformers' ``TopKLogitsWarper``), top_p, then min_p (``MinPLogitsWarper``): transformers' order.
+        Nothing is read back, greedy or sampled, so a batch of jobs reads all their tokens in one transfer.
+        Sampling applies temperature, then top_k (transformers' ``TopKLogitsWarper``), top_p, then min_p
+        (``MinPLogitsWarper``): transformers' order. The draw is ``torch.multinomial``'s own for one sample (an
+        exponential race: the argmax of p / q, q ~ Exp(1)), written out so that q comes from the answer's seeded
+        CPU generator (the same draws on every device) and is copied to the scores' device, where the argmax
+        runs: on a CPU bit for bit ``multinomial(p, 1, generator)``. NaN scores win the max, and a format that
+        allows nothing leaves it at ``-inf``: the caller's check refuses both before the token is used.
         """
         scores = self.adjusted(scores)
         if self.temperature == 0:
             token = torch.argmax(scores)  # NaN wins argmax, and all -inf gives 0: the caller's check catches both
             return token, scores[token]
         best = scores.max()
-        self.check(float(best))
-        logits = scores.float().cpu() / self.temperature
+        logits = scores.float() / self.temperature
         if self.top_k:
             from transformers import TopKLogitsWarper
 
@@ -327,12 +329,13 @@ class TokenSampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
             keep[0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)  # no boolean index: no read
         if self.min_p:
             from transformers import MinPLogitsWarper
 
             probs = torch.softmax(MinPLogitsWarper(self.min_p)(None, probs.log().unsqueeze(0))[0], dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[0].to(scores.device), best
+        race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=self.generator)
+        return torch.argmax(probs / race.to(probs.device, non_blocking=True)), best
 
     def check(self, best: float) -> None:
         """Refuse a pick whose best score is not finite (:func:`check_finite_scores`); under a constraint, a best

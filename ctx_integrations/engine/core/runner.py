@@ -3,7 +3,8 @@
 Shaped like vLLM v1's ``GPUModelRunner`` / nano-vllm's ``ModelRunner``: it owns the running batch's
 KV buffers (the :class:`~ctx_integrations.engine.core.rows.RowPool`), runs one forward over the
 running rows and one over the joining rows, appends the joining rows after the running ones, and
-returns per-row logits. It decides nothing about requests: which rows run, join or leave is the
+hands each request's rows to its job to choose its tokens on the device, read back once for the step
+(vLLM v1's runner samples too). It decides nothing about requests: which rows run, join or leave is the
 scheduler's. It holds the model weakly, like the scheduler, so a model nobody uses any more is freed.
 """
 
@@ -17,11 +18,12 @@ from contextlib import nullcontext
 import torch
 
 from ctx_integrations.engine.core.batch_invariant import batch_invariant_kernels
+from ctx_integrations.engine.core.choice import choose, per_request
 from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import GROW_COLUMNS, TIGHT_COLUMNS, RowPool, Run
-from ctx_integrations.engine.core.step import ScheduledStep, StepOutput
+from ctx_integrations.engine.core.step import ScheduledStep, StepForwards, StepLogits, StepOutput
 
 
 class ModelRunner:
@@ -49,14 +51,25 @@ class ModelRunner:
         return loaded
 
     def execute(self, step: ScheduledStep) -> StepOutput:
+        """Run the step's forwards (:meth:`forward`), then let each request's job choose its tokens from its own
+        rows' logits on the device, read back in one transfer (:func:`~ctx_integrations.engine.core.choice.choose`)."""
+        computed = self.forward(step)
+        taking = []
+        if computed.decoded is not None:
+            taking += per_request(step.decode_requests, computed.decoded)
+        if computed.joined is not None:
+            taking += per_request(step.joining_requests, computed.joined)
+        return computed.chose(*choose(taking))
+
+    def forward(self, step: ScheduledStep) -> StepLogits:
         """Decode the running rows, then prefill the joining rows and append them (a forward per token count each)."""
-        out = StepOutput()
+        computed = StepLogits()
         if self.pool is not None and step.decode:
             self.pool.rewind(dict(step.rewind))
             try:
-                out.decoded = self._run(self.pool, step.decode, out, self.step)
+                computed.decoded = self._run(self.pool, step.decode, computed, self.step)
             except Exception as error:  # noqa: BLE001 - the scheduler fails the requests this forward held
-                out.decode_error = error
+                computed.decode_error = error
         if step.joining:
             loaded = self.loaded
             shape = kv_shape(loaded.model.config)
@@ -68,16 +81,16 @@ class ModelRunner:
                                         (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
                                         attention=list(step.joining_attention) or None, grow_columns=grow,
                                         padded_slots=self.step is not None)  # buckets only for a compiled step
-                out.joined = self._run(joining, step.joining_runs, out)
+                computed.joined = self._run(joining, step.joining_runs, computed)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
-                out.join_error = error
+                computed.join_error = error
             else:
                 if self.pool is None:
                     joining.resize_slots(joining.bucket(joining.rows))
                     self.pool = joining
                 else:
                     self.pool.merge(joining)
-        return out
+        return computed
 
     def keep_rows(self, keep: list[int]) -> None:
         if not keep:
@@ -85,7 +98,7 @@ class ModelRunner:
         elif self.pool is not None:
             self.pool.keep_rows(keep)
 
-    def _run(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput,
+    def _run(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepForwards,
              step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The rows' forwards: one per distinct number of tokens the rows take this step (batch invariance).
 
@@ -119,7 +132,7 @@ class ModelRunner:
             pool.take_columns(rows, selected)
         return logits
 
-    def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepOutput,
+    def _forward(self, pool: RowPool, runs: Sequence[Sequence[Run]], out: StepForwards,
                  step: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
         started = time.perf_counter()
         with batch_invariant_kernels() if self.batch_invariant else nullcontext():

@@ -14,7 +14,8 @@ model's work); at every step the scheduler thread
    the next tokens of every running pooled row (PCED / Soft-NBCE experts and their context-free rows,
    ``single`` / ``concat`` / chat sequences, IPPD stacks) and the joining rows with their prompts; the
    runner runs one batched forward over the running rows and one prefill forward over the joining
-   rows, and returns per-row logits; each job turns its own rows' logits into tokens with its rule,
+   rows, and each job turns its own rows' logits into tokens with its rule on the device (read back
+   once for the whole step),
 4. advances each exclusive job (APE on the flex kernel; ``warm``) by one forward of its own,
 5. hands finished answers back to their callers.
 
@@ -47,7 +48,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -539,56 +540,25 @@ class Scheduler:
         request.job, request.kv_bytes = job, needed
 
     def _consume(self, output: StepOutput, joining: RowTable[PooledJob, Request]) -> None:
-        """Each job chooses its tokens from its own rows' logits on the device; all choices are read back in
-        ONE transfer for the whole batch, then each job emits its own; joining jobs become running ones."""
-        taking: list[tuple[PooledJob, Request, list[torch.Tensor]]] = []
+        """Each request accepts what its job chose on the device (the runner read every choice back in one
+        transfer), or fails with its forward's or its rule's error; joining jobs become running ones."""
+        running = list(self._batch.entries)
         if output.decode_error is not None:  # a failed batched forward fails every request in it
-            for _, request, _ in self._batch.entries:
+            for _, request, _ in running:
                 self._fail(request, output.decode_error)
-        elif output.decoded is not None:
-            taking.extend(entry for entry in self._batch.split(output.decoded) if not entry[1].over)
         if output.join_error is not None:  # the joint prefill failed: fail the requests it held
             for _, request, _ in joining.entries:
                 self._fail(request, output.join_error)
-        elif output.joined is not None:
-            taking.extend(entry for entry in joining.split(output.joined) if not entry[1].over)
+        else:
             with self._cond:
                 self._batch.extend(joining)
-        proposals = self._propose(taking)
-        if not proposals:
-            return
-        values = torch.cat([proposal for _, _, proposal in proposals]).tolist()  # the step's one read back
-        offset = 0
-        for job, request, proposal in proposals:
-            self._guard(request, job.accept, values[offset:offset + proposal.numel()])
-            offset += proposal.numel()
-
-    def _propose(self, taking: list[tuple[PooledJob, Request, list[torch.Tensor]]]
-                 ) -> list[tuple[PooledJob, Request, torch.Tensor]]:
-        """Each job's proposal, in ``taking``'s order: jobs of one class with one :meth:`PooledJob.batch_key` choose
-        theirs together (one batched rule evaluation instead of one per request), the others alone.
-
-        A batch that raises is proposed again job by job, so its error reaches only the requests it belongs to.
-        """
-        groups: dict[tuple[type, Hashable], list[int]] = {}
-        for index, (job, _, _) in enumerate(taking):
-            key = job.batch_key()
-            if key is not None:
-                groups.setdefault((type(job), key), []).append(index)
-        chosen: dict[int, torch.Tensor] = {}
-        for (kind, _), members in groups.items():
-            try:
-                values = kind.propose_batch([taking[i][0] for i in members], [taking[i][2] for i in members])
-            except Exception:  # noqa: BLE001 - retried one by one below: each request meets its own error alone
+        for job, request, _ in (*running, *joining.entries):
+            if request.over:
                 continue
-            chosen.update(zip(members, values, strict=True))
-        proposals = []
-        for index, (job, request, logits) in enumerate(taking):
-            try:
-                proposals.append((job, request, chosen[index] if index in chosen else job.propose(logits)))
-            except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
-                self._fail(request, contained(error))
-        return proposals
+            if request.request_id in output.failed:  # its rule raised: this request alone
+                self._fail(request, contained(output.failed[request.request_id]))
+            elif request.request_id in output.chosen:
+                self._guard(request, job.accept, output.chosen[request.request_id])
 
     def _guard(self, request: Request, call: Callable[..., None], *args: Any) -> None:
         try:

@@ -3,8 +3,9 @@
 The scheduler decides; the runner computes. Like vLLM v1's ``SchedulerOutput`` and nano-vllm's
 ``ModelRunner.run``, the scheduler hands the runner one :class:`ScheduledStep` per step (the tokens
 every running row takes, and the rows that join with their cached pieces and prompts) and gets back
-one :class:`StepOutput` (per row, the logits after each of its runs). Nothing in here touches a model,
-so the scheduler can be driven by a fake runner in tests.
+one :class:`StepOutput` (per request, the values its job chose on the device, read back once; the runner
+hands each request's rows to its job, :mod:`~ctx_integrations.engine.core.choice`). Nothing in here touches a
+model, so the scheduler can be driven by a fake runner in tests.
 
 :class:`RowTable` is the one place that knows which rows of the batch belong to which request: the
 scheduler never walks row offsets by hand.
@@ -12,12 +13,13 @@ scheduler never walks row offsets by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from ctx_integrations.engine.core.choice import ScheduledRequest
 from ctx_integrations.engine.core.rows import Piece, Run
 
 
@@ -33,8 +35,8 @@ class ScheduledStep:
     after the running rows (docs/scheduler.md says why). ``rewind``: running rows (batch index) whose
     columns at virtual positions ``>=`` the given one are dropped before the decode forward (a
     speculative row's rejected drafts). ``decode_requests`` / ``joining_requests``: the step keyed by
-    request id (vLLM v1's ``SchedulerOutput``): each request's id and how many consecutive rows it has, in
-    batch order; the runner needs only the rows, the ids name them (logs, metrics, a failed row's request).
+    request id (vLLM v1's ``SchedulerOutput``): each request's id, how many consecutive rows it has and what
+    chooses its tokens from their logits (its job), in batch order.
     """
 
     decode: Sequence[Sequence[Run]] = ()
@@ -42,25 +44,43 @@ class ScheduledStep:
     joining_runs: Sequence[Sequence[Run]] = ()
     joining_attention: Sequence[object | None] = ()
     rewind: Mapping[int, int] = field(default_factory=dict)
-    decode_requests: Sequence[tuple[str, int]] = ()  # (request id, its rows) in batch order: whose rows are which
-    joining_requests: Sequence[tuple[str, int]] = ()
+    decode_requests: Sequence[ScheduledRequest] = ()  # in batch order: whose rows are which, who chooses for them
+    joining_requests: Sequence[ScheduledRequest] = ()
 
 
 @dataclass
-class StepOutput:
-    """What the runner returns: per row, the logits after each of its runs (``[runs, V]``, fp32).
+class StepForwards:
+    """A step's forwards: a forward that raised leaves its error here (a failed decode fails the running requests, a
+    failed prefill the joining ones, whose rows then never join), and what they cost."""
 
-    A forward that raised leaves its logits ``None`` and its error here: a failed decode fails the
-    running requests, a failed prefill the joining ones (whose rows then never join).
-    """
-
-    decoded: list[torch.Tensor] | None = None
-    joined: list[torch.Tensor] | None = None
     decode_error: Exception | None = None
     join_error: Exception | None = None
     forwards: int = 0
     forward_s: float = 0.0
     rows: int = 0  # the most rows one of the step's forwards carried
+
+
+@dataclass
+class StepOutput(StepForwards):
+    """What the runner returns: per request id, the values its job chose on the device (read back in one transfer
+    for the step), or the error its rule raised; a request whose forward raised chooses nothing."""
+
+    chosen: dict[str, list[float]] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
+
+
+@dataclass
+class StepLogits(StepForwards):
+    """What the runner's forwards computed for a step: per row, the logits after each of its runs (``[runs, V]``,
+    fp32), before any request chose from them (``ModelRunner.forward``; tests read them)."""
+
+    decoded: list[torch.Tensor] | None = None
+    joined: list[torch.Tensor] | None = None
+
+    def chose(self, chosen: dict[str, list[float]], failed: dict[str, BaseException]) -> StepOutput:
+        """The step's output once its requests chose from these logits."""
+        return StepOutput(decode_error=self.decode_error, join_error=self.join_error, forwards=self.forwards,
+                          forward_s=self.forward_s, rows=self.rows, chosen=chosen, failed=failed)
 
 
 class Runner(Protocol):
@@ -77,7 +97,6 @@ class Runner(Protocol):
 
 J = TypeVar("J")
 S = TypeVar("S")
-T = TypeVar("T")
 
 
 @dataclass
@@ -94,9 +113,12 @@ class RowTable(Generic[J, S]):
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.entries)
 
-    def requests(self) -> list[tuple[str, int]]:
-        """Each request's id and row count, in batch order (the step keyed by request id)."""
-        return [(str(getattr(request, "request_id", request)), rows) for _, request, rows in self.entries]
+    def requests(self) -> list[ScheduledRequest]:
+        """Each request's id, row count and chooser (its job; ``None`` once the request is over), in batch order:
+        the step keyed by request id."""
+        return [ScheduledRequest(str(getattr(request, "request_id", request)), rows,
+                                 None if getattr(request, "over", False) else job)
+                for job, request, rows in self.entries]
 
     def runs(self) -> list[list[Run]]:
         """Every row's runs this step, in batch order."""
@@ -109,15 +131,6 @@ class RowTable(Generic[J, S]):
             rewind.update({offset + row: position for row, position in job.rewinds().items()})
             offset += rows
         return rewind
-
-    def split(self, per_row: Sequence[T]) -> Iterator[tuple[J, S, list[T]]]:
-        """Each request with its own slice of a per-row list (e.g. the step's logits)."""
-        if len(per_row) != self.rows:
-            raise AssertionError(f"{len(per_row)} rows of output for a batch of {self.rows} rows")
-        offset = 0
-        for job, submission, rows in self.entries:
-            yield job, submission, list(per_row[offset:offset + rows])
-            offset += rows
 
     def extend(self, other: RowTable[J, S]) -> None:
         """Append joining requests after the running ones (their rows were appended the same way)."""

@@ -187,7 +187,7 @@ class ApeRowAttention:
             merged = (weights[..., :1] * p_context).reshape(1, kv_heads, groups, q_len, -1)[:, :, :, last_query]
             per_key = merged.mean(dim=(1, 2))[0]  # [K]
             mass = torch.zeros(self.documents + 1, dtype=per_key.dtype, device=per_key.device)
-            self.masses.append(mass.index_add_(0, documents[0], per_key)[1:].cpu())
+            self.masses.append(mass.index_add_(0, documents[0], per_key)[1:])  # on the device: read once, at the end
         return out.reshape(1, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
 
@@ -209,7 +209,7 @@ def document_mass(p_context: torch.Tensor, context_weight: torch.Tensor, documen
     per_key = merged.mean(dim=(1, 2))  # [B, C]
     ends = torch.tensor(document_ends, device=per_key.device)
     cumulative = torch.cumsum(per_key, dim=-1)[:, ends - 1]  # [B, N]
-    return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[:, :1]))[0].cpu()
+    return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[:, :1]))[0]
 
 
 AttentionInterface.register(APE_ATTENTION, ape_attention)
@@ -517,10 +517,13 @@ def search_knobs(engine: object, dev_set: list, *, grid: tuple[float, ...] = PAP
 
 
 def _attribute(result: DecodeResult, masses: list[torch.Tensor], layers: int) -> None:
-    """Token i's logits came from forward pass i (the prefill for token 0): average its layers' masses."""
+    """Token i's logits came from forward pass i (the prefill for token 0): average its layers' masses. The masses
+    stay on the device while the answer decodes (a read per layer per step would stall every step); they are read
+    back here, once."""
     shares = []
+    recorded = torch.stack(masses).cpu() if masses else torch.zeros(0)
     for i, step in enumerate(result.trace):
-        mass = torch.stack(masses[i * layers:(i + 1) * layers]).mean(0)
+        mass = recorded[i * layers:(i + 1) * layers].mean(0)
         share = mass / mass.sum().clamp_min(1e-12)
         winner = int(share.argmax())
         result.trace[i] = replace(step, document=winner, score=float(share[winner]))
