@@ -273,3 +273,66 @@ def test_a_finished_question_stops_costing_tokens_and_a_finished_stack_its_row(m
     assert len(forwards) == prefills + 15
     assert forwards[prefills:prefills + 3] == [(stacks, 2)] * 3  # both answers decode
     assert forwards[prefills + 3:] == [(1, 1)] * 12  # question 0 is done: one token per step, and one row left
+
+
+def test_greedy_questions_chosen_at_once_give_the_values_of_one_at_a_time():
+    # token, its log-probability and its score per question, as the per-question loop (the sampler's pick) gives them,
+    # bit for bit: a gather from the wrong question, a log-softmax over the wrong dim or values out of question order
+    # would differ. A tie in the first question: argmax takes the first maximum in both.
+    from ctx_integrations.engine.core.decoding import TokenSampler
+    from ctx_integrations.engine.modes.ippd import greedy_question_values
+
+    scores = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    scores[0, 17] = scores[0, 900] = scores[0].max() + 1
+    expected = []
+    for row in scores:
+        token, checked = TokenSampler().pick(row)
+        expected += [float(token), float(torch.log_softmax(row, -1)[token]), float(checked)]
+    assert greedy_question_values(scores).tolist() == expected and expected[0] == 17
+
+
+def test_a_steps_greedy_choice_costs_the_same_operations_for_2_or_16_questions_and_batches_across_requests(
+        monkeypatch):
+    import asyncio
+
+    from ctx_integrations.engine.core import runner as runner_module
+    from ctx_integrations.engine.modes.ippd import StackedJob
+    from tests.test_scheduler_batched import CountOps
+
+    engine = Engine(tiny_loaded("llama", seed=5))
+    questions = [f"Question number {i}?" for i in range(16)]
+    counts: list[int] = []
+    choose = runner_module.choose
+
+    def counted(taking):
+        with CountOps() as ops:
+            choice = choose(taking)
+        counts.append(ops.count)
+        return choice
+
+    monkeypatch.setattr(runner_module, "choose", counted)
+
+    def fewest(asked: list[str]) -> int:
+        counts.clear()
+        engine.generate_many(asked, DOCS, max_new_tokens=4)
+        return min(counts)
+
+    assert fewest(questions[:2]) == fewest(questions) <= 12  # one question's launches, not one set per question
+    alone = [[a.token_ids for a in engine.generate_many(q, DOCS, max_new_tokens=5)]
+             for q in (questions[:3], questions[3:8])]
+    monkeypatch.setattr(StackedJob, "batch_on_cpu", True)
+    batches: list[int] = []
+    propose_batch = StackedJob.propose_batch.__func__
+
+    def spied(cls, jobs, logits):
+        batches.append(len(jobs))
+        return propose_batch(cls, jobs, logits)
+
+    monkeypatch.setattr(StackedJob, "propose_batch", classmethod(spied))
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate_many(q, DOCS, max_new_tokens=5)
+                                      for q in (questions[:3], questions[3:8])))
+
+    assert [[a.token_ids for a in answers] for answers in asyncio.run(together())] == alone
+    assert 2 in batches  # both requests' questions were chosen in one evaluation

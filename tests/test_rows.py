@@ -402,14 +402,14 @@ def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forwar
     rows = [Row(model, 1, 30), Row(model, 2, 12), Row(model, 3, 21), Row(model, 4, 9)]
     runner = ModelRunner(loaded, "eager")
     first = [[row.run(tokens(60 + b, 1, model))] for b, row in enumerate(rows)]
-    joined = runner.execute(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first)).joined
+    joined = runner.forward(ScheduledStep(joining=[r.pieces for r in rows], joining_runs=first)).joined
     check(model, rows, joined, first)
     def tagged(run: Run) -> Run:  # the long row's tokens carry ids (as IPPD's do): they must come back with them
         return Run(run.ids, run.first_position, context=3, question=4)
 
     runs = [[rows[0].run(tokens(70, 1, model))], [rows[1].run(tokens(71, 1, model))],
             [tagged(rows[2].run([t])) for t in tokens(72, 5, model)], [rows[3].run(tokens(73, 1, model))]]
-    out = runner.execute(ScheduledStep(decode=runs))
+    out = runner.forward(ScheduledStep(decode=runs))
     assert out.forwards == 2  # the long row ran apart
     check(model, rows, out.decoded, runs)
     pool = runner.pool
@@ -423,7 +423,7 @@ def test_rows_taking_several_tokens_run_apart_and_answer_as_in_one_padded_forwar
     rows[2].ids = rows[2].ids[:-2]
     runs = [[row.run(tokens(80 + b, 1, model))] for b, row in enumerate(rows)]
     runs[2] = [tagged(runs[2][0])]
-    out = runner.execute(ScheduledStep(decode=runs))
+    out = runner.forward(ScheduledStep(decode=runs))
     assert out.forwards == 1
     check(model, rows, out.decoded, runs)
 

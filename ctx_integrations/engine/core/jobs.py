@@ -109,6 +109,12 @@ class PooledJob(Job):
         """
         raise NotImplementedError
 
+    batch_on_cpu = False
+    """Whether jobs on the CPU choose together too (tests switch it on). Off: a CPU pays no kernel launch to save,
+    and the batch's tensors leave the core's cache where one request's stay in it: PCED's rule over 8 requests x 4
+    streams x 49,152 logits took 15 ms batched and 2.8 ms one by one, Soft-NBCE's 112 and 97 ms (one thread,
+    docs/scheduler.md)."""
+
     def batch_key(self) -> Hashable | None:
         """Jobs of one class with equal keys may choose a step's tokens together, in one call of the class's
         :meth:`propose_batch` (``None``, the default: this step's tokens are chosen by :meth:`propose` alone).
@@ -194,12 +200,6 @@ class FusedJob(PooledJob):
         values, self._carry = propose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
                                             self.ctx.sampler)
         return values
-
-    batch_on_cpu = False
-    """Whether jobs on the CPU batch their rule too (tests switch it on). Off: a CPU pays no kernel launch to save,
-    and the batch's tensors leave the core's cache where one request's stay in it: PCED's rule over 8 requests x 4
-    streams x 49,152 logits took 15 ms batched and 2.8 ms one by one, Soft-NBCE's 112 and 97 ms (one thread,
-    docs/scheduler.md)."""
 
     def batch_key(self) -> Hashable | None:
         """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) when the answer is

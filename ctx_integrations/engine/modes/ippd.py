@@ -22,6 +22,7 @@ position, so no real token ever attends to it.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,12 +135,11 @@ class StackedJob(PooledJob):
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """Per waiting question, in stack order: its token, the token's log-probability, the score to check, then
-        its log-probabilities when its sampler asks for them (every question's sampler asks the same)."""
-        first_step = "prefill_s" not in self.contexts[0].timings
-        if first_step:  # each question's own clock: its ctx was prepared (and its clock started) a moment apart
-            now = time.perf_counter()
-            for ctx in self.contexts:
-                ctx.timings["prefill_s"] = now - ctx.started
+        its log-probabilities when its sampler asks for them (every question's sampler asks the same). Greedy
+        questions are chosen all at once (:func:`greedy_question_values`), the others one by one."""
+        self._prefilled()
+        if self._greedy():
+            return greedy_question_values(self._question_scores(logits))
         values = []
         for stack, row in zip(self._live, logits):
             for question, scores in zip(self._waiting[stack], row):
@@ -150,6 +150,36 @@ class StackedJob(PooledJob):
                 if sampler.logprobs is not None:
                     values.append(logprob_values(scores, token, sampler.logprobs))
         return torch.cat(values)
+
+    def batch_key(self) -> Hashable | None:
+        """Greedy IPPD requests choose together on an accelerator (:meth:`propose_batch`; on the CPU with
+        :attr:`~PooledJob.batch_on_cpu`): their rule is one argmax per question, whatever the request."""
+        on_cpu = self.contexts[0].engine.loaded.device.type == "cpu"
+        return "greedy" if self._greedy() and not (on_cpu and not self.batch_on_cpu) else None
+
+    @classmethod
+    def propose_batch(cls, jobs: list[StackedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Every greedy job's questions in one evaluation: the values each job's :meth:`propose` returns."""
+        scores = [job._question_scores(rows) for job, rows in zip(jobs, logits, strict=True)]
+        values = greedy_question_values(torch.cat(scores)).split([3 * len(s) for s in scores])
+        for job in jobs:
+            job._prefilled()
+        return list(values)
+
+    def _greedy(self) -> bool:
+        return all(q.ctx.sampler.greedy_argmax for stack in self._live for q in self._waiting[stack])
+
+    def _question_scores(self, logits: list[torch.Tensor]) -> torch.Tensor:
+        """Every waiting question's logits ``[Q, V]``, in the order :meth:`accept` reads their values."""
+        return torch.cat([row[:len(self._waiting[stack])] for stack, row in zip(self._live, logits)])
+
+    def _prefilled(self) -> None:
+        """The first proposal comes right after the stacks' prefill: each question's ``prefill_s``, on its own clock
+        (its ctx was prepared, and its clock started, a moment apart)."""
+        if "prefill_s" not in self.contexts[0].timings:
+            now = time.perf_counter()
+            for ctx in self.contexts:
+                ctx.timings["prefill_s"] = now - ctx.started
 
     def accept(self, values: list[float]) -> None:
         offset = 0
@@ -182,6 +212,15 @@ class StackedJob(PooledJob):
                 result.extra.update(stack=question.stack, stacked_questions=len(stack.questions), attribution="context")
                 results[question.index] = result
         return results  # type: ignore[return-value]
+
+
+def greedy_question_values(scores: torch.Tensor) -> torch.Tensor:
+    """:meth:`StackedJob.propose`'s values for Q greedy questions at once (``scores`` ``[Q, V]``): per question its
+    argmax, that token's log-probability and its score (to check), flattened in question order; the launches of one
+    question's choice, not Q times as many."""
+    token = torch.argmax(scores, -1, keepdim=True)
+    logprob = torch.log_softmax(scores, -1).gather(1, token)
+    return torch.cat([token.double(), logprob.double(), scores.gather(1, token).double()], 1).flatten()
 
 
 @register_mode("ippd", many=True)
