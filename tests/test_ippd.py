@@ -276,9 +276,10 @@ def test_a_finished_question_stops_costing_tokens_and_a_finished_stack_its_row(m
 
 
 def test_greedy_questions_chosen_at_once_give_the_values_of_one_at_a_time():
-    # token, its log-probability and its score per question, as the per-question loop (the sampler's pick) gives them,
-    # bit for bit: a gather from the wrong question, a log-softmax over the wrong dim or values out of question order
-    # would differ. A tie in the first question: argmax takes the first maximum in both.
+    # token, its log-probability and its score per question, as the per-question loop (the sampler's pick) gives
+    # them, bit for bit (and the log-probability within float32's rounding of log_softmax's): a gather from the wrong
+    # question, a reduction over the wrong dim or values out of question order would differ. A tie in the first
+    # question: argmax takes the first maximum in both.
     from ctx_integrations.engine.core.decoding import TokenSampler
     from ctx_integrations.engine.modes.ippd import greedy_question_values
 
@@ -287,8 +288,11 @@ def test_greedy_questions_chosen_at_once_give_the_values_of_one_at_a_time():
     expected = []
     for row in scores:
         token, checked = TokenSampler().pick(row)
-        expected += [float(token), float(torch.log_softmax(row, -1)[token]), float(checked)]
+        expected += [float(token), float(row[token] - torch.logsumexp(row, -1)), float(checked)]
     assert greedy_question_values(scores).tolist() == expected and expected[0] == 17
+    logprobs = greedy_question_values(scores).view(-1, 3)[:, 1]
+    torch.testing.assert_close(logprobs, torch.log_softmax(scores.double(), -1).gather(1, logprobs.new_tensor(
+        expected[::3]).long().unsqueeze(1)).squeeze(1), atol=1e-5, rtol=0)
 
 
 def test_a_steps_greedy_choice_costs_the_same_operations_for_2_or_16_questions_and_batches_across_requests(
