@@ -171,3 +171,12 @@ def test_the_sampled_draw_is_multinomials_own_bit_for_bit_with_the_same_seed(kno
             token, best = sampler.pick(scores)
             assert int(token) == _multinomial_draw(scores, generator=generator, **knobs)
             assert float(best) == float(scores.max())
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token_alone():
+    # cumsum - p < top_p is 0 < 1e-50 in float32: False for every token, the top one included; it must stay, or the
+    # draw would run over zeros and return token 0 without a word.
+    scores = torch.randn(512, generator=torch.Generator().manual_seed(2))
+    for seed in range(20):
+        token, _ = TokenSampler(temperature=1.0, top_p=1e-50, seed=seed).pick(scores)
+        assert int(token) == int(scores.argmax()) != 0

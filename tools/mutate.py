@@ -120,7 +120,7 @@ TARGETS = {
     "step": Target("ctx_integrations/engine/core/step.py", ("*",), ("tests/test_scheduler_core.py",)),
     # the step's token choice (proposals batched by key, one read back) and the sampler's on-device draw
     "choice": Target("ctx_integrations/engine/core/choice.py", ("*",),
-                     ("tests/test_scheduler_core.py", "tests/test_host_reads.py")),
+                     ("tests/test_choice.py", "tests/test_scheduler_core.py", "tests/test_host_reads.py")),
     "sampler": Target("ctx_integrations/engine/core/decoding.py", ("xǁTokenSamplerǁpick*",),
                       ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py")),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",

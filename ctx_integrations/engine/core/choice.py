@@ -81,9 +81,10 @@ def choose(taking: Sequence[tuple[ScheduledRequest, list[torch.Tensor]]]) -> Cho
     for (kind, _), members in groups.items():
         try:
             values = kind.propose_batch([live[i][0].chooser for i in members], [live[i][1] for i in members])
+            pairs = list(zip(members, values, strict=True))  # a batch that returns too few or too many: one by one
         except Exception:  # noqa: BLE001 - retried one by one below: each request meets its own error alone
             continue
-        batched.update(zip(members, values, strict=True))
+        batched.update(pairs)
     proposals: list[tuple[str, torch.Tensor]] = []
     failed: dict[str, BaseException] = {}
     for index, (request, logits) in enumerate(live):
@@ -92,9 +93,7 @@ def choose(taking: Sequence[tuple[ScheduledRequest, list[torch.Tensor]]]) -> Cho
                               batched[index] if index in batched else request.chooser.propose(logits)))
         except BaseException as error:  # noqa: BLE001 - a request's own failure (e.g. its rule raised)
             failed[request.request_id] = error
-    if not proposals:
-        return Choice({}, failed)
-    values = torch.cat([proposal for _, proposal in proposals]).tolist()  # the step's one read back
+    values = torch.cat([proposal for _, proposal in proposals]).tolist() if proposals else []  # the step's one read
     chosen, offset = {}, 0
     for request_id, proposal in proposals:
         chosen[request_id] = values[offset:offset + proposal.numel()]
