@@ -321,22 +321,64 @@ def test_a_steps_greedy_choice_costs_the_same_operations_for_2_or_16_questions_a
         engine.generate_many(asked, DOCS, max_new_tokens=4)
         return min(counts)
 
+    batches: list[int] = []  # per batch evaluation, its jobs; one by one: the questions each propose chose
+    alone_calls: list[int] = []
+    propose_batch, propose = StackedJob.propose_batch.__func__, StackedJob.propose
+
+    def spied_batch(cls, jobs, logits):
+        values = propose_batch(cls, jobs, logits)
+        batches.append(len(values))
+        return values
+
+    def spied(self, logits):
+        alone_calls.append(1)
+        return propose(self, logits)
+
+    monkeypatch.setattr(StackedJob, "propose_batch", classmethod(spied_batch))
+    monkeypatch.setattr(StackedJob, "propose", spied)
     assert fewest(questions[:2]) == fewest(questions) <= 12  # one question's launches, not one set per question
     alone = [[a.token_ids for a in engine.generate_many(q, DOCS, max_new_tokens=5)]
              for q in (questions[:3], questions[3:8])]
+    assert batches == [] and alone_calls  # the CPU chooses request by request (batch_on_cpu)
     monkeypatch.setattr(StackedJob, "batch_on_cpu", True)
-    batches: list[int] = []
-    propose_batch = StackedJob.propose_batch.__func__
-
-    def spied(cls, jobs, logits):
-        batches.append(len(jobs))
-        return propose_batch(cls, jobs, logits)
-
-    monkeypatch.setattr(StackedJob, "propose_batch", classmethod(spied))
+    alone_calls.clear()
 
     async def together():
         return await asyncio.gather(*(engine.agenerate_many(q, DOCS, max_new_tokens=5)
                                       for q in (questions[:3], questions[3:8])))
 
     assert [[a.token_ids for a in answers] for answers in asyncio.run(together())] == alone
-    assert 2 in batches  # both requests' questions were chosen in one evaluation
+    assert 2 in batches and alone_calls == []  # both requests chose in one evaluation, never one by one
+
+
+def test_sampled_questions_report_their_own_log_probabilities_and_alternatives():
+    # One question at a time (a sampled step): each trace step's log-probability and top alternatives are the
+    # softmax of that question's own logits, checked against one plain forward over its prompt and answer.
+    from ctx_integrations import SamplingParams
+
+    engine = Engine(tiny_loaded("llama", seed=5))
+    layout, model = engine.layout, engine.loaded.model
+    sampling = SamplingParams(max_tokens=4, temperature=0.9, seed=3, logprobs=2)
+    answers = engine.generate_many(QUESTIONS[:2], DOCS, sampling=sampling)
+    for question, answer in zip(QUESTIONS[:2], answers):
+        prompt = layout.prefix_ids + [t for d in DOCS for t in layout.context_ids(d)] + layout.suffix_ids(question)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + answer.token_ids])).logits[0].float()
+        steps = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+        for step, expected in zip(answer.trace, steps, strict=True):
+            assert step.score == pytest.approx(float(expected[step.token_id]), abs=1e-4)
+            assert step.logprob == pytest.approx(float(expected[step.token_id]), abs=1e-4)
+            best = torch.topk(expected, 2)
+            assert [t for t, _ in step.top_logprobs] == best.indices.tolist()
+            assert [lp for _, lp in step.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_a_request_reserves_its_stacks_prompt_and_answer_budget():
+    # prefix + each context once + every question's suffix and max_new_tokens, per stack: what admission reserves
+    engine = Engine(tiny_loaded("llama", seed=5))
+    layout = engine.layout
+    engine.generate_many(QUESTIONS[:3], DOCS, max_new_tokens=7)
+    context = sum(len(layout.context_ids(d)) for d in DOCS)
+    tokens = len(layout.prefix_ids) + context + sum(len(layout.suffix_ids(q)) + 7 for q in QUESTIONS[:3])
+    kv = engine.stats()["kv_bytes"]
+    assert kv["peak"] == tokens * kv["bytes_per_token"]
