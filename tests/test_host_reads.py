@@ -95,3 +95,14 @@ def test_every_step_of_every_mode_reads_the_device_once_alone_and_batched(steps)
     for rows, in_step, accepting in steps:
         assert rows == 0 or in_step == {"tolist": 1}, (rows, in_step)
         assert accepting == {}, accepting
+
+
+def test_sampled_rapid_drafts_on_the_device_and_reads_more_only_when_it_verifies(steps):
+    # Known exception: a sampled verification (speculative.verify, the paper's rejection sampling) runs on the host.
+    # Every drafting step reads once, as the drafter's draw stays on the device (decoding.multinomial_on_device).
+    engine = Engine(tiny_loaded("llama", seed=3))
+    answer = engine.generate(QUESTION, DOCS, mode="rapid", sampling=SamplingParams(max_tokens=8, temperature=0.8,
+                                                                                 seed=1))
+    reads = [sum(in_step.values()) for rows, in_step, _ in steps if rows]
+    assert answer.extra["drafted"] > 0 and reads.count(1) >= answer.extra["drafted"]
+    assert sum(read > 1 for read in reads) <= answer.extra["target_passes"]

@@ -239,6 +239,15 @@ def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
     return strings
 
 
+def multinomial_on_device(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw from ``probs`` (``[V]``) as a 0-d tensor on its device, reading nothing back: ``torch.multinomial``'s
+    own algorithm for one sample (an exponential race, the argmax of p / q with q ~ Exp(1)), written out so that q
+    comes from ``generator``, a seeded CPU one (the same draws on every device), and is copied to the device where
+    the argmax runs. On a CPU it is bit for bit ``torch.multinomial(probs, 1, generator=generator)[0]``."""
+    race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
+    return torch.argmax(probs / race.to(probs.device, non_blocking=True))
+
+
 class TokenSampler:
     """Chooses one answer's tokens: greedy (temperature 0) or temperature + top_k + top_p (nucleus) + min_p
     sampling with its own seeded generator, after the answer's penalties and its structured-output constraint.
@@ -308,11 +317,9 @@ class TokenSampler:
 
         Nothing is read back, greedy or sampled, so a batch of jobs reads all their tokens in one transfer.
         Sampling applies temperature, then top_k (transformers' ``TopKLogitsWarper``), top_p, then min_p
-        (``MinPLogitsWarper``): transformers' order. The draw is ``torch.multinomial``'s own for one sample (an
-        exponential race: the argmax of p / q, q ~ Exp(1)), written out so that q comes from the answer's seeded
-        CPU generator (the same draws on every device) and is copied to the scores' device, where the argmax
-        runs: on a CPU bit for bit ``multinomial(p, 1, generator)``. NaN scores win the max, and a format that
-        allows nothing leaves it at ``-inf``: the caller's check refuses both before the token is used.
+        (``MinPLogitsWarper``): transformers' order; the draw is :func:`multinomial_on_device` with the answer's
+        seeded CPU generator. NaN scores win the max, and a format that allows nothing leaves it at ``-inf``: the
+        caller's check refuses both before the token is used.
         """
         scores = self.adjusted(scores)
         if self.temperature == 0:
@@ -334,8 +341,7 @@ class TokenSampler:
             from transformers import MinPLogitsWarper
 
             probs = torch.softmax(MinPLogitsWarper(self.min_p)(None, probs.log().unsqueeze(0))[0], dim=-1)
-        race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=self.generator)
-        return torch.argmax(probs / race.to(probs.device, non_blocking=True)), best
+        return multinomial_on_device(probs, self.generator), best
 
     def check(self, best: float) -> None:
         """Refuse a pick whose best score is not finite (:func:`check_finite_scores`); under a constraint, a best

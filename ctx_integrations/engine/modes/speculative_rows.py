@@ -30,6 +30,7 @@ from ctx_integrations.engine.core.decoding import (
     TokenSampler,
     TraceStep,
     check_finite_scores,
+    multinomial_on_device,
 )
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext
@@ -115,10 +116,9 @@ class DraftRow:
         if self.sampler.temperature == 0:
             self._q = torch.softmax(scores, dim=-1)
             token = self._q.argmax()
-        else:  # the seeded generator is a CPU one; NaN must be refused before multinomial sees it
-            check_finite_scores(float(best))
+        else:  # drawn on the device (NaN scores win the max: accept refuses them before the draft is used)
             self._q = torch.softmax(nucleus(scores / self.sampler.temperature, self.sampler.top_p), dim=-1)
-            token = torch.multinomial(self._q.cpu(), 1, generator=self.sampler.generator)[0].to(scores.device)
+            token = multinomial_on_device(self._q, self.sampler.generator)
         return torch.stack([token.double(), best.double()])
 
     def accept(self, values: Sequence[float]) -> None:
