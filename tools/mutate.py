@@ -121,8 +121,10 @@ TARGETS = {
     # the step's token choice (proposals batched by key, one read back) and the sampler's on-device draw
     "choice": Target("ctx_integrations/engine/core/choice.py", ("*",),
                      ("tests/test_choice.py", "tests/test_scheduler_core.py", "tests/test_host_reads.py")),
-    "sampler": Target("ctx_integrations/engine/core/decoding.py", ("xǁTokenSamplerǁpick*",),
-                      ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py")),
+    "sampler": Target("ctx_integrations/engine/core/decoding.py",
+                      ("xǁTokenSamplerǁpick*", "x_multinomial_on_device*"),
+                      ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py", "tests/test_speculative_rows.py",
+                       "-k", "not cancel and not failing")),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
                         ("xǁSchedulerǁ_plan*", "xǁSchedulerǁ_build*", "xǁSchedulerǁ_take_ready*",
                          "xǁSchedulerǁ_reserved*", "xǁSchedulerǁ_retire*", "xǁSchedulerǁ_consume*",
