@@ -157,6 +157,9 @@ def test_caches_on_another_device_are_refused():
                        r"compute the caches with this engine \(its store moves them to the model's device\) instead "
                        r"of mixing engines or devices"):
         _check_devices(torch.device("cpu"), [here, elsewhere])
+    # mixed caches are refused whichever device the model is on, the one a set would name first included
+    with pytest.raises(InvalidOptionError, match=r"IPPD got cached contexts on \['cpu', 'meta'\] for a model on meta"):
+        _check_devices(torch.device("meta"), [here, elsewhere])
 
 
 @pytest.mark.slow
