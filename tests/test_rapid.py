@@ -486,7 +486,7 @@ def test_the_tail_rule_error_names_both_rules_and_what_they_do():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_chosen_tail_rule_reaches_every_verification_step(monkeypatch, tail_rule, temperature):
     """``generate(..., tail_rule=...)`` must arrive at the verdict in every round, not only in the rule's own tests:
-    sampled rounds call ``verify``, greedy rounds its on-device twin ``greedy_verdict``.
+    sampled rounds call ``sampled_verdict``, greedy rounds ``greedy_verdict`` (``verify``'s on-device twins).
 
     Catches a call chain that drops the option (the loop's default, "paper", would then run silently).
     """
@@ -500,7 +500,7 @@ def test_the_chosen_tail_rule_reaches_every_verification_step(monkeypatch, tail_
             return real(*args, **kwargs)
         return spying
 
-    monkeypatch.setattr(speculative, "verify", spy(verify))
+    monkeypatch.setattr(speculative, "sampled_verdict", spy(speculative.sampled_verdict))
     monkeypatch.setattr(speculative_rows, "greedy_verdict", spy(speculative.greedy_verdict))
     engine = Engine(sharp_tiny(0))
     drafter = Engine(sharp_tiny(0, noise=0.05))

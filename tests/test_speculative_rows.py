@@ -21,7 +21,14 @@ import torch
 from ctx_integrations import Engine
 from ctx_integrations.engine.core.decoding import TokenSampler
 from ctx_integrations.engine.core.rows import Run
-from ctx_integrations.engine.modes.speculative import TAIL_RULES, greedy_verdict, nucleus, tail_adjusted, verify
+from ctx_integrations.engine.modes.speculative import (
+    TAIL_RULES,
+    greedy_verdict,
+    nucleus,
+    sampled_verdict,
+    tail_adjusted,
+    verify,
+)
 from ctx_integrations.engine.modes.speculative_rows import DraftRow, SequenceRow
 from ctx_integrations.errors import RequestTooLargeError
 from tests.helpers import tiny_loaded
@@ -119,6 +126,31 @@ def test_the_greedy_verdict_on_the_device_is_verifys_greedy_branch(eta, tail_rul
         assert (int(accepted), int(token)) == (expected.accepted, expected.token), case
         seen.add(expected.accepted)
     assert seen == set(range(g + 1))
+
+
+@pytest.mark.parametrize(("eta", "tail_rule", "top_p", "temperature"),
+                         [(0.0, "paper", 1.0, 1.0), (0.5, "paper", 0.9, 0.8), (2.0, "draft_head", 0.95, 1.2)])
+def test_the_sampled_verdict_on_the_device_is_verifys_sampling_branch_draw_for_draw(eta, tail_rule, top_p,
+                                                                                   temperature):
+    # The same generator seed must give verify's accepted count and token: the same g uniforms, then the same draw
+    # over the vocabulary, from the residual after the first rejected draft or from p at the bonus position. A
+    # verdict that read the residual of another row, drew the bonus from p^, or spent the generator otherwise
+    # (another order, another count of uniforms) would part from verify's over these seeds.
+    generator = torch.Generator().manual_seed(1)
+    seen = set()
+    for seed in range(150):
+        g, vocab = 1 + seed % 4, 40
+        logits = 2 * torch.randn(g + 1, vocab, generator=generator)
+        q = torch.softmax(2 * torch.randn(g, vocab, generator=generator) + logits[:g] / 2, dim=-1)
+        drafts = [int(torch.multinomial(q[i], 1, generator=generator)) for i in range(g)]
+        expected = verify(logits, q, drafts, eta=eta, temperature=temperature, top_p=top_p,
+                          generator=torch.Generator().manual_seed(seed), tail_rule=tail_rule)
+        accepted, token = sampled_verdict(logits, q, torch.tensor(drafts), eta=eta, temperature=temperature,
+                                          top_p=top_p, generator=torch.Generator().manual_seed(seed),
+                                          tail_rule=tail_rule)
+        assert (int(accepted), int(token)) == (expected.accepted, expected.token), seed
+        seen.add((expected.accepted == g, expected.accepted == 0))
+    assert seen == {(True, False), (False, True), (False, False)}  # every draft accepted, the first rejected, between
 
 
 # -- the drafter's distributions and the sampled verdict -------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.decoding import check_finite_scores
+from ctx_integrations.engine.core.decoding import check_finite_scores, multinomial_on_device
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
@@ -106,7 +106,9 @@ class Verdict:
 
 def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int], *, eta: float,
            temperature: float, top_p: float, generator: torch.Generator | None, tail_rule: str = "paper") -> Verdict:
-    """Accept or reject ``drafts`` (g tokens) against the target.
+    """Accept or reject ``drafts`` (g tokens) against the target: the rule as the paper writes it, on the host (the
+    first rejection read back), the reference the device forms the engine runs (:func:`greedy_verdict`,
+    :func:`sampled_verdict`) are tested against.
 
     ``target_logits`` is ``[g + 1, V]``: row i scores the position of draft i, row g the bonus position.
     ``draft_q`` is ``[g, V]``: the distributions the drafts were drawn from (for greedy, the drafter's
@@ -147,6 +149,30 @@ def greedy_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: t
     best = p_hat.argmax(dim=-1)
     accepted = (best == drafts).long().cumprod(0).sum()
     return accepted, torch.cat([best, p[g].argmax().unsqueeze(0)])[accepted]
+
+
+def sampled_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
+                    temperature: float, top_p: float, generator: torch.Generator,
+                    tail_rule: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify`'s sampling branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
+
+    The same rule and the same draws from ``generator`` (a CPU one), in the same order: the ``g`` uniforms that
+    accept or reject the drafts, then one draw over ``V`` tokens, from the residual after the first rejected draft or
+    from ``p`` at the bonus position when every draft is accepted (:func:`~ctx_integrations.engine.core.decoding.
+    multinomial_on_device`, ``multinomial``'s own algorithm). Instead of reading back where the first rejection is,
+    every row's residual is computed and the draw's row is picked on the device. ``drafts`` is a 1-D long tensor on
+    the logits' device; the caller checks the logits are finite (:func:`verify` reads them to refuse NaN).
+    """
+    g = drafts.shape[0]
+    scaled = nucleus(target_logits.float() / temperature, top_p)
+    p = torch.softmax(scaled, dim=-1)
+    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta, rule=tail_rule)
+    index = torch.arange(g, device=p.device)
+    ratio = p_hat[index, drafts] / draft_q[index, drafts]
+    ok = torch.rand(g, generator=generator).to(p.device, non_blocking=True) <= ratio
+    accepted = ok.long().cumprod(0).sum()
+    rows = torch.cat([residual(p[:g], draft_q, p_hat), p[g:g + 1]])  # row i < g: after rejecting draft i; g: the bonus
+    return accepted, multinomial_on_device(rows[accepted], generator)
 
 
 def _choose(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -358,8 +358,8 @@ class RapidJob(PooledJob):
         self.phase = VERIFY
 
     def _propose_verdict(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[accepted, token, the score to check, log p of each emitted token]``, chosen on the device for greedy
-        decoding (nothing read back); sampling reads once (its generator is a CPU one)."""
+        """``[accepted, token, the score to check, log p of each emitted token]``, chosen on the device, greedy or
+        sampled (nothing read back: the step's one read takes it with every other request's values)."""
         g, sampler = len(self.drafts), self.ctx.sampler
         logits = logits[-(g + 1):, : self.width]  # a verification that carries the question's prefill has one more
         checked = logits.max()
@@ -371,11 +371,9 @@ class RapidJob(PooledJob):
         elif sampler.temperature == 0:
             accepted, token = greedy_verdict(logits, self.dists, drafts, eta=self.eta, tail_rule=self.tail_rule)
         else:
-            verdict = speculative.verify(logits, self.dists, self.drafts, eta=self.eta,
-                                         temperature=sampler.temperature, top_p=sampler.top_p,
-                                         generator=sampler.generator, tail_rule=self.tail_rule)
-            accepted = torch.tensor(verdict.accepted, device=logits.device)
-            token = torch.tensor(verdict.token, device=logits.device)
+            accepted, token = speculative.sampled_verdict(logits, self.dists, drafts, eta=self.eta,
+                                                          temperature=sampler.temperature, top_p=sampler.top_p,
+                                                          generator=sampler.generator, tail_rule=self.tail_rule)
         emitted = torch.cat([drafts, token.view(1)])
         emitted[accepted] = token
         log_probs = log_p[torch.arange(g + 1, device=logits.device), emitted]
