@@ -181,6 +181,8 @@ TARGETS = {
                       "-k", "test_engine_config or test_engine_options or every_compile_mode")),
     "greedy_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_greedy_verdict*",),
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
+    "sampled_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_sampled_verdict*",),
+                              ("tests/test_speculative_rows.py", "-k", "verdict")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",
                            "tests/test_speculative_rows.py", "-m", "not slow", "-k",
