@@ -29,7 +29,7 @@ from ctx_integrations.engine.modes.speculative import (
     tail_adjusted,
     verify,
 )
-from ctx_integrations.engine.modes.speculative_rows import DraftRow, SequenceRow
+from ctx_integrations.engine.modes.speculative_rows import DraftRow, RapidJob, SequenceRow, verdict_values
 from ctx_integrations.errors import RequestTooLargeError
 from tests.helpers import tiny_loaded
 from tests.test_rapid import (  # noqa: F401 - one_thread: autouse
@@ -126,6 +126,26 @@ def test_the_greedy_verdict_on_the_device_is_verifys_greedy_branch(eta, tail_rul
         assert (int(accepted), int(token)) == (expected.accepted, expected.token), case
         seen.add(expected.accepted)
     assert seen == set(range(g + 1))
+
+
+@pytest.mark.parametrize("tail_rule", TAIL_RULES)
+def test_verdicts_chosen_together_are_each_requests_own(tail_rule):
+    # J requests' verdicts over [J, g + 1, V] against each alone, bit for bit, every accepted count present: a batch
+    # that took one request's bonus row, drafts or accepted count for another's would differ.
+    generator = torch.Generator().manual_seed(4)
+    g, vocab, requests = 3, 12, 24
+    logits = 3 * torch.randn(requests, g + 1, vocab, generator=generator)
+    q = torch.softmax(2 * torch.randn(requests, g, vocab, generator=generator), dim=-1)
+    p_hat = tail_adjusted(logits[:, :g], torch.softmax(logits[:, :g], -1), q, 2.0, rule=tail_rule)
+    drafts = torch.stack([torch.where(torch.arange(g) < j % (g + 1), p_hat[j].argmax(-1),
+                                      torch.randint(vocab, (g,), generator=generator)) for j in range(requests)])
+    accepted, token = greedy_verdict(logits, q, drafts, eta=2.0, tail_rule=tail_rule)
+    together = verdict_values(logits, drafts, accepted, token, logits.amax(dim=(-2, -1)), 0.0)
+    for j in range(requests):
+        alone = greedy_verdict(logits[j], q[j], drafts[j], eta=2.0, tail_rule=tail_rule)
+        assert (int(accepted[j]), int(token[j])) == tuple(int(x) for x in alone)
+        assert together[j].tolist() == verdict_values(logits[j], drafts[j], *alone, logits[j].max(), 0.0).tolist()
+    assert set(accepted.tolist()) == set(range(g + 1))
 
 
 @pytest.mark.parametrize(("eta", "tail_rule", "top_p", "temperature"),
@@ -272,6 +292,33 @@ def test_rapid_runs_in_the_shared_batch_beside_other_requests():
     stats = engine.stats()
     assert stats["exclusive_s"] == 0  # no mode ran a forward of its own
     assert engine.scheduler.stats.peak_rows >= 2 + len(DOCS) + 1  # RAPID's two rows beside PCED's four
+
+
+def test_greedy_rapid_requests_verify_together_and_answer_as_alone(monkeypatch):
+    # On an accelerator (here: batch_on_cpu) greedy verifications of as many drafts choose their verdicts in one
+    # evaluation; each answer, drafts and acceptances included, must be what it is alone.
+    engine = Engine(tiny_loaded("llama", seed=3, position_sensitive=True))
+    questions = [QUESTION, "What is the capital of Veloria?", "Who founded it?"]
+    options = dict(mode="rapid", gamma=3, max_new_tokens=10, **SMALL_CONTEXT)
+    alone = [engine.generate(q, DOCS, **options) for q in questions]
+    monkeypatch.setattr(RapidJob, "batch_on_cpu", True)
+    batches: list[int] = []
+    propose_batch = RapidJob.propose_batch.__func__
+
+    def spied(cls, jobs, logits):
+        values = propose_batch(cls, jobs, logits)
+        batches.append(len(values))
+        return values
+
+    monkeypatch.setattr(RapidJob, "propose_batch", classmethod(spied))
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(q, DOCS, **options) for q in questions))
+
+    answers = asyncio.run(together())
+    assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
+    assert [a.extra["accepted"] for a in answers] == [a.extra["accepted"] for a in alone]
+    assert max(batches) >= 2 and all(a.extra["drafted"] > 0 for a in alone)
 
 
 def test_a_drafter_of_its_own_drafts_on_its_models_scheduler_beside_that_models_requests():

@@ -156,7 +156,8 @@ TARGETS = {
     # RAPID's drafter row (the distribution each draft is drawn from and verified against) and the verdict's read
     # back (the emitted tokens and their trace scores), through tiny-model decodes of about a second each
     "rapid_rows": Target("ctx_integrations/engine/modes/speculative_rows.py",
-                         ("xǁDraftRowǁ*", "xǁRapidJobǁ_propose_verdict*"),
+                         ("xǁDraftRowǁ*", "xǁRapidJobǁ_propose_verdict*", "xǁRapidJobǁbatch_key*",
+                          "xǁRapidJobǁpropose_batch*", "x_verdict_values*"),
                          ("tests/test_speculative_rows.py", "tests/test_rapid.py", "-k",
                           "(test_speculative_rows and not cancelled and not cannot_run) or tail_rule_reaches")),
     # the seal of format_docs blocks: only blocks this process wrote come back out of a prompt as documents

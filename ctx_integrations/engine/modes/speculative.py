@@ -136,24 +136,27 @@ def verify(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: list[int]
 
 def greedy_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
                    tail_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify`'s greedy branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
+    """:func:`verify`'s greedy branch on the device, reading nothing back: ``(accepted, token)``.
 
     Same rule (accept while the draft is ``argmax p^``; the first rejected position takes ``argmax p^``;
     all accepted: the bonus ``argmax p``), so a batch can read every request's verdict in one transfer.
-    ``drafts`` is a 1-D long tensor on the logits' device; the caller checks the logits are finite.
+    ``target_logits`` ``[..., g + 1, V]``, ``draft_q`` ``[..., g, V]``, ``drafts`` ``[..., g]`` (long, on the logits'
+    device): leading dimensions are requests verified together (0-d results for one, ``[J]`` for J); the caller
+    checks the logits are finite.
     """
-    g = drafts.shape[0]
+    g = drafts.shape[-1]
     scaled = target_logits.float()
     p = torch.softmax(scaled, dim=-1)
-    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta, rule=tail_rule)
+    p_hat = tail_adjusted(scaled[..., :g, :], p[..., :g, :], draft_q, eta, rule=tail_rule)
     best = p_hat.argmax(dim=-1)
-    accepted = (best == drafts).long().cumprod(0).sum()
-    return accepted, torch.cat([best, p[g].argmax().unsqueeze(0)])[accepted]
+    accepted = (best == drafts).long().cumprod(-1).sum(-1)
+    choices = torch.cat([best, p[..., g, :].argmax(dim=-1, keepdim=True)], dim=-1)
+    return accepted, choices.gather(-1, accepted.unsqueeze(-1)).squeeze(-1)
 
 
 def sampled_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
                     temperature: float, top_p: float, generator: torch.Generator,
-                    tail_rule: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
+                    tail_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`verify`'s sampling branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
 
     The same rule and the same draws from ``generator`` (a CPU one), in the same order: the ``g`` uniforms that

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -237,6 +237,19 @@ class DraftJob(PooledJob):
         return []
 
 
+def verdict_values(logits: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor,
+                   checked: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A verification's proposal, ``[accepted, token, the score to check, log p of each of the g + 1 positions'
+    emitted token]`` (the accepted drafts, then ``token`` at position ``accepted``), for one request (``logits``
+    ``[g + 1, V]``) or J together (``[J, g + 1, V]``: one row of values each)."""
+    log_p = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    emitted = torch.cat([drafts, token.unsqueeze(-1)], dim=-1).scatter(-1, accepted.unsqueeze(-1),
+                                                                        token.unsqueeze(-1))
+    log_probs = log_p.gather(-1, emitted.unsqueeze(-1)).squeeze(-1)
+    head = torch.stack([accepted.double(), token.double(), checked.double()], dim=-1)
+    return torch.cat([head, log_probs.double()], dim=-1)
+
+
 DRAFT, VERIFY = "draft", "verify"
 
 
@@ -308,14 +321,41 @@ class RapidJob(PooledJob):
         return {i: row.rewind for i, row in enumerate(self._rows()) if row.rewind is not None}
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        if self.prefilled_at is None:
-            self.prefilled_at = time.perf_counter()
-            self.ctx.timings["prefill_s"] = self.prefilled_at - self.ctx.started
+        self._prefilled()
         if self.phase == VERIFY and self.target.runs:
             return self._propose_verdict(logits[0])
         if self.draft is not None and self.draft.drafting:
             return self.draft.propose(logits[1])
         return NOTHING  # the target's prefill step with a drafter elsewhere, or a step spent waiting for it
+
+    def batch_key(self) -> Hashable | None:
+        """Greedy verifications of as many drafts, over one vocabulary width with one ``eta`` and tail rule, choose
+        their verdicts together on an accelerator (:meth:`propose_batch`; on the CPU with
+        :attr:`~PooledJob.batch_on_cpu`); drafting steps and sampled verdicts choose alone."""
+        on_cpu = self.ctx.engine.loaded.device.type == "cpu"
+        if not (self.phase == VERIFY and self.target.runs and self.dists is not None) \
+                or not self.ctx.sampler.greedy_argmax or (on_cpu and not self.batch_on_cpu):
+            return None
+        return "greedy verdict", len(self.drafts), self.width, self.eta, self.tail_rule
+
+    @classmethod
+    def propose_batch(cls, jobs: list[RapidJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Every job's verdict in one evaluation of :func:`~.speculative.greedy_verdict` over ``[J, g + 1, V]``: the
+        values each job's :meth:`propose` returns."""
+        g, width = len(jobs[0].drafts), jobs[0].width
+        target = torch.stack([rows[0][-(g + 1):, :width] for rows in logits])
+        drafts = torch.tensor([job.drafts for job in jobs], dtype=torch.long, device=target.device)
+        accepted, token = speculative.greedy_verdict(target, torch.stack([job.dists for job in jobs]), drafts,
+                                                     eta=jobs[0].eta, tail_rule=jobs[0].tail_rule)
+        values = verdict_values(target, drafts, accepted, token, target.amax(dim=(-2, -1)), 0.0)
+        for job in jobs:
+            job._prefilled()
+        return list(values.unbind(0))
+
+    def _prefilled(self) -> None:
+        if self.prefilled_at is None:
+            self.prefilled_at = time.perf_counter()
+            self.ctx.timings["prefill_s"] = self.prefilled_at - self.ctx.started
 
     def accept(self, values: list[float]) -> None:
         verified = self.phase == VERIFY and bool(self.target.runs)
@@ -363,7 +403,6 @@ class RapidJob(PooledJob):
         g, sampler = len(self.drafts), self.ctx.sampler
         logits = logits[-(g + 1):, : self.width]  # a verification that carries the question's prefill has one more
         checked = logits.max()
-        log_p = torch.log_softmax(logits.float() / (sampler.temperature or 1.0), dim=-1)
         drafts = torch.tensor(self.drafts, dtype=torch.long, device=logits.device)
         if self.dists is None:
             token, checked = sampler.pick(logits[0])
@@ -374,10 +413,7 @@ class RapidJob(PooledJob):
             accepted, token = speculative.sampled_verdict(logits, self.dists, drafts, eta=self.eta,
                                                           temperature=sampler.temperature, top_p=sampler.top_p,
                                                           generator=sampler.generator, tail_rule=self.tail_rule)
-        emitted = torch.cat([drafts, token.view(1)])
-        emitted[accepted] = token
-        log_probs = log_p[torch.arange(g + 1, device=logits.device), emitted]
-        return torch.cat([torch.stack([accepted.double(), token.double(), checked.double()]), log_probs.double()])
+        return verdict_values(logits, drafts, accepted, token, checked, sampler.temperature)
 
     def _emit(self, values: list[float]) -> None:
         accepted, token = int(values[0]), int(values[1])
