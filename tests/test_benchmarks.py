@@ -159,3 +159,11 @@ def test_rule_dtype(tmp_path):
     assert rows["float32"]["resolution_at_median_score"] < rows["float16"]["resolution_at_median_score"] \
         < rows["bfloat16"]["resolution_at_median_score"]
     assert PCEDFusion.__call__ is rule  # the engine's rule is put back
+
+
+def test_host_reads(tmp_path):
+    rows = run_benchmark("host_reads", ["--quick"], tmp_path)
+    assert [r["case"] for r in rows] == ["pced, greedy", "pced, sampled", "ape (citations on)"]
+    assert all(r["steps"] > 0 and r["reads_per_step_min"] == r["reads_per_step_max"] == 1 for r in rows)
+    ippd = json.loads((tmp_path / "host_reads.json").read_text())["ippd_choice"]
+    assert [r["questions"] for r in ippd] == [1, 4] and ippd[0]["choice_operations"] == ippd[1]["choice_operations"]
