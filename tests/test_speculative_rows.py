@@ -303,14 +303,22 @@ def test_greedy_rapid_requests_verify_together_and_answer_as_alone(monkeypatch):
     alone = [engine.generate(q, DOCS, **options) for q in questions]
     monkeypatch.setattr(RapidJob, "batch_on_cpu", True)
     batches: list[int] = []
-    propose_batch = RapidJob.propose_batch.__func__
+    alone_verdicts: list[int] = []  # verifications of drafts chosen one by one (the batch's fallback)
+    propose_batch, propose_verdict = RapidJob.propose_batch.__func__, RapidJob._propose_verdict
 
     def spied(cls, jobs, logits):
+        batches.append(-len(jobs))  # a batch that raises (and falls back to one by one) stays negative
         values = propose_batch(cls, jobs, logits)
-        batches.append(len(values))
+        assert len(values) == len(jobs) and all(v.shape == (3 + len(job.drafts) + 1,) for v, job in zip(values, jobs))
+        batches[-1] = len(jobs)
         return values
 
+    def spied_verdict(self, logits):
+        alone_verdicts.append(self.dists is not None)
+        return propose_verdict(self, logits)
+
     monkeypatch.setattr(RapidJob, "propose_batch", classmethod(spied))
+    monkeypatch.setattr(RapidJob, "_propose_verdict", spied_verdict)
 
     async def together():
         return await asyncio.gather(*(engine.agenerate(q, DOCS, **options) for q in questions))
@@ -318,7 +326,8 @@ def test_greedy_rapid_requests_verify_together_and_answer_as_alone(monkeypatch):
     answers = asyncio.run(together())
     assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
     assert [a.extra["accepted"] for a in answers] == [a.extra["accepted"] for a in alone]
-    assert max(batches) >= 2 and all(a.extra["drafted"] > 0 for a in alone)
+    assert max(batches) >= 2 and min(batches) > 0 and all(a.extra["drafted"] > 0 for a in alone)
+    assert not any(alone_verdicts)  # every verification of drafts was batched, none fell back to one by one
 
 
 def test_a_drafter_of_its_own_drafts_on_its_models_scheduler_beside_that_models_requests():
