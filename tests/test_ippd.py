@@ -302,9 +302,9 @@ def test_a_steps_greedy_choice_costs_the_same_operations_for_2_or_16_questions_a
         monkeypatch):
     import asyncio
 
+    from benchmarks.host_reads import Operations as CountOps
     from ctx_integrations.engine.core import runner as runner_module
     from ctx_integrations.engine.modes.ippd import StackedJob
-    from tests.test_scheduler_batched import CountOps
 
     engine = Engine(tiny_loaded("llama", seed=5))
     questions = [f"Question number {i}?" for i in range(16)]
