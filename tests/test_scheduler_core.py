@@ -22,7 +22,7 @@ from ctx_integrations.engine.core.choice import ScheduledRequest, choose, per_re
 from ctx_integrations.engine.core.jobs import ExclusiveJob, PooledJob
 from ctx_integrations.engine.core.rows import Piece, Run
 from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, Scheduler
-from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepOutput
+from ctx_integrations.engine.core.step import RowTable, ScheduledStep, StepLogits, StepOutput
 from ctx_integrations.errors import EngineOverloadedError, RequestTimeoutError, RequestTooLargeError
 
 WAIT_S = 20
@@ -408,6 +408,15 @@ def test_the_row_table_maps_rows_to_requests():
     b.accept([200.0, 201.0, 202.0])  # row 201 finishes
     keep, left = table.retire(lambda job, s: s == "a")
     assert keep == [2, 4] and left == [(a, "a")] and table.entries == [(b, "b", 2)]
+
+
+def test_a_steps_logits_become_its_output_with_every_count_and_error_kept():
+    decode, join = RuntimeError("decode"), RuntimeError("join")
+    logits = StepLogits(decode_error=decode, join_error=join, forwards=3, forward_s=0.25, rows=7,
+                        decoded=[torch.zeros(1, 2)])
+    chosen, failed = {"req-1": [1.0, 2.0]}, {"req-2": ValueError("rule")}
+    assert logits.chose(chosen, failed) == StepOutput(decode_error=decode, join_error=join, forwards=3, forward_s=0.25,
+                                                      rows=7, chosen=chosen, failed=failed)
 
 
 def test_the_row_table_offsets_each_requests_rewinds_by_every_row_before_it_and_names_its_requests():

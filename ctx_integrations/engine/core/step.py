@@ -109,10 +109,6 @@ class RowTable(Generic[J, S]):
 
     entries: list[tuple[J, S, int]] = field(default_factory=list)
 
-    @property
-    def rows(self) -> int:
-        return sum(rows for _, _, rows in self.entries)
-
     def requests(self) -> list[ScheduledRequest]:
         """Each request's id, row count and chooser (its job; ``None`` once the request is over), in batch order:
         the step keyed by request id."""
