@@ -685,15 +685,36 @@ def test_rewinds_reach_the_runner_as_batch_rows(scheduler):
 
 
 def test_a_job_whose_prepare_raises_fails_alone_and_is_closed(scheduler):
-    sched = scheduler(budget=10_000)
+    runner = FakeRunner()
+    sched = scheduler(runner, budget=10_000)
     broken = FakeDraftingJob(1, broken_prepare=True)
     fine = FakeDraftingJob(2)
-    handles = [sched.submit(submission(job)) for job in (broken, fine)]
+    handles, running, gate = paused_with_queue(sched, runner, [submission(job) for job in (broken, fine)])
+    runner.running.set()
     with pytest.raises(RuntimeError, match="could not be taken up"):
         handles[0].future.result(timeout=WAIT_S)
     assert handles[1].future.result(timeout=WAIT_S) is fine
+    # the step in which the broken request failed (both joined in it, the broken one first) still gave the fine
+    # one its values: it took a token in every step that carried its row
+    assert len(fine.seen) == len(runner.steps_with(200)) == fine.steps
+    gate.set()
+    running.future.result(timeout=WAIT_S)
     wait_until(lambda: broken.closed == 1 and fine.closed == 1, "both jobs to be closed")
     assert sched.active() == (0, 0)
+
+
+def test_a_request_is_running_from_its_admission_until_it_is_answered(scheduler):
+    runner = FakeRunner()
+    sched = scheduler(runner)
+    gate = threading.Event()
+    request = submission(FakeJob(1, gate=gate))
+    assert request.status == "waiting"
+    sched.submit(request)
+    wait_until(lambda: sched.active()[0] >= 1, "the request to run")
+    assert request.status == "running"
+    gate.set()
+    request.future.result(timeout=WAIT_S)
+    assert request.status == "finished"
 
 
 def test_every_step_names_the_requests_whose_rows_it_carries(scheduler):
