@@ -115,6 +115,18 @@ class PooledJob(Job):
     streams x 49,152 logits took 15 ms batched and 2.8 ms one by one, Soft-NBCE's 112 and 97 ms (one thread,
     docs/scheduler.md)."""
 
+    def batches_here(self) -> bool:
+        """Whether this job may choose in a batch on its device: on an accelerator, or on the CPU with
+        :attr:`batch_on_cpu` (what every :meth:`batch_key` asks before it returns a key)."""
+        return self.batch_on_cpu or self.contexts[0].engine.loaded.device.type != "cpu"
+
+    def _prefilled(self) -> None:
+        """The first proposal comes right after the prompt's prefill: its time is each request's ``prefill_s``, on
+        its own clock (an IPPD job's questions were prepared, and their clocks started, a moment apart)."""
+        now = time.perf_counter()
+        for ctx in self.contexts:
+            ctx.timings.setdefault("prefill_s", now - ctx.started)
+
     def batch_key(self) -> Hashable | None:
         """Jobs of one class with equal keys may choose a step's tokens together, in one call of the class's
         :meth:`propose_batch` (``None``, the default: this step's tokens are chosen by :meth:`propose` alone).
@@ -206,8 +218,7 @@ class FusedJob(PooledJob):
         greedy with nothing but the argmax read from the fused scores (:attr:`TokenSampler.greedy_argmax`), on an
         accelerator (or on the CPU with :attr:`batch_on_cpu`)."""
         key = getattr(self.rule, "batch_key", None)
-        on_cpu = self.ctx.engine.loaded.device.type == "cpu"
-        if key is None or not self.ctx.sampler.greedy_argmax or (on_cpu and not self.batch_on_cpu):
+        if key is None or not self.ctx.sampler.greedy_argmax or not self.batches_here():
             return None
         return key()
 
@@ -222,11 +233,6 @@ class FusedJob(PooledJob):
             job._prefilled()
             job._carry = carry
         return list(values)
-
-    def _prefilled(self) -> None:
-        """The first proposal comes right after the prompt's prefill: its time is the request's ``prefill_s``."""
-        if "prefill_s" not in self.ctx.timings:
-            self.ctx.timings["prefill_s"] = time.perf_counter() - self.ctx.started
 
     def accept(self, values: list[float]) -> None:
         step, self.state = settle_token(values, self._carry, self.ctx.sampler)

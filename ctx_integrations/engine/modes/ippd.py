@@ -154,8 +154,7 @@ class StackedJob(PooledJob):
     def batch_key(self) -> Hashable | None:
         """Greedy IPPD requests choose together on an accelerator (:meth:`propose_batch`; on the CPU with
         :attr:`~PooledJob.batch_on_cpu`): their rule is one argmax per question, whatever the request."""
-        on_cpu = self.contexts[0].engine.loaded.device.type == "cpu"
-        return "greedy" if self._greedy() and not (on_cpu and not self.batch_on_cpu) else None
+        return "greedy" if self._greedy() and self.batches_here() else None
 
     @classmethod
     def propose_batch(cls, jobs: list[StackedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -173,14 +172,6 @@ class StackedJob(PooledJob):
         """Per live stack, its waiting questions' logits ``[questions, V]`` (views), in the order :meth:`accept` reads
         their values."""
         return [row[:len(self._waiting[stack])] for stack, row in zip(self._live, logits)]
-
-    def _prefilled(self) -> None:
-        """The first proposal comes right after the stacks' prefill: each question's ``prefill_s``, on its own clock
-        (its ctx was prepared, and its clock started, a moment apart)."""
-        if "prefill_s" not in self.contexts[0].timings:
-            now = time.perf_counter()
-            for ctx in self.contexts:
-                ctx.timings["prefill_s"] = now - ctx.started
 
     def accept(self, values: list[float]) -> None:
         offset = 0

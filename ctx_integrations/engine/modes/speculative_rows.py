@@ -332,27 +332,27 @@ class RapidJob(PooledJob):
         """Greedy verifications of as many drafts, over one vocabulary width with one ``eta`` and tail rule, choose
         their verdicts together on an accelerator (:meth:`propose_batch`; on the CPU with
         :attr:`~PooledJob.batch_on_cpu`); drafting steps and sampled verdicts choose alone."""
-        on_cpu = self.ctx.engine.loaded.device.type == "cpu"
         if not (self.phase == VERIFY and self.target.runs and self.dists is not None) \
-                or not self.ctx.sampler.greedy_argmax or (on_cpu and not self.batch_on_cpu):
+                or not self.ctx.sampler.greedy_argmax or not self.batches_here():
             return None
         return "greedy verdict", len(self.drafts), self.width, self.eta, self.tail_rule
 
     @classmethod
     def propose_batch(cls, jobs: list[RapidJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Every job's verdict in one evaluation of :func:`~.speculative.greedy_verdict` over ``[J, g + 1, V]``: the
+        """Every job's verdict in one evaluation of :func:`greedy_verdict` over ``[J, g + 1, V]``: the
         values each job's :meth:`propose` returns."""
         g, width = len(jobs[0].drafts), jobs[0].width
         target = torch.stack([rows[0][-(g + 1):, :width] for rows in logits])
         drafts = torch.tensor([job.drafts for job in jobs], dtype=torch.long, device=target.device)
-        accepted, token = speculative.greedy_verdict(target, torch.stack([job.dists for job in jobs]), drafts,
-                                                     eta=jobs[0].eta, tail_rule=jobs[0].tail_rule)
+        accepted, token = greedy_verdict(target, torch.stack([job.dists for job in jobs]), drafts, eta=jobs[0].eta,
+                                         tail_rule=jobs[0].tail_rule)
         values = verdict_values(target, drafts, accepted, token, target.amax(dim=(-2, -1)), 0.0)
         for job in jobs:
             job._prefilled()
         return list(values.unbind(0))
 
     def _prefilled(self) -> None:
+        """The base's ``prefill_s``, and when it was: RAPID's decode starts there (:meth:`results`)."""
         if self.prefilled_at is None:
             self.prefilled_at = time.perf_counter()
             self.ctx.timings["prefill_s"] = self.prefilled_at - self.ctx.started
