@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, FusionState, TokenSampler, greedy_proposals, propose_token
+from ctx_integrations.engine.core.decoding import FIRST_STEP, FusionState, TokenSampler, batch_proposals, propose_token
 from ctx_integrations.engine.modes.pced import PCEDFusion
 
 VOCAB = 40
@@ -46,7 +46,7 @@ def rules(space: str) -> list[PCEDFusion]:
 def assert_batch_equals_alone(rules_: list[PCEDFusion], rows: list[list[torch.Tensor]],
                               states: list[FusionState]) -> list[torch.Tensor]:
     fused = PCEDFusion.fuse_batch(rules_, rows, states)
-    batched = greedy_proposals(fused)
+    batched = batch_proposals(fused, [TokenSampler()] * len(fused.carries))
     sampler = TokenSampler()
     for j, (rule, streams, state) in enumerate(zip(rules_, rows, states, strict=True)):
         alone = rule(torch.stack(streams), state)

@@ -22,7 +22,8 @@ from tests.helpers import tiny_loaded
 from tests.test_scheduler import DOCS
 
 # documents 1 to 5, every prior, gammas 0 to 6, dynamic / fixed betas, both score spaces (two batches), and two
-# requests that go one by one beside them (the mixture rule, a sampled answer)
+# requests beside them that do not join those batches (the mixture rule: one by one; a sampled answer: a batch of
+# its own knobs, tests/test_sampled_batch.py)
 FIRST_WAVE = [
     dict(query="Who is the mayor?", documents=DOCS[:2], scores=[0.9, 0.3], max_new_tokens=14),
     dict(query="What is the secret code?", documents=DOCS, scores=[0.2, 0.4, 0.6, 0.8, 0.95], max_new_tokens=18,

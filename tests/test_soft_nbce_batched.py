@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from ctx_integrations.engine.core.decoding import FIRST_STEP, TokenSampler, greedy_proposals, propose_token
+from ctx_integrations.engine.core.decoding import FIRST_STEP, TokenSampler, batch_proposals, propose_token
 from ctx_integrations.engine.modes.soft_nbce import RULES, Knobs, NBCEFusion, PCWFusion, SoftNBCEFusion
 from ctx_integrations.errors import InvalidOptionError
 
@@ -62,7 +62,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def assert_batch_equals_alone(rules: list[SoftNBCEFusion], rows: list[list[torch.Tensor]]) -> None:
     fused = type(rules[0]).fuse_batch(rules, rows, [FIRST_STEP] * len(rules))
-    batched = greedy_proposals(fused)
+    batched = batch_proposals(fused, [TokenSampler()] * len(fused.carries))
     assert fused.carries == [None] * len(rules)
     for j, (rule, streams) in enumerate(zip(rules, rows, strict=True)):
         alone = rule(torch.stack(streams))

@@ -80,7 +80,7 @@ def test_concurrent_chunk_fusion_requests_chosen_in_batches_get_their_answers_al
     propose_batch = FusedJob.propose_batch.__func__
 
     def spied(cls, jobs, logits):
-        batches.append((jobs[0].batch_key(), [job.state is FIRST_STEP for job in jobs]))
+        batches.append((jobs[0].batch_key()[0], [job.state is FIRST_STEP for job in jobs]))  # the rule's key
         return propose_batch(cls, jobs, logits)
 
     monkeypatch.setattr(FusedJob, "propose_batch", classmethod(spied))

@@ -27,6 +27,7 @@ from ctx_integrations.engine.modes.speculative import (
     nucleus,
     sampled_verdict,
     tail_adjusted,
+    verdict_noise,
     verify,
 )
 from ctx_integrations.engine.modes.speculative_rows import DraftRow, RapidJob, SequenceRow, verdict_values
@@ -166,11 +167,31 @@ def test_the_sampled_verdict_on_the_device_is_verifys_sampling_branch_draw_for_d
         expected = verify(logits, q, drafts, eta=eta, temperature=temperature, top_p=top_p,
                           generator=torch.Generator().manual_seed(seed), tail_rule=tail_rule)
         accepted, token = sampled_verdict(logits, q, torch.tensor(drafts), eta=eta, temperature=temperature,
-                                          top_p=top_p, generator=torch.Generator().manual_seed(seed),
-                                          tail_rule=tail_rule)
+                                          top_p=top_p, noise=verdict_noise(torch.Generator().manual_seed(seed), g,
+                                                                           vocab), tail_rule=tail_rule)
         assert (int(accepted), int(token)) == (expected.accepted, expected.token), seed
         seen.add((expected.accepted == g, expected.accepted == 0))
     assert seen == {(True, False), (False, True), (False, False)}  # every draft accepted, the first rejected, between
+
+
+@pytest.mark.parametrize("tail_rule", TAIL_RULES)
+def test_sampled_verdicts_chosen_together_are_each_requests_own_draw_for_draw(tail_rule):
+    # J requests' sampled verdicts over [J, g + 1, V], each with its own generator's noise, against each alone, bit
+    # for bit, with every accepted count present: a batch that drew one request's residual, uniforms or race for
+    # another, or picked the draw's row by another request's accepted count, would differ.
+    generator = torch.Generator().manual_seed(5)
+    g, vocab, requests = 3, 40, 48
+    logits = 2 * torch.randn(requests, g + 1, vocab, generator=generator)
+    q = torch.softmax(2 * torch.randn(requests, g, vocab, generator=generator) + logits[:, :g] / 2, dim=-1)
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(requests, g)
+    options = dict(eta=0.5, temperature=0.8, top_p=0.9, tail_rule=tail_rule)
+    noise = [verdict_noise(torch.Generator().manual_seed(j), g, vocab) for j in range(requests)]
+    accepted, token = sampled_verdict(logits, q, drafts, noise=(torch.stack([u for u, _ in noise]),
+                                                                torch.stack([r for _, r in noise])), **options)
+    for j in range(requests):
+        alone = sampled_verdict(logits[j], q[j], drafts[j], noise=noise[j], **options)
+        assert (int(accepted[j]), int(token[j])) == tuple(int(x) for x in alone), j
+    assert set(accepted.tolist()) == set(range(g + 1))
 
 
 # -- the drafter's distributions and the sampled verdict -------------------------------------------------
@@ -294,23 +315,28 @@ def test_rapid_runs_in_the_shared_batch_beside_other_requests():
     assert engine.scheduler.stats.peak_rows >= 2 + len(DOCS) + 1  # RAPID's two rows beside PCED's four
 
 
-def test_greedy_rapid_requests_verify_together_and_answer_as_alone(monkeypatch):
-    # On an accelerator (here: batch_on_cpu) greedy verifications of as many drafts choose their verdicts in one
-    # evaluation; each answer, drafts and acceptances included, must be what it is alone.
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.95)])
+def test_rapid_requests_draft_and_verify_together_and_answer_as_alone(monkeypatch, sampling):
+    # On an accelerator (here: batch_on_cpu) RAPID requests with one sampler's knobs choose their verdicts of as many
+    # drafts in one evaluation, and their drafters' next drafts in another; each answer, drafts and acceptances
+    # included, must be what it is alone (sampled: each request seeded apart, its noise drawn from its own generator).
     engine = Engine(tiny_loaded("llama", seed=3, position_sensitive=True))
     questions = [QUESTION, "What is the capital of Veloria?", "Who founded it?"]
-    options = dict(mode="rapid", gamma=3, max_new_tokens=10, **SMALL_CONTEXT)
-    alone = [engine.generate(q, DOCS, **options) for q in questions]
+    options = [dict(mode="rapid", gamma=3, max_new_tokens=10, seed=4 + i, **SMALL_CONTEXT, **sampling)
+               for i in range(len(questions))]
+    alone = [engine.generate(q, DOCS, **o) for q, o in zip(questions, options, strict=True)]
     monkeypatch.setattr(RapidJob, "batch_on_cpu", True)
-    batches: list[int] = []
+    batches: dict[str, list[int]] = {"verdict": [], "draft": []}
     alone_verdicts: list[int] = []  # verifications of drafts chosen one by one (the batch's fallback)
     propose_batch, propose_verdict = RapidJob.propose_batch.__func__, RapidJob._propose_verdict
 
     def spied(cls, jobs, logits):
-        batches.append(-len(jobs))  # a batch that raises (and falls back to one by one) stays negative
+        kind = jobs[0].batch_key()[0]
+        batches[kind].append(-len(jobs))  # a batch that raises (and falls back to one by one) stays negative
         values = propose_batch(cls, jobs, logits)
-        assert len(values) == len(jobs) and all(v.shape == (3 + len(job.drafts) + 1,) for v, job in zip(values, jobs))
-        batches[-1] = len(jobs)
+        width = {"verdict": [3 + len(job.drafts) + 1 for job in jobs], "draft": [2] * len(jobs)}[kind]
+        assert [v.shape[0] for v in values] == width
+        batches[kind][-1] = len(jobs)
         return values
 
     def spied_verdict(self, logits):
@@ -321,12 +347,17 @@ def test_greedy_rapid_requests_verify_together_and_answer_as_alone(monkeypatch):
     monkeypatch.setattr(RapidJob, "_propose_verdict", spied_verdict)
 
     async def together():
-        return await asyncio.gather(*(engine.agenerate(q, DOCS, **options) for q in questions))
+        return await asyncio.gather(*(engine.agenerate(q, DOCS, **o) for q, o in zip(questions, options, strict=True)))
 
     answers = asyncio.run(together())
     assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
     assert [a.extra["accepted"] for a in answers] == [a.extra["accepted"] for a in alone]
-    assert max(batches) >= 2 and min(batches) > 0 and all(a.extra["drafted"] > 0 for a in alone)
+    assert [a.extra["drafted_tokens"] for a in answers] == [a.extra["drafted_tokens"] for a in alone]
+    for kind in batches:
+        assert max(batches[kind]) >= 2 and min(batches[kind]) > 0, (kind, batches[kind])
+    assert all(a.extra["drafted"] > 0 for a in alone)
+    if sampling:
+        assert any(0 < a.extra["accepted"] < a.extra["drafted"] for a in alone)  # the uniforms decided something
     assert not any(alone_verdicts)  # every verification of drafts was batched, none fell back to one by one
 
 

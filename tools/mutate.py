@@ -96,9 +96,13 @@ TARGETS = {
                        ("xǁIncrementalTextǁ*", "xǁStopCriteriaǁfirst_stop*", "xǁStopCriteriaǁcut*", "xǁEmitterǁ*"),
                        ("tests/test_emitter.py", "tests/test_prepared_requests.py", "tests/test_answer_handle.py",
                         "-k", "test_emitter or incremental or stop_string or streams_exactly or test_answer_handle")),
-    # the batched greedy pick: each request's token, winner and scores from one batched rule evaluation
-    "greedy_proposals": Target("ctx_integrations/engine/core/decoding.py", ("x_greedy_proposals*",),
-                               ("tests/test_pced_batched.py",)),
+    # the batched pick, greedy and sampled: each request's token, winner and scores from one batched rule evaluation,
+    # each sampled request's noise from its own generator; the identity rule's batch; a failed batch's generators
+    "batch_proposals": Target("ctx_integrations/engine/core/decoding.py",
+                              ("x_batch_proposals*", "x_race_noise*", "x_race_winner*",
+                               "x_generators_kept*", "xǁSingleStreamǁ*", "xǁTokenSamplerǁbatch_knobs*",
+                               "xǁTokenSamplerǁplain*"),
+                              ("tests/test_pced_batched.py", "tests/test_sampled_batch.py")),
     # the batched rules' shared padding: each request's streams padded to the widest with copies of its first row
     "padded_streams": Target("ctx_integrations/engine/core/decoding.py", ("x_padded_streams*",),
                              ("tests/test_pced_batched.py", "tests/test_soft_nbce_batched.py")),
@@ -122,7 +126,7 @@ TARGETS = {
     "choice": Target("ctx_integrations/engine/core/choice.py", ("*",),
                      ("tests/test_choice.py", "tests/test_scheduler_core.py", "tests/test_host_reads.py")),
     "sampler": Target("ctx_integrations/engine/core/decoding.py",
-                      ("xǁTokenSamplerǁpick*", "x_multinomial_on_device*"),
+                      ("xǁTokenSamplerǁpick*", "x_multinomial_on_device*", "x_sampling_probs*"),
                       ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py",
                        "tests/test_speculative_rows.py", "-k", "not cancel and not failing")),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
@@ -157,7 +161,8 @@ TARGETS = {
     # back (the emitted tokens and their trace scores), through tiny-model decodes of about a second each
     "rapid_rows": Target("ctx_integrations/engine/modes/speculative_rows.py",
                          ("xǁDraftRowǁ*", "xǁRapidJobǁ_propose_verdict*", "xǁRapidJobǁbatch_key*",
-                          "xǁRapidJobǁpropose_batch*", "x_verdict_values*"),
+                          "xǁRapidJobǁpropose_batch*", "xǁRapidJobǁ_verdicts*", "xǁDraftJobǁbatch_key*",
+                          "xǁDraftJobǁpropose_batch*", "x_verdict_values*"),
                          ("tests/test_speculative_rows.py", "tests/test_rapid.py", "-k",
                           "(test_speculative_rows and not cancelled and not cannot_run) or tail_rule_reaches")),
     # the seal of format_docs blocks: only blocks this process wrote come back out of a prompt as documents
@@ -182,7 +187,8 @@ TARGETS = {
                       "-k", "test_engine_config or test_engine_options or every_compile_mode")),
     "greedy_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_greedy_verdict*",),
                              ("tests/test_speculative_rows.py", "-k", "verdict")),
-    "sampled_verdict": Target("ctx_integrations/engine/modes/speculative.py", ("x_sampled_verdict*",),
+    "sampled_verdict": Target("ctx_integrations/engine/modes/speculative.py",
+                              ("x_sampled_verdict*", "x_verdict_noise*"),
                               ("tests/test_speculative_rows.py", "-k", "verdict")),
     "speculative": Target("ctx_integrations/engine/modes/speculative.py", ("*",),
                           ("tests/test_rapid_eta.py", "tests/test_speculative_step.py", "tests/test_rapid.py",

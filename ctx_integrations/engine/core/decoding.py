@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +68,12 @@ class FusedBatch:
     """A batched rule's output for one step of J requests (``fuse_batch``).
 
     ``scores[j]`` is request j's fused scores; ``evidence[j, :K_j]`` its streams' evidence, the rows past its own
-    K_j (padding up to the widest request) are ``-inf`` so a padded stream never wins; ``carries[j]`` its carry.
+    K_j (padding up to the widest request) are ``-inf`` so a padded stream never wins (``None``: the rule attributes
+    nothing); ``carries[j]`` its carry.
     """
 
     scores: torch.Tensor  # [J, V]
-    evidence: torch.Tensor  # [J, K_max, V]
+    evidence: torch.Tensor | None  # [J, K_max, V]; None: no attribution (:class:`SingleStream`)
     carries: list[object]
 
 
@@ -85,9 +87,23 @@ def padded_streams(rows: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor
     return torch.stack(padded).float().unflatten(0, (len(rows), width + 1)), counts
 
 
-def single_stream(logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
-    """The identity rule: one stream, its own logits, no attribution."""
-    return FusedStep(logits[0])
+class SingleStream:
+    """The identity rule: one stream, its own logits, no attribution (concat, single, APE, chat). Its requests choose
+    together like any batched rule's (:meth:`fuse_batch`): their scores are their logits, stacked."""
+
+    def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
+        return FusedStep(logits[0])
+
+    def batch_key(self) -> tuple[type]:
+        return (SingleStream,)
+
+    @classmethod
+    def fuse_batch(cls, rules: Sequence[SingleStream], rows: Sequence[Sequence[torch.Tensor]],
+                   states: Sequence[FusionState]) -> FusedBatch:
+        return FusedBatch(torch.stack([streams[0] for streams in rows]), None, [None] * len(rows))
+
+
+single_stream = SingleStream()
 
 
 @dataclass(frozen=True)
@@ -244,8 +260,57 @@ def multinomial_on_device(probs: torch.Tensor, generator: torch.Generator) -> to
     own algorithm for one sample (an exponential race, the argmax of p / q with q ~ Exp(1)), written out so that q
     comes from ``generator``, a seeded CPU one (the same draws on every device), and is copied to the device where
     the argmax runs. On a CPU it is bit for bit ``torch.multinomial(probs, 1, generator=generator)[0]``."""
-    race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
-    return torch.argmax(probs / race.to(probs.device, non_blocking=True))
+    return race_winner(probs, race_noise(generator, probs.shape[-1], probs.dtype))
+
+
+def race_noise(generator: torch.Generator, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The exponential noise of one draw over ``width`` tokens from ``generator`` (on the CPU): J requests' draws
+    are their own generators' noise stacked (``[J, V]``), each what that request draws alone."""
+    return torch.empty(width, dtype=dtype).exponential_(generator=generator)
+
+
+def race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """The exponential race's winner per row of ``probs`` (``[..., V]``) against ``race`` (``[..., V]``, CPU noise from
+    :func:`race_noise`, copied to the probabilities' device without a wait)."""
+    return torch.argmax(probs / race.to(probs.device, non_blocking=True), dim=-1)
+
+
+def sampling_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """The distribution a sampled token is drawn from, per row of ``scores`` (``[..., V]``): temperature, then top_k
+    (transformers' ``TopKLogitsWarper``), top_p (nucleus), then min_p (``MinPLogitsWarper``): transformers' order.
+    Row by row the operations are the same whatever the leading dimensions, so J requests sampled together get
+    each what it gets alone."""
+    logits = scores.float() / temperature
+    width = logits.shape[-1]
+    if top_k:
+        from transformers import TopKLogitsWarper
+
+        logits = TopKLogitsWarper(top_k)(None, logits.reshape(-1, width)).view(logits.shape)
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, -1) - sorted_probs < top_p
+        keep[..., 0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)  # no boolean index: no read
+    if min_p:
+        from transformers import MinPLogitsWarper
+
+        probs = torch.softmax(MinPLogitsWarper(min_p)(None, probs.log().reshape(-1, width)).view(probs.shape), dim=-1)
+    return probs
+
+
+@contextmanager
+def generators_kept(samplers: Sequence[TokenSampler]) -> Iterator[None]:
+    """Put the samplers' generators back as they were if the block raises: a batch that fails is proposed again
+    one by one (``choice.choose``), and must draw the same noise then."""
+    generators = {id(sampler.generator): sampler.generator for sampler in samplers}
+    states = {key: generator.get_state() for key, generator in generators.items()}
+    try:
+        yield
+    except BaseException:
+        for key, generator in generators.items():
+            generator.set_state(states[key])
+        raise
 
 
 class TokenSampler:
@@ -282,13 +347,26 @@ class TokenSampler:
                             penalties=self.penalties, generator=self.generator)
 
     @property
+    def plain(self) -> bool:
+        """Whether :meth:`pick` reads nothing from the scores but its knobs (no penalties, no constraint, no
+        logprobs): such answers' tokens can be chosen for a batch of requests at once (:func:`batch_proposals`)."""
+        return not self.penalties.active and self.constraint is None and self.logprobs is None
+
+    @property
     def greedy_argmax(self) -> bool:
-        """Whether :meth:`pick` is the plain argmax of the fused scores and nothing else is read from them
-        (greedy, no penalties, no constraint, no logprobs): such answers' tokens can be chosen for a whole
-        batch of requests at once (:func:`greedy_proposals`). Sampling keeps each answer's own generator, one
-        by one."""
-        return self.temperature == 0 and not self.penalties.active and self.constraint is None \
-            and self.logprobs is None
+        """Whether :meth:`pick` is the plain argmax of the scores and nothing else is read from them."""
+        return self.plain and self.temperature == 0
+
+    @property
+    def batch_knobs(self) -> tuple | None:
+        """What answers choosing together must share (``None``: this one chooses alone): greedy answers any greedy
+        ones; sampled answers those with the same temperature, top_p, top_k and min_p, each drawing its own noise
+        from its own generator (as vLLM's sampler draws a seeded request's noise from its own generator)."""
+        if not self.plain:
+            return None
+        if self.temperature == 0:
+            return ("greedy",)
+        return ("sampled", self.temperature, self.top_p, self.top_k, self.min_p)
 
     @property
     def logprob_width(self) -> int:
@@ -316,32 +394,16 @@ class TokenSampler:
         (:meth:`check`) once it reads both back.
 
         Nothing is read back, greedy or sampled, so a batch of jobs reads all their tokens in one transfer.
-        Sampling applies temperature, then top_k (transformers' ``TopKLogitsWarper``), top_p, then min_p
-        (``MinPLogitsWarper``): transformers' order; the draw is :func:`multinomial_on_device` with the answer's
-        seeded CPU generator. NaN scores win the max, and a format that allows nothing leaves it at ``-inf``: the
+        Sampling draws from :func:`sampling_probs` with :func:`multinomial_on_device` and the answer's seeded CPU
+        generator. NaN scores win the max, and a format that allows nothing leaves it at ``-inf``: the
         caller's check refuses both before the token is used.
         """
         scores = self.adjusted(scores)
         if self.temperature == 0:
             token = torch.argmax(scores)  # NaN wins argmax, and all -inf gives 0: the caller's check catches both
             return token, scores[token]
-        best = scores.max()
-        logits = scores.float() / self.temperature
-        if self.top_k:
-            from transformers import TopKLogitsWarper
-
-            logits = TopKLogitsWarper(self.top_k)(None, logits.unsqueeze(0))[0]
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < self.top_p
-            keep[0] = True  # the top token always stays (a top_p below float32's smallest number compares as 0)
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)  # no boolean index: no read
-        if self.min_p:
-            from transformers import MinPLogitsWarper
-
-            probs = torch.softmax(MinPLogitsWarper(self.min_p)(None, probs.log().unsqueeze(0))[0], dim=-1)
-        return multinomial_on_device(probs, self.generator), best
+        probs = sampling_probs(scores, self.temperature, self.top_p, self.top_k, self.min_p)
+        return multinomial_on_device(probs, self.generator), scores.max()
 
     def check(self, best: float) -> None:
         """Refuse a pick whose best score is not finite (:func:`check_finite_scores`); under a constraint, a best
@@ -516,15 +578,27 @@ def propose_token(rule: FusionRule, logits: torch.Tensor, state: FusionState,
     return proposal, fused.carry
 
 
-def greedy_proposals(fused: FusedBatch) -> torch.Tensor:
-    """:func:`propose_token`'s values ``[J, 4]`` for J answers whose samplers are :attr:`TokenSampler.greedy_argmax`,
-    from one batched rule evaluation: per row the same argmax, winner, score and checked score as alone (argmax
-    takes the first maximum in both, and the padded streams' ``-inf`` evidence never comes before a real one)."""
-    token = torch.argmax(fused.scores, -1)
-    checked = fused.scores.gather(1, token.unsqueeze(1)).squeeze(1)
-    column = fused.evidence.gather(2, token.view(-1, 1, 1).expand(-1, fused.evidence.shape[1], 1)).squeeze(2)
-    winner = torch.argmax(column, -1)
-    score = column.gather(1, winner.unsqueeze(1)).squeeze(1)
+def batch_proposals(fused: FusedBatch, samplers: Sequence[TokenSampler]) -> torch.Tensor:
+    """:func:`propose_token`'s values ``[J, 4]`` for J answers from one batched rule evaluation, their samplers
+    :attr:`~TokenSampler.plain` with one :attr:`~TokenSampler.batch_knobs`: per row the same token, winner, score and
+    checked score as alone. Greedy: argmax takes the first maximum in both, and the padded streams' ``-inf`` evidence
+    never comes before a real one. Sampled: each answer's noise comes from its own generator, in the jobs' order (the
+    order they draw in one by one)."""
+    first = samplers[0]
+    if first.temperature == 0:
+        token = torch.argmax(fused.scores, -1)
+        checked = fused.scores.gather(1, token.unsqueeze(1)).squeeze(1)
+    else:
+        probs = sampling_probs(fused.scores, first.temperature, first.top_p, first.top_k, first.min_p)
+        race = torch.stack([race_noise(sampler.generator, probs.shape[-1], probs.dtype) for sampler in samplers])
+        token, checked = race_winner(probs, race), fused.scores.max(-1).values
+    if fused.evidence is None:
+        winner = torch.full_like(token, -1)
+        score = fused.scores.gather(1, token.unsqueeze(1)).squeeze(1)
+    else:
+        column = fused.evidence.gather(2, token.view(-1, 1, 1).expand(-1, fused.evidence.shape[1], 1)).squeeze(2)
+        winner = torch.argmax(column, -1)
+        score = column.gather(1, winner.unsqueeze(1)).squeeze(1)
     return torch.stack([token.double(), winner.double(), score.double(), checked.double()], 1)
 
 

@@ -27,7 +27,8 @@ from ctx_integrations.engine.core.decoding import (
     DecodeResult,
     Emitter,
     FusionRule,
-    greedy_proposals,
+    batch_proposals,
+    generators_kept,
     propose_token,
     settle_token,
 )
@@ -118,7 +119,12 @@ class PooledJob(Job):
     def batches_here(self) -> bool:
         """Whether this job may choose in a batch on its device: on an accelerator, or on the CPU with
         :attr:`batch_on_cpu` (what every :meth:`batch_key` asks before it returns a key)."""
-        return self.batch_on_cpu or self.contexts[0].engine.loaded.device.type != "cpu"
+        return self.batch_on_cpu or self.device.type != "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        """Where this job's rows run: its model's device."""
+        return self.contexts[0].engine.loaded.device
 
     def _prefilled(self) -> None:
         """The first proposal comes right after the prompt's prefill: its time is each request's ``prefill_s``, on
@@ -214,21 +220,25 @@ class FusedJob(PooledJob):
         return values
 
     def batch_key(self) -> Hashable | None:
-        """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) when the answer is
-        greedy with nothing but the argmax read from the fused scores (:attr:`TokenSampler.greedy_argmax`), on an
-        accelerator (or on the CPU with :attr:`batch_on_cpu`)."""
-        key = getattr(self.rule, "batch_key", None)
-        if key is None or not self.ctx.sampler.greedy_argmax or not self.batches_here():
+        """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) with the sampler's
+        knobs, when the sampler reads nothing else from the fused scores (:attr:`TokenSampler.batch_knobs`: greedy,
+        or sampled with the same temperature, top_p, top_k and min_p), on an accelerator (or on the CPU with
+        :attr:`batch_on_cpu`)."""
+        key, knobs = getattr(self.rule, "batch_key", None), self.ctx.sampler.batch_knobs
+        if key is None or knobs is None or not self.batches_here():
             return None
-        return key()
+        rule_key = key()
+        return None if rule_key is None else (rule_key, knobs)
 
     @classmethod
     def propose_batch(cls, jobs: list[FusedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """One batched rule evaluation and one argmax for all the jobs (their rules share a batch key)."""
-        rules = [job.rule for job in jobs]
-        fused = type(rules[0]).fuse_batch(rules, [[row[-1] for row in rows] for rows in logits],
-                                          [job.state for job in jobs])
-        values = greedy_proposals(fused).unbind(0)
+        """One batched rule evaluation and one pick for all the jobs (their rules and samplers share a batch key);
+        a sampled batch that raises leaves every generator as it was."""
+        rules, samplers = [job.rule for job in jobs], [job.ctx.sampler for job in jobs]
+        with generators_kept(samplers):
+            fused = type(rules[0]).fuse_batch(rules, [[row[-1] for row in rows] for rows in logits],
+                                              [job.state for job in jobs])
+            values = batch_proposals(fused, samplers).unbind(0)
         for job, carry in zip(jobs, fused.carries, strict=True):
             job._prefilled()
             job._carry = carry

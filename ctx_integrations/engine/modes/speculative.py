@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.decoding import check_finite_scores, multinomial_on_device
+from ctx_integrations.engine.core.decoding import check_finite_scores, race_noise, race_winner
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
@@ -155,27 +155,38 @@ def greedy_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: t
 
 
 def sampled_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: torch.Tensor, *, eta: float,
-                    temperature: float, top_p: float, generator: torch.Generator,
+                    temperature: float, top_p: float, noise: tuple[torch.Tensor, torch.Tensor],
                     tail_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify`'s sampling branch on the device, reading nothing back: ``(accepted, token)`` as 0-d tensors.
+    """:func:`verify`'s sampling branch on the device, reading nothing back: ``(accepted, token)``.
 
-    The same rule and the same draws from ``generator`` (a CPU one), in the same order: the ``g`` uniforms that
-    accept or reject the drafts, then one draw over ``V`` tokens, from the residual after the first rejected draft or
-    from ``p`` at the bonus position when every draft is accepted (:func:`~ctx_integrations.engine.core.decoding.
-    multinomial_on_device`, ``multinomial``'s own algorithm). Instead of reading back where the first rejection is,
-    every row's residual is computed and the draw's row is picked on the device. ``drafts`` is a 1-D long tensor on
-    the logits' device; the caller checks the logits are finite (:func:`verify` reads them to refuse NaN).
+    The same rule with the same draws: ``noise`` is what :func:`verdict_noise` drew from the request's generator, in
+    :func:`verify`'s order (the ``g`` uniforms that accept or reject the drafts, then the exponential race of one draw
+    over ``V`` tokens, ``multinomial``'s own algorithm: :func:`~ctx_integrations.engine.core.decoding.
+    multinomial_on_device`), from the residual after the first rejected draft or from ``p`` at the bonus position when
+    every draft is accepted. Instead of reading back where the first rejection is, every row's residual is computed
+    and the draw's row is picked on the device. Shapes as :func:`greedy_verdict`'s (leading dimensions: requests
+    verified together, each with its own noise, ``[..., g]`` and ``[..., V]``); the caller checks the logits are
+    finite (:func:`verify` reads them to refuse NaN).
     """
-    g = drafts.shape[0]
+    uniforms, race = noise
+    g = drafts.shape[-1]
     scaled = nucleus(target_logits.float() / temperature, top_p)
     p = torch.softmax(scaled, dim=-1)
-    p_hat = tail_adjusted(scaled[:g], p[:g], draft_q, eta, rule=tail_rule)
-    index = torch.arange(g, device=p.device)
-    ratio = p_hat[index, drafts] / draft_q[index, drafts]
-    ok = torch.rand(g, generator=generator).to(p.device, non_blocking=True) <= ratio
-    accepted = ok.long().cumprod(0).sum()
-    rows = torch.cat([residual(p[:g], draft_q, p_hat), p[g:g + 1]])  # row i < g: after rejecting draft i; g: the bonus
-    return accepted, multinomial_on_device(rows[accepted], generator)
+    p_hat = tail_adjusted(scaled[..., :g, :], p[..., :g, :], draft_q, eta, rule=tail_rule)
+    at_drafts = drafts.unsqueeze(-1)
+    ratio = (p_hat.gather(-1, at_drafts) / draft_q.gather(-1, at_drafts)).squeeze(-1)
+    ok = uniforms.to(p.device, non_blocking=True) <= ratio
+    accepted = ok.long().cumprod(-1).sum(-1)
+    rows = torch.cat([residual(p[..., :g, :], draft_q, p_hat), p[..., g:, :]], dim=-2)  # i < g: after rejecting draft i
+    drawn_from = rows.gather(-2, accepted[..., None, None].expand(*accepted.shape, 1, rows.shape[-1])).squeeze(-2)
+    return accepted, race_winner(drawn_from, race)
+
+
+def verdict_noise(generator: torch.Generator, drafts: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled verdict's draws from its request's generator (on the CPU), in :func:`verify`'s order: ``drafts``
+    uniforms, then the noise of one draw over ``width`` tokens (:func:`sampled_verdict`'s ``noise``)."""
+    uniforms = torch.rand(drafts, generator=generator)
+    return uniforms, race_noise(generator, width, torch.float32)
 
 
 def _choose(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

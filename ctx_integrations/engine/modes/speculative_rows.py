@@ -30,7 +30,9 @@ from ctx_integrations.engine.core.decoding import (
     TokenSampler,
     TraceStep,
     check_finite_scores,
-    multinomial_on_device,
+    generators_kept,
+    race_noise,
+    race_winner,
 )
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext
@@ -111,15 +113,34 @@ class DraftRow:
 
     def propose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next draft from the logits after the row's last token: ``[token, the score to check]``."""
-        scores = logits[-1, : self.width].float()
-        best = scores.max()
-        if self.sampler.temperature == 0:
-            self._q = torch.softmax(scores, dim=-1)
-            token = self._q.argmax()
-        else:  # drawn on the device (NaN scores win the max: accept refuses them before the draft is used)
-            self._q = torch.softmax(nucleus(scores / self.sampler.temperature, self.sampler.top_p), dim=-1)
-            token = multinomial_on_device(self._q, self.sampler.generator)
-        return torch.stack([token.double(), best.double()])
+        return DraftRow.propose_batch([self], [logits])[0]
+
+    def batch_key(self) -> Hashable | None:
+        """Drafters of one vocabulary width and one sampler's knobs draft together (:meth:`propose_batch`)."""
+        knobs = self.sampler.batch_knobs
+        return None if knobs is None else ("draft", self.width, knobs)
+
+    @staticmethod
+    def propose_batch(drafters: list[DraftRow], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each drafter's :meth:`propose` (the logits after its row's runs each), in one evaluation: greedy, the
+        argmax of the drafter's softmax; sampled, a draw from its tempered nucleus with each drafter's own noise
+        (NaN scores win the max: ``accept`` refuses them before the draft is used). Every drafter keeps its row of
+        the distributions as the one its draft came from; a batch that raises changes no drafter."""
+        first = drafters[0]
+        scores = torch.stack([rows[-1, : first.width] for rows in logits]).float()
+        best = scores.amax(dim=-1)
+        with generators_kept([drafter.sampler for drafter in drafters]):
+            if first.sampler.temperature == 0:
+                q = torch.softmax(scores, dim=-1)
+                token = q.argmax(dim=-1)
+            else:
+                q = torch.softmax(nucleus(scores / first.sampler.temperature, first.sampler.top_p), dim=-1)
+                race = torch.stack([race_noise(d.sampler.generator, first.width, q.dtype) for d in drafters])
+                token = race_winner(q, race)
+            values = torch.stack([token.double(), best.double()], dim=-1).unbind(0)
+        for drafter, row in zip(drafters, q.unbind(0), strict=True):
+            drafter._q = row
+        return list(values)
 
     def accept(self, values: Sequence[float]) -> None:
         self.row.ran()
@@ -206,6 +227,11 @@ class DraftJob(PooledJob):
     def waiting(self) -> bool:
         return not self.draft.drafting and not self.channel.closed and not self.channel.asked
 
+    @property
+    def device(self) -> torch.device:
+        """The drafter model's device (the job answers no context of its own): where its prefix cache is."""
+        return self.pieces[0].kv.device
+
     def kv_tokens(self) -> int:
         return self._kv_tokens
 
@@ -225,6 +251,17 @@ class DraftJob(PooledJob):
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         return self.draft.propose(logits[0]) if self.draft.drafting and len(logits[0]) else NOTHING
+
+    def batch_key(self) -> Hashable | None:
+        """The drafter's key (:meth:`DraftRow.batch_key`) while it drafts, on an accelerator (or on the CPU with
+        :attr:`~PooledJob.batch_on_cpu`)."""
+        if not (self.draft.drafting and self.draft.row.runs) or not self.batches_here():
+            return None
+        return self.draft.batch_key()
+
+    @classmethod
+    def propose_batch(cls, jobs: list[DraftJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return DraftRow.propose_batch([job.draft for job in jobs], [rows[0] for rows in logits])
 
     def accept(self, values: list[float]) -> None:
         if not values:
@@ -329,26 +366,49 @@ class RapidJob(PooledJob):
         return NOTHING  # the target's prefill step with a drafter elsewhere, or a step spent waiting for it
 
     def batch_key(self) -> Hashable | None:
-        """Greedy verifications of as many drafts, over one vocabulary width with one ``eta`` and tail rule, choose
-        their verdicts together on an accelerator (:meth:`propose_batch`; on the CPU with
-        :attr:`~PooledJob.batch_on_cpu`); drafting steps and sampled verdicts choose alone."""
-        if not (self.phase == VERIFY and self.target.runs and self.dists is not None) \
-                or not self.ctx.sampler.greedy_argmax or not self.batches_here():
+        """On an accelerator (or on the CPU with :attr:`~PooledJob.batch_on_cpu`), verifications of as many drafts
+        over one vocabulary width, with one ``eta``, tail rule and sampler's knobs, choose their verdicts together
+        (:meth:`propose_batch`), and so do the drafting steps of drafters with one key (:meth:`DraftRow.batch_key`);
+        the last token's verification (no drafts) chooses alone."""
+        if not self.batches_here():
             return None
-        return "greedy verdict", len(self.drafts), self.width, self.eta, self.tail_rule
+        if self.phase == VERIFY and self.target.runs:
+            knobs = self.ctx.sampler.batch_knobs
+            if self.dists is None or knobs is None:
+                return None
+            return "verdict", len(self.drafts), self.width, self.eta, self.tail_rule, knobs
+        return self.draft.batch_key() if self.draft is not None and self.draft.drafting else None
 
     @classmethod
     def propose_batch(cls, jobs: list[RapidJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Every job's verdict in one evaluation of :func:`greedy_verdict` over ``[J, g + 1, V]``: the
-        values each job's :meth:`propose` returns."""
-        g, width = len(jobs[0].drafts), jobs[0].width
-        target = torch.stack([rows[0][-(g + 1):, :width] for rows in logits])
-        drafts = torch.tensor([job.drafts for job in jobs], dtype=torch.long, device=target.device)
-        accepted, token = greedy_verdict(target, torch.stack([job.dists for job in jobs]), drafts, eta=jobs[0].eta,
-                                         tail_rule=jobs[0].tail_rule)
-        values = verdict_values(target, drafts, accepted, token, target.amax(dim=(-2, -1)), 0.0)
+        """The values each job's :meth:`propose` returns, in one evaluation: every verdict together (one
+        :func:`greedy_verdict` or :func:`~.speculative.sampled_verdict` over ``[J, g + 1, V]``, each request's
+        noise from its own generator), or every drafter's next draft (:meth:`DraftRow.propose_batch`)."""
+        if jobs[0].phase != VERIFY:
+            values = DraftRow.propose_batch([job.draft for job in jobs], [rows[1] for rows in logits])
+        else:
+            values = cls._verdicts(jobs, logits)
         for job in jobs:
             job._prefilled()
+        return values
+
+    @staticmethod
+    def _verdicts(jobs: list[RapidJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        first = jobs[0]
+        g, width, sampler = len(first.drafts), first.width, first.ctx.sampler
+        target = torch.stack([rows[0][-(g + 1):, :width] for rows in logits])
+        drafts = torch.tensor([job.drafts for job in jobs], dtype=torch.long, device=target.device)
+        dists = torch.stack([job.dists for job in jobs])
+        if sampler.temperature == 0:
+            accepted, token = greedy_verdict(target, dists, drafts, eta=first.eta, tail_rule=first.tail_rule)
+        else:
+            with generators_kept([job.ctx.sampler for job in jobs]):
+                noise = [speculative.verdict_noise(job.ctx.sampler.generator, g, width) for job in jobs]
+                accepted, token = speculative.sampled_verdict(
+                    target, dists, drafts, eta=first.eta, temperature=sampler.temperature, top_p=sampler.top_p,
+                    noise=(torch.stack([u for u, _ in noise]), torch.stack([r for _, r in noise])),
+                    tail_rule=first.tail_rule)
+        values = verdict_values(target, drafts, accepted, token, target.amax(dim=(-2, -1)), sampler.temperature)
         return list(values.unbind(0))
 
     def _prefilled(self) -> None:
@@ -410,9 +470,9 @@ class RapidJob(PooledJob):
         elif sampler.temperature == 0:
             accepted, token = greedy_verdict(logits, self.dists, drafts, eta=self.eta, tail_rule=self.tail_rule)
         else:
-            accepted, token = speculative.sampled_verdict(logits, self.dists, drafts, eta=self.eta,
-                                                          temperature=sampler.temperature, top_p=sampler.top_p,
-                                                          generator=sampler.generator, tail_rule=self.tail_rule)
+            accepted, token = speculative.sampled_verdict(
+                logits, self.dists, drafts, eta=self.eta, temperature=sampler.temperature, top_p=sampler.top_p,
+                noise=speculative.verdict_noise(sampler.generator, g, self.width), tail_rule=self.tail_rule)
         return verdict_values(logits, drafts, accepted, token, checked, sampler.temperature)
 
     def _emit(self, values: list[float]) -> None:
