@@ -354,6 +354,67 @@ def test_a_steps_greedy_choice_costs_the_same_operations_for_2_or_16_questions_a
     assert 2 in batches and alone_calls == []  # both requests chose in one evaluation, never one by one
 
 
+@pytest.mark.parametrize("knobs", [dict(temperature=0.8), dict(temperature=1.2, top_p=0.9, top_k=40, min_p=0.01)])
+def test_sampled_questions_chosen_at_once_draw_what_each_draws_alone(knobs):
+    # Each question's token, log-probability and score to check, as its own sampler's pick gives them, draw for
+    # draw: one question's noise drawn from another's generator, the nucleus cut over all the questions, the score
+    # to check taken at the token (greedy's) or values out of question order would differ.
+    from ctx_integrations.engine.core.decoding import TokenSampler
+    from ctx_integrations.engine.modes.ippd import sampled_question_values
+
+    scores = torch.randn(7, 300, generator=torch.Generator().manual_seed(4)) * 3
+    together = [TokenSampler(seed=10 + q, **knobs) for q in range(7)]
+    alone = [TokenSampler(seed=10 + q, **knobs) for q in range(7)]
+    for _ in range(3):
+        expected = []
+        for row, sampler in zip(scores, alone):
+            token, checked = sampler.pick(row)
+            expected += [float(token), float(row[token] - torch.logsumexp(row, -1)), float(checked)]
+        assert sampled_question_values(scores, together).tolist() == expected
+    assert len(set(expected[::3])) > 1
+
+
+def test_sampled_ippd_requests_choose_together_and_answer_as_one_by_one(monkeypatch):
+    import asyncio
+
+    from ctx_integrations.engine.modes.ippd import StackedJob
+
+    engine = Engine(tiny_loaded("llama", seed=5))
+    questions = [f"Question number {i}?" for i in range(8)]
+    options = dict(max_new_tokens=5, temperature=0.9, top_p=0.95)
+    calls: list[str] = []
+    propose_batch, propose = StackedJob.propose_batch.__func__, StackedJob.propose
+
+    def spied_batch(cls, jobs, logits):
+        calls.append("batch")
+        return propose_batch(cls, jobs, logits)
+
+    def spied(self, logits):
+        calls.append("alone")
+        return propose(self, logits)
+
+    monkeypatch.setattr(StackedJob, "propose_batch", classmethod(spied_batch))
+    monkeypatch.setattr(StackedJob, "propose", spied)
+
+    def answers(seed: int) -> list[list[list[int]]]:
+        async def together():
+            return await asyncio.gather(*(engine.agenerate_many(q, DOCS, seed=seed + i, **options)
+                                          for i, q in enumerate((questions[:3], questions[3:]))))
+        return [[a.token_ids for a in request] for request in asyncio.run(together())]
+
+    monkeypatch.setattr(StackedJob, "_knobs", lambda self: None)  # every question picked by its own sampler
+    one_by_one = answers(2)
+    assert "batch" not in calls
+    monkeypatch.undo()
+    monkeypatch.setattr(StackedJob, "propose_batch", classmethod(spied_batch))
+    monkeypatch.setattr(StackedJob, "propose", spied)
+    monkeypatch.setattr(StackedJob, "batch_on_cpu", True)
+    calls.clear()
+    assert answers(2) == one_by_one
+    assert "batch" in calls and "alone" not in calls
+    assert len({tuple(a) for request in one_by_one for a in request}) > 1
+
+
 def test_sampled_questions_report_their_own_log_probabilities_and_alternatives():
     # One question at a time (a sampled step): each trace step's log-probability and top alternatives are the
     # softmax of that question's own logits, checked against one plain forward over its prompt and answer.

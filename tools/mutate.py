@@ -208,12 +208,13 @@ TARGETS = {
 
 
 def prepare(name: str, target: Target) -> Path:
-    """A fresh copy of the package, the tests and pyproject.toml with this module's mutmut table."""
+    """A fresh copy of the package, the tests (and the benchmarks some of them import) and pyproject.toml with this
+    module's mutmut table."""
     folder = WORK / name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("ctx_integrations", "tests"):
+    for part in ("ctx_integrations", "tests", "benchmarks"):
         shutil.copytree(ROOT / part, folder / part, ignore=ignore)
     table = {"source_paths": ["ctx_integrations/"], "only_mutate": [target.path],
              "pytest_add_cli_args_test_selection": list(target.tests),

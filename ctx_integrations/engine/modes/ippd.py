@@ -28,7 +28,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ctx_integrations.engine.core.cache import CachedKV
-from ctx_integrations.engine.core.decoding import DecodeResult, Emitter, TraceStep, logprob_values, read_logprobs
+from ctx_integrations.engine.core.decoding import (
+    DecodeResult,
+    Emitter,
+    TokenSampler,
+    TraceStep,
+    generators_kept,
+    logprob_values,
+    race_noise,
+    race_winner,
+    read_logprobs,
+    sampling_probs,
+)
 from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
@@ -135,11 +146,14 @@ class StackedJob(PooledJob):
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """Per waiting question, in stack order: its token, the token's log-probability, the score to check, then
-        its log-probabilities when its sampler asks for them (every question's sampler asks the same). Greedy
-        questions are chosen all at once (:func:`greedy_question_values`), the others one by one."""
+        its log-probabilities when its sampler asks for them (every question's sampler asks the same). Questions whose
+        samplers share their knobs (:attr:`~TokenSampler.batch_knobs`: all greedy, or all sampled alike) are chosen all
+        at once per stack (:func:`greedy_question_values`, :func:`sampled_question_values`), the others one by one."""
         self._prefilled()
-        if self._greedy():  # per stack, not one [Q, V] copy of every stack's logits (the CPU reads each from its cache)
-            return torch.cat([greedy_question_values(rows) for rows in self._question_scores(logits)])
+        knobs = self._knobs()
+        if knobs is not None:  # per stack, not one [Q, V] copy of every stack's logits (the CPU reads each from cache)
+            return torch.cat([question_values(rows, self._samplers(stack))
+                              for stack, rows in zip(self._live, self._question_scores(logits), strict=True)])
         values = []
         for stack, row in zip(self._live, logits):
             for question, scores in zip(self._waiting[stack], row):
@@ -152,21 +166,30 @@ class StackedJob(PooledJob):
         return torch.cat(values)
 
     def batch_key(self) -> Hashable | None:
-        """Greedy IPPD requests choose together on an accelerator (:meth:`propose_batch`; on the CPU with
-        :attr:`~PooledJob.batch_on_cpu`): their rule is one argmax per question, whatever the request."""
-        return "greedy" if self._greedy() and self.batches_here() else None
+        """IPPD requests whose questions' samplers share their knobs choose together on an accelerator
+        (:meth:`propose_batch`; on the CPU with :attr:`~PooledJob.batch_on_cpu`): their rule is one pick per
+        question, whatever the request."""
+        knobs = self._knobs()
+        return knobs if knobs is not None and self.batches_here() else None
 
     @classmethod
     def propose_batch(cls, jobs: list[StackedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Every greedy job's questions in one evaluation: the values each job's :meth:`propose` returns."""
+        """Every job's questions in one evaluation: the values each job's :meth:`propose` returns."""
         scores = [torch.cat(job._question_scores(rows)) for job, rows in zip(jobs, logits, strict=True)]
-        values = greedy_question_values(torch.cat(scores)).split([3 * len(s) for s in scores])
+        samplers = [sampler for job in jobs for stack in job._live for sampler in job._samplers(stack)]
+        values = question_values(torch.cat(scores), samplers).split([3 * len(s) for s in scores])
         for job in jobs:
             job._prefilled()
         return list(values)
 
-    def _greedy(self) -> bool:
-        return all(q.ctx.sampler.greedy_argmax for stack in self._live for q in self._waiting[stack])
+    def _knobs(self) -> tuple | None:
+        """The knobs every waiting question's sampler shares (``None``: they differ, or one reads more than its knobs
+        from the scores: penalties, a format, logprobs)."""
+        knobs = {q.ctx.sampler.batch_knobs for stack in self._live for q in self._waiting[stack]}
+        return knobs.pop() if len(knobs) == 1 else None
+
+    def _samplers(self, stack: int) -> list[TokenSampler]:
+        return [question.ctx.sampler for question in self._waiting[stack]]
 
     def _question_scores(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per live stack, its waiting questions' logits ``[questions, V]`` (views), in the order :meth:`accept` reads
@@ -204,6 +227,29 @@ class StackedJob(PooledJob):
                 result.extra.update(stack=question.stack, stacked_questions=len(stack.questions), attribution="context")
                 results[question.index] = result
         return results  # type: ignore[return-value]
+
+
+def question_values(scores: torch.Tensor, samplers: list[TokenSampler]) -> torch.Tensor:
+    """:meth:`StackedJob.propose`'s values for Q questions at once (``scores`` ``[Q, V]``) whose samplers share their
+    knobs: :func:`greedy_question_values` or :func:`sampled_question_values`."""
+    if samplers[0].temperature == 0:
+        return greedy_question_values(scores)
+    return sampled_question_values(scores, samplers)
+
+
+def sampled_question_values(scores: torch.Tensor, samplers: list[TokenSampler]) -> torch.Tensor:
+    """:func:`greedy_question_values` for Q sampled questions with one sampler's knobs: one nucleus and one
+    exponential race for all (:func:`~ctx_integrations.engine.core.decoding.sampling_probs`), each question's noise
+    from its own generator in question order, so each draws what its :meth:`TokenSampler.pick` draws alone; a batch
+    that raises leaves the generators as they were."""
+    first = samplers[0]
+    with generators_kept(samplers):
+        probs = sampling_probs(scores, first.temperature, first.top_p, first.top_k, first.min_p)
+        race = torch.stack([race_noise(sampler.generator, scores.shape[-1], probs.dtype) for sampler in samplers])
+        token = race_winner(probs, race).unsqueeze(1)
+        logprob = scores.gather(1, token) - torch.logsumexp(scores, -1, keepdim=True)
+        checked = scores.amax(-1, keepdim=True)
+        return torch.cat([token.double(), logprob.double(), checked.double()], 1).flatten()
 
 
 def greedy_question_values(scores: torch.Tensor) -> torch.Tensor:
