@@ -99,7 +99,7 @@ TARGETS = {
     # the batched pick, greedy and sampled: each request's token, winner and scores from one batched rule evaluation,
     # each sampled request's noise from its own generator; the identity rule's batch; a failed batch's generators
     "batch_proposals": Target("ctx_integrations/engine/core/decoding.py",
-                              ("x_batch_proposals*", "x_race_noise*", "x_race_winner*",
+                              ("x_batch_proposals*",
                                "x_generators_kept*", "xǁSingleStreamǁ*", "xǁTokenSamplerǁbatch_knobs*",
                                "xǁTokenSamplerǁplain*"),
                               ("tests/test_pced_batched.py", "tests/test_sampled_batch.py")),
@@ -126,7 +126,8 @@ TARGETS = {
     "choice": Target("ctx_integrations/engine/core/choice.py", ("*",),
                      ("tests/test_choice.py", "tests/test_scheduler_core.py", "tests/test_host_reads.py")),
     "sampler": Target("ctx_integrations/engine/core/decoding.py",
-                      ("xǁTokenSamplerǁpick*", "x_multinomial_on_device*", "x_sampling_probs*"),
+                      ("xǁTokenSamplerǁpick*", "x_multinomial_on_device*", "x_sampling_probs*", "x_race_noise*",
+                       "x_race_winner*"),
                       ("tests/test_sampling_knobs.py", "tests/test_sampling_params.py",
                        "tests/test_speculative_rows.py", "-k", "not cancel and not failing")),
     "scheduler": Target("ctx_integrations/engine/core/scheduler.py",
@@ -218,7 +219,7 @@ def prepare(name: str, target: Target) -> Path:
         shutil.copytree(ROOT / part, folder / part, ignore=ignore)
     table = {"source_paths": ["ctx_integrations/"], "only_mutate": [target.path],
              "pytest_add_cli_args_test_selection": list(target.tests),
-             "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"]}
+             "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"], "also_copy": ["benchmarks/"]}
     lines = ["", "[tool.mutmut]"] + [f"{key} = {json.dumps(value)}" for key, value in table.items()]
     (folder / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + "\n".join(lines) + "\n")
     (folder / target.path).write_text(undecorated((ROOT / target.path).read_text()))
