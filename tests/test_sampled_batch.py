@@ -27,6 +27,7 @@ from ctx_integrations.engine.core.decoding import (
     batch_proposals,
     generators_kept,
     propose_token,
+    race_noises,
     single_stream,
 )
 from ctx_integrations.engine.core.jobs import FusedJob
@@ -105,6 +106,27 @@ def test_a_batch_that_raises_leaves_every_generator_as_it_was():
     assert not torch.equal(one.generator.get_state(), before[0])
 
 
+def test_seeded_rows_draw_from_their_generators_and_unseeded_ones_in_one_draw_on_the_device():
+    # A batch mixing seeded and unseeded samplers: each seeded row is its own generator's draw (what it draws alone),
+    # the unseeded rows one draw from the device's default generator (here the CPU's: torch.manual_seed fixes it),
+    # and no unseeded sampler's own generator moves.
+    mixed = [TokenSampler(1.0, seed=4), TokenSampler(1.0), TokenSampler(1.0, seed=9), TokenSampler(1.0)]
+    assert [sampler.seeded for sampler in mixed] == [True, False, True, False]
+    assert mixed[0].unconstrained().seeded and not mixed[1].unconstrained().seeded  # a side decode keeps its kind
+    states = [sampler.generator.get_state() for sampler in mixed]
+    torch.manual_seed(0)
+    race = race_noises(mixed, 30, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    unseeded = torch.empty(4, 30).exponential_()
+    for j, seed in ((0, 4), (2, 9)):
+        assert torch.equal(race[j], torch.empty(30).exponential_(generator=torch.Generator().manual_seed(seed)))
+    assert torch.equal(race[1], unseeded[1]) and torch.equal(race[3], unseeded[3])
+    assert torch.equal(mixed[1].generator.get_state(), states[1])
+    assert torch.equal(mixed[3].generator.get_state(), states[3])
+    seeded_only = race_noises([TokenSampler(1.0, seed=4)], 30, torch.float32, torch.device("cpu"))
+    assert torch.equal(seeded_only[0], race[0])
+
+
 def test_only_plain_samplers_batch_and_only_with_equal_knobs():
     assert TokenSampler().batch_knobs == TokenSampler(top_p=0.5).batch_knobs == ("greedy",)
     assert TokenSampler(0.7, seed=1).batch_knobs == TokenSampler(0.7, seed=2).batch_knobs
@@ -169,10 +191,11 @@ def test_concurrent_sampled_requests_of_every_fused_mode_answer_as_alone(engine,
     assert sizes[(pced, ("sampled", 0.5, 0.9, 0, 0.0))] == 1  # the request at another temperature chose on its own
 
 
-def test_a_sampled_steps_device_operations_do_not_grow_with_its_requests(engine, monkeypatch):
-    """The step's choice for 1 and 8 sampled concat requests: beside what does not depend on the request count, each
-    request adds only its noise, drawn on the CPU by its own generator (2 operations); one by one each adds a
-    whole pick."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_sampled_steps_operations_do_not_grow_with_its_requests(engine, monkeypatch, seeded):
+    """The step's choice for 1 and 8 sampled concat requests. Unseeded: the same operations for 8 as for 1 (their noise
+    is one draw on the device). Seeded: beside what does not depend on the request count, each request adds only its
+    noise, drawn on the CPU by its own generator (2 operations). One by one each adds a whole pick."""
     def operations(requests: int) -> int:
         counts: list[tuple[int, int]] = []
         choose = runner_module.choose
@@ -187,7 +210,7 @@ def test_a_sampled_steps_device_operations_do_not_grow_with_its_requests(engine,
 
         async def run():
             return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:2], mode="concat", max_new_tokens=5,
-                                                           temperature=0.8, top_p=0.9, seed=i)
+                                                           temperature=0.8, top_p=0.9, seed=i if seeded else None)
                                           for i in range(requests)))
 
         asyncio.run(run())
@@ -198,7 +221,7 @@ def test_a_sampled_steps_device_operations_do_not_grow_with_its_requests(engine,
     one, eight = operations(1), operations(8)
     monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)
     one_by_one, eight_one_by_one = operations(1), operations(8)
-    print(f"sampled choice, operations per step: batched 1 request {one}, 8 requests {eight}; "
-          f"one by one 1 request {one_by_one}, 8 requests {eight_one_by_one}")
-    assert eight - one == 7 * 2
+    print(f"sampled choice ({'seeded' if seeded else 'unseeded'}), operations per step: batched 1 request {one}, "
+          f"8 requests {eight}; one by one 1 request {one_by_one}, 8 requests {eight_one_by_one}")
+    assert eight - one == (7 * 2 if seeded else 0)
     assert eight_one_by_one - 1 == 8 * (one_by_one - 1)

@@ -255,12 +255,23 @@ def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
     return strings
 
 
-def multinomial_on_device(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from ``probs`` (``[V]``) as a 0-d tensor on its device, reading nothing back: ``torch.multinomial``'s
-    own algorithm for one sample (an exponential race, the argmax of p / q with q ~ Exp(1)), written out so that q
-    comes from ``generator``, a seeded CPU one (the same draws on every device), and is copied to the device where
-    the argmax runs. On a CPU it is bit for bit ``torch.multinomial(probs, 1, generator=generator)[0]``."""
-    return race_winner(probs, race_noise(generator, probs.shape[-1], probs.dtype))
+def race_noises(samplers: Sequence[TokenSampler], width: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The exponential noise of one draw over ``width`` tokens per sampler, ``[J, V]`` on ``device``, for
+    :func:`race_winner`: ``torch.multinomial``'s own algorithm for one sample (the argmax of p / q, q ~ Exp(1)) with q
+    chosen per request. A seeded sampler's q comes from its own CPU generator (:func:`race_noise`: the same draws on
+    every device, alone or batched; on a CPU the draw is bit for bit ``torch.multinomial(probs, 1,
+    generator=...)``), copied to the device without a wait. The unseeded samplers' q is one draw on the device from its
+    default generator, as vLLM draws the noise of requests without a seed: nothing to reproduce, and no V-wide draw
+    per request on the host each step."""
+    seeded = [j for j, sampler in enumerate(samplers) if sampler.seeded]
+    own = torch.stack([race_noise(samplers[j].generator, width, dtype) for j in seeded]) if seeded else None
+    if len(seeded) == len(samplers):
+        return own.to(device, non_blocking=True)
+    race = torch.empty(len(samplers), width, dtype=dtype, device=device).exponential_()
+    if own is not None:
+        race[seeded] = own.to(device, non_blocking=True)
+    return race
 
 
 def race_noise(generator: torch.Generator, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -270,8 +281,8 @@ def race_noise(generator: torch.Generator, width: int, dtype: torch.dtype) -> to
 
 
 def race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
-    """The exponential race's winner per row of ``probs`` (``[..., V]``) against ``race`` (``[..., V]``, CPU noise from
-    :func:`race_noise`, copied to the probabilities' device without a wait)."""
+    """The exponential race's winner per row of ``probs`` (``[..., V]``) against ``race`` (``[..., V]``: noise from
+    :func:`race_noises`, or CPU noise from :func:`race_noise`, copied to the probabilities' device without a wait)."""
     return torch.argmax(probs / race.to(probs.device, non_blocking=True), dim=-1)
 
 
@@ -325,15 +336,16 @@ class TokenSampler:
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
                  min_p: float = 0.0, penalties: Penalties = NO_PENALTIES, constraint: object | None = None,
-                 logprobs: int | None = None, generator: torch.Generator | None = None):
+                 logprobs: int | None = None, generator: torch.Generator | None = None, seeded: bool = True):
         temperature, top_p, seed = sampling_knobs(temperature, top_p, seed)
         top_k, min_p, *_ = filter_knobs(top_k, min_p, penalties.repetition, penalties.frequency, penalties.presence)
         self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
         self.penalties, self.constraint, self.logprobs = penalties, constraint, logprobs
         self.counts: torch.Tensor | None = None  # how often each token is in the answer (penalties only)
-        if generator is not None:
-            self.generator = generator
+        if generator is not None:  # a side decode of a request (``unconstrained``): its draws, its seed or none
+            self.generator, self.seeded = generator, seeded
             return
+        self.seeded = seed is not None  # an unseeded answer's sampled noise is drawn on the device (race_noises)
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -344,7 +356,7 @@ class TokenSampler:
         """A sampler for a side decode of this answer's request (MapReduce's summaries): the same knobs and
         generator (so draws stay in one seeded sequence), its own penalty counts, no constraint, no logprobs."""
         return TokenSampler(self.temperature, self.top_p, top_k=self.top_k, min_p=self.min_p,
-                            penalties=self.penalties, generator=self.generator)
+                            penalties=self.penalties, generator=self.generator, seeded=self.seeded)
 
     @property
     def plain(self) -> bool:
@@ -394,8 +406,8 @@ class TokenSampler:
         (:meth:`check`) once it reads both back.
 
         Nothing is read back, greedy or sampled, so a batch of jobs reads all their tokens in one transfer.
-        Sampling draws from :func:`sampling_probs` with :func:`multinomial_on_device` and the answer's seeded CPU
-        generator. NaN scores win the max, and a format that allows nothing leaves it at ``-inf``: the
+        Sampling draws from :func:`sampling_probs` with :func:`race_noises`' noise: a seeded answer's from its own
+        CPU generator. NaN scores win the max, and a format that allows nothing leaves it at ``-inf``: the
         caller's check refuses both before the token is used.
         """
         scores = self.adjusted(scores)
@@ -403,7 +415,7 @@ class TokenSampler:
             token = torch.argmax(scores)  # NaN wins argmax, and all -inf gives 0: the caller's check catches both
             return token, scores[token]
         probs = sampling_probs(scores, self.temperature, self.top_p, self.top_k, self.min_p)
-        return multinomial_on_device(probs, self.generator), scores.max()
+        return race_winner(probs, race_noises([self], probs.shape[-1], probs.dtype, probs.device)[0]), scores.max()
 
     def check(self, best: float) -> None:
         """Refuse a pick whose best score is not finite (:func:`check_finite_scores`); under a constraint, a best
@@ -590,7 +602,7 @@ def batch_proposals(fused: FusedBatch, samplers: Sequence[TokenSampler]) -> torc
         checked = fused.scores.gather(1, token.unsqueeze(1)).squeeze(1)
     else:
         probs = sampling_probs(fused.scores, first.temperature, first.top_p, first.top_k, first.min_p)
-        race = torch.stack([race_noise(sampler.generator, probs.shape[-1], probs.dtype) for sampler in samplers])
+        race = race_noises(samplers, probs.shape[-1], probs.dtype, probs.device)
         token, checked = race_winner(probs, race), fused.scores.max(-1).values
     if fused.evidence is None:
         winner = torch.full_like(token, -1)

@@ -35,7 +35,7 @@ from ctx_integrations.engine.core.decoding import (
     TraceStep,
     generators_kept,
     logprob_values,
-    race_noise,
+    race_noises,
     race_winner,
     read_logprobs,
     sampling_probs,
@@ -239,13 +239,13 @@ def question_values(scores: torch.Tensor, samplers: list[TokenSampler]) -> torch
 
 def sampled_question_values(scores: torch.Tensor, samplers: list[TokenSampler]) -> torch.Tensor:
     """:func:`greedy_question_values` for Q sampled questions with one sampler's knobs: one nucleus and one
-    exponential race for all (:func:`~ctx_integrations.engine.core.decoding.sampling_probs`), each question's noise
-    from its own generator in question order, so each draws what its :meth:`TokenSampler.pick` draws alone; a batch
-    that raises leaves the generators as they were."""
+    exponential race for all (:func:`~ctx_integrations.engine.core.decoding.sampling_probs`, ``race_noises``), a seeded
+    question's noise from its own generator in question order, so each draws what its :meth:`TokenSampler.pick` draws
+    alone; a batch that raises leaves the generators as they were."""
     first = samplers[0]
     with generators_kept(samplers):
         probs = sampling_probs(scores, first.temperature, first.top_p, first.top_k, first.min_p)
-        race = torch.stack([race_noise(sampler.generator, scores.shape[-1], probs.dtype) for sampler in samplers])
+        race = race_noises(samplers, scores.shape[-1], probs.dtype, probs.device)
         token = race_winner(probs, race).unsqueeze(1)
         logprob = scores.gather(1, token) - torch.logsumexp(scores, -1, keepdim=True)
         checked = scores.amax(-1, keepdim=True)

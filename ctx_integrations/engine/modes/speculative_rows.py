@@ -31,7 +31,7 @@ from ctx_integrations.engine.core.decoding import (
     TraceStep,
     check_finite_scores,
     generators_kept,
-    race_noise,
+    race_noises,
     race_winner,
 )
 from ctx_integrations.engine.core.jobs import PooledJob
@@ -135,7 +135,7 @@ class DraftRow:
                 token = q.argmax(dim=-1)
             else:
                 q = torch.softmax(nucleus(scores / first.sampler.temperature, first.sampler.top_p), dim=-1)
-                race = torch.stack([race_noise(d.sampler.generator, first.width, q.dtype) for d in drafters])
+                race = race_noises([drafter.sampler for drafter in drafters], first.width, q.dtype, q.device)
                 token = race_winner(q, race)
             values = torch.stack([token.double(), best.double()], dim=-1).unbind(0)
         for drafter, row in zip(drafters, q.unbind(0), strict=True):
