@@ -17,9 +17,7 @@ import asyncio
 import pytest
 import torch
 
-from benchmarks.host_reads import Operations as CountOps
 from ctx_integrations import Engine
-from ctx_integrations.engine.core import runner as runner_module
 from ctx_integrations.engine.core.decoding import (
     FIRST_STEP,
     SingleStream,
@@ -35,6 +33,7 @@ from ctx_integrations.engine.modes.pced import PCEDFusion
 from tests.helpers import tiny_loaded
 from tests.test_pced_batched import step_logits
 from tests.test_scheduler import DOCS
+from tests.test_scheduler_batched import operations_per_step
 
 KNOBS = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=5),
          dict(temperature=1.0, min_p=0.2), dict(temperature=0.6, top_p=0.9, top_k=12, min_p=0.05)]
@@ -196,32 +195,8 @@ def test_a_sampled_steps_operations_do_not_grow_with_its_requests(engine, monkey
     """The step's choice for 1 and 8 sampled concat requests. Unseeded: the same operations for 8 as for 1 (their noise
     is one draw on the device). Seeded: beside what does not depend on the request count, each request adds only its
     noise, drawn on the CPU by its own generator (2 operations). One by one each adds a whole pick."""
-    def operations(requests: int) -> int:
-        counts: list[tuple[int, int]] = []
-        choose = runner_module.choose
-
-        def counted(taking):
-            with CountOps() as ops:
-                choice = choose(taking)
-            counts.append((len(taking), ops.count))
-            return choice
-
-        monkeypatch.setattr(runner_module, "choose", counted)
-
-        async def run():
-            return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:2], mode="concat", max_new_tokens=5,
-                                                           temperature=0.8, top_p=0.9, seed=i if seeded else None)
-                                          for i in range(requests)))
-
-        asyncio.run(run())
-        monkeypatch.setattr(runner_module, "choose", choose)
-        return min(ops for taking, ops in counts if taking == requests)
-
     monkeypatch.setattr(FusedJob, "batch_on_cpu", True)
-    one, eight = operations(1), operations(8)
-    monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)
-    one_by_one, eight_one_by_one = operations(1), operations(8)
-    print(f"sampled choice ({'seeded' if seeded else 'unseeded'}), operations per step: batched 1 request {one}, "
-          f"8 requests {eight}; one by one 1 request {one_by_one}, 8 requests {eight_one_by_one}")
+    one, eight, one_by_one, eight_one_by_one = operations_per_step(engine, monkeypatch, mode="concat", temperature=0.8,
+                                                                   top_p=0.9, seed_each=seeded)
     assert eight - one == (7 * 2 if seeded else 0)
     assert eight_one_by_one - 1 == 8 * (one_by_one - 1)

@@ -102,9 +102,10 @@ def test_concurrent_pced_requests_chosen_in_one_batch_get_their_answers_alone_an
     assert _together(engine) == alone and batches == []
 
 
-def proposal_ops(engine: Engine, requests: int, monkeypatch, **options) -> int:
-    """The fewest operations a step's choice (the proposals and their one read) dispatched while ``requests`` greedy
-    requests over 3 documents (``options``: their mode and settings) took a token."""
+def proposal_ops(engine: Engine, requests: int, monkeypatch, seed_each: bool = False, **options) -> int:
+    """The fewest operations a step's choice (the proposals and their one read) dispatched while ``requests``
+    requests over 3 documents (``options``: their mode and settings; ``seed_each``: request i seeded with i) took a
+    token."""
     counts: list[tuple[int, int]] = []
     choose = runner_module.choose
 
@@ -117,7 +118,8 @@ def proposal_ops(engine: Engine, requests: int, monkeypatch, **options) -> int:
     monkeypatch.setattr(runner_module, "choose", counted)
 
     async def run():
-        return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:3], max_new_tokens=5, **options)
+        return await asyncio.gather(*(engine.agenerate(f"Question {i}?", DOCS[:3], max_new_tokens=5, **options,
+                                                       **({"seed": i} if seed_each else {}))
                                       for i in range(requests)))
 
     asyncio.run(run())
