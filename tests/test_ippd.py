@@ -362,7 +362,8 @@ def test_sampled_questions_chosen_at_once_draw_what_each_draws_alone(knobs):
     from ctx_integrations.engine.core.decoding import TokenSampler
     from ctx_integrations.engine.modes.ippd import sampled_question_values
 
-    scores = torch.randn(7, 300, generator=torch.Generator().manual_seed(4)) * 3
+    # flat scores (most of the mass outside any cut), so that a knob left out moves some draw
+    scores = torch.randn(7, 300, generator=torch.Generator().manual_seed(4)) * 0.3
     together = [TokenSampler(seed=10 + q, **knobs) for q in range(7)]
     alone = [TokenSampler(seed=10 + q, **knobs) for q in range(7)]
     for _ in range(3):
@@ -372,6 +373,9 @@ def test_sampled_questions_chosen_at_once_draw_what_each_draws_alone(knobs):
             expected += [float(token), float(row[token] - torch.logsumexp(row, -1)), float(checked)]
         assert sampled_question_values(scores, together).tolist() == expected
     assert len(set(expected[::3])) > 1
+    token, checked = alone[3].pick(scores[3])  # a stack with one question left
+    assert sampled_question_values(scores[3:4], together[3:4]).tolist() == [
+        float(token), float(scores[3, token] - torch.logsumexp(scores[3], -1)), float(checked)]
 
 
 def test_sampled_ippd_requests_choose_together_and_answer_as_one_by_one(monkeypatch):
