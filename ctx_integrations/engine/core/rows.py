@@ -505,8 +505,8 @@ class RowPool:
                        ) -> tuple[torch.Tensor, dict[int, int]]:
         """The forward as transformers runs it (the reference): fp32 logits of the kept columns, and where each is."""
         device = self.positions.device
-        self.positions[rows, columns], self.contexts[rows, columns] = positions, contexts
-        self.questions[rows, columns], self.documents[rows, columns] = questions, 0
+        inputs = step_inputs(ids, positions, contexts, questions, rows, columns, self.positions, self.contexts,
+                             self.questions, self.documents, self.layers)
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
         extra = {}
@@ -516,10 +516,7 @@ class RowPool:
             if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
                 extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
         keep = sorted({c for row in ends for c in row})
-        step = ids.shape[1]
-        cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in self.layers])
-        rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-        keep_all = keep == list(range(step))
+        keep_all = keep == list(range(ids.shape[1]))
         # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
         if flex:
             mask = windows(getattr(model, "config", None)).per_layer_type(
@@ -528,9 +525,8 @@ class RowPool:
             mask = step_mask(model, *layout)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=0 if keep_all else torch.tensor(keep, device=device),
-                        **extra)
+            out = model(**inputs, attention_mask=mask,
+                        logits_to_keep=0 if keep_all else torch.tensor(keep, device=device), **extra)
         return out.logits.float(), {c: i for i, c in enumerate(keep)}
 
 
@@ -554,13 +550,23 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tens
     Every shape is the arena's (and the step's width), fixed within a bucket of (slots, capacity), so a compiled
     step neither breaks its graph nor recompiles while requests come, go and decode within the bucket
     (``tests/test_compiled_step.py``)."""
+    inputs = step_inputs(ids, positions, contexts, questions, rows, columns, k_pos, k_ctx, k_qid, documents, layers)
+    mask = step_mask(model, positions, contexts, questions, k_pos, k_ctx, k_qid)
+    return model(**inputs, attention_mask=mask).logits.float()
+
+
+def step_inputs(ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor, questions: torch.Tensor,
+                rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor, k_ctx: torch.Tensor,
+                k_qid: torch.Tensor, documents: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> dict[str, object]:
+    """What every step's forward shares (the eager reference's and :func:`decode_step`'s): the step's metadata written
+    at each slot's columns (its tokens belong to no document), and the model's inputs but the mask: the ids, RoPE
+    positions (a padding token's infinite position as 0: nothing sees it) and the arena as a transformers ``Cache``
+    whose layers write the step's keys in place."""
     k_pos[rows, columns], k_ctx[rows, columns], k_qid[rows, columns] = positions, contexts, questions
     documents[rows, columns] = 0
-    mask = step_mask(model, positions, contexts, questions, k_pos, k_ctx, k_qid)
-    cache = Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers])
-    rope_positions = positions.masked_fill(positions == PAD_POSITION, 0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions, past_key_values=cache, use_cache=True)
-    return out.logits.float()
+    return {"input_ids": ids, "position_ids": positions.masked_fill(positions == PAD_POSITION, 0),
+            "past_key_values": Cache(layers=[PoolLayer(k, v, rows, columns) for k, v in layers]), "use_cache": True}
 
 
 def slot_bucket(rows: int) -> int:
