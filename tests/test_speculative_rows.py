@@ -30,7 +30,7 @@ from ctx_integrations.engine.modes.speculative import (
     verdict_noise,
     verify,
 )
-from ctx_integrations.engine.modes.speculative_rows import DraftRow, RapidJob, SequenceRow, verdict_values
+from ctx_integrations.engine.modes.speculative_rows import DraftJob, DraftRow, RapidJob, SequenceRow, verdict_values
 from ctx_integrations.errors import RequestTooLargeError
 from tests.helpers import tiny_loaded
 from tests.test_rapid import (  # noqa: F401 - one_thread: autouse
@@ -328,7 +328,9 @@ def test_rapid_requests_draft_and_verify_together_and_answer_as_alone(monkeypatc
     monkeypatch.setattr(RapidJob, "batch_on_cpu", True)
     batches: dict[str, list[int]] = {"verdict": [], "draft": []}
     alone_verdicts: list[int] = []  # verifications of drafts chosen one by one (the batch's fallback)
+    alone_drafts: list[int] = []  # drafting steps chosen one by one
     propose_batch, propose_verdict = RapidJob.propose_batch.__func__, RapidJob._propose_verdict
+    monkeypatch.setattr(DraftRow, "propose", lambda self, logits: alone_drafts.append(1))  # never called: batched
 
     def spied(cls, jobs, logits):
         kind = jobs[0].batch_key()[0]
@@ -353,6 +355,9 @@ def test_rapid_requests_draft_and_verify_together_and_answer_as_alone(monkeypatc
     assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
     assert [a.extra["accepted"] for a in answers] == [a.extra["accepted"] for a in alone]
     assert [a.extra["drafted_tokens"] for a in answers] == [a.extra["drafted_tokens"] for a in alone]
+    for together_, alone_ in zip(answers, alone, strict=True):  # the forward's rounding with the batch apart
+        assert [s.score for s in together_.trace] == pytest.approx([s.score for s in alone_.trace], abs=1e-4)
+    assert alone_drafts == []
     for kind in batches:
         assert max(batches[kind]) >= 2 and min(batches[kind]) > 0, (kind, batches[kind])
     assert all(a.extra["drafted"] > 0 for a in alone)
@@ -382,6 +387,42 @@ def test_a_drafter_of_its_own_drafts_on_its_models_scheduler_beside_that_models_
     assert drafter.scheduler.stats.steps > drafter_steps
     assert target.scheduler.stats.exclusive_s == 0 and drafter.scheduler.stats.exclusive_s == 0
     wait_until(lambda: drafter.scheduler.active() == (0, 0), "the drafter rows to leave")
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=3)])
+def test_drafters_of_their_own_model_draft_together_and_their_requests_answer_as_alone(monkeypatch, sampling):
+    # On an accelerator (here: batch_on_cpu) the drafter rows of RAPID requests on the drafter model's own scheduler
+    # take their drafting steps in one evaluation (DraftJob.propose_batch), and the targets' verdicts in another; every
+    # answer, drafts, acceptances and trace scores included, is what it is alone. The CPU keeps one by one.
+    target = Engine(sharp_tiny(0))
+    drafter = Engine(sharp_tiny(0, noise=0.05))
+    options = dict(mode="rapid", gamma=3, eta=0.0, drafter=drafter, max_new_tokens=12, **SMALL_CONTEXT, **sampling)
+    questions = [QUESTION, "What is the capital of Veloria?", "Who founded it?"]
+    batches: list[tuple[str, int]] = []
+    for kind in (DraftJob, RapidJob):
+        original = kind.propose_batch.__func__
+
+        def spied(cls, jobs, logits, original=original):
+            batches.append((cls.__name__, len(jobs)))
+            return original(cls, jobs, logits)
+
+        monkeypatch.setattr(kind, "propose_batch", classmethod(spied))
+
+    def answers() -> list[tuple]:
+        async def together():
+            return await asyncio.gather(*(target.agenerate(q, DOCS, **options) for q in questions))
+        return [(a.token_ids, a.extra["drafted_tokens"], [s.score for s in a.trace]) for a in asyncio.run(together())]
+
+    alone = [(a.token_ids, a.extra["drafted_tokens"], [s.score for s in a.trace])
+             for a in (target.generate(q, DOCS, **options) for q in questions)]
+    assert batches == []  # the CPU chooses one by one
+    monkeypatch.setattr(DraftJob, "batch_on_cpu", True)
+    monkeypatch.setattr(RapidJob, "batch_on_cpu", True)
+    for (tokens, drafted, scores), (tokens_, drafted_, scores_) in zip(answers(), alone, strict=True):
+        assert (tokens, drafted) == (tokens_, drafted_)
+        assert scores == pytest.approx(scores_, abs=1e-4)  # the forward's rounding with the batch apart
+    assert max(size for name, size in batches if name == "DraftJob") >= 2
+    assert max(size for name, size in batches if name == "RapidJob") >= 2
 
 
 def wait_until(condition, what: str) -> None:

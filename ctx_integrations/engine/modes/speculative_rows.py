@@ -115,10 +115,10 @@ class DraftRow:
         """The next draft from the logits after the row's last token: ``[token, the score to check]``."""
         return DraftRow.propose_batch([self], [logits])[0]
 
-    def batch_key(self) -> Hashable | None:
-        """Drafters of one vocabulary width and one sampler's knobs draft together (:meth:`propose_batch`)."""
-        knobs = self.sampler.batch_knobs
-        return None if knobs is None else ("draft", self.width, knobs)
+    def batch_key(self) -> Hashable:
+        """Drafters of one vocabulary width and one sampler's knobs draft together (:meth:`propose_batch`). A RAPID
+        request's sampler reads nothing but its knobs: RAPID refuses the rest (``beyond_plain_sampling``)."""
+        return "draft", self.width, self.sampler.batch_knobs
 
     @staticmethod
     def propose_batch(drafters: list[DraftRow], logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -373,10 +373,9 @@ class RapidJob(PooledJob):
         if not self.batches_here():
             return None
         if self.phase == VERIFY and self.target.runs:
-            knobs = self.ctx.sampler.batch_knobs
-            if self.dists is None or knobs is None:
+            if self.dists is None:
                 return None
-            return "verdict", len(self.drafts), self.width, self.eta, self.tail_rule, knobs
+            return "verdict", len(self.drafts), self.width, self.eta, self.tail_rule, self.ctx.sampler.batch_knobs
         return self.draft.batch_key() if self.draft is not None and self.draft.drafting else None
 
     @classmethod
