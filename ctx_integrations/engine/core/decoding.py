@@ -365,11 +365,6 @@ class TokenSampler:
         return not self.penalties.active and self.constraint is None and self.logprobs is None
 
     @property
-    def greedy_argmax(self) -> bool:
-        """Whether :meth:`pick` is the plain argmax of the scores and nothing else is read from them."""
-        return self.plain and self.temperature == 0
-
-    @property
     def batch_knobs(self) -> tuple | None:
         """What answers choosing together must share (``None``: this one chooses alone): greedy answers any greedy
         ones; sampled answers those with the same temperature, top_p, top_k and min_p, each drawing its own noise

@@ -161,8 +161,8 @@ def sampled_verdict(target_logits: torch.Tensor, draft_q: torch.Tensor, drafts: 
 
     The same rule with the same draws: ``noise`` is what :func:`verdict_noise` drew from the request's generator, in
     :func:`verify`'s order (the ``g`` uniforms that accept or reject the drafts, then the exponential race of one draw
-    over ``V`` tokens, ``multinomial``'s own algorithm: :func:`~ctx_integrations.engine.core.decoding.
-    multinomial_on_device`), from the residual after the first rejected draft or from ``p`` at the bonus position when
+    over ``V`` tokens, ``multinomial``'s own algorithm: :func:`~ctx_integrations.engine.core.decoding.race_winner`),
+    from the residual after the first rejected draft or from ``p`` at the bonus position when
     every draft is accepted. Instead of reading back where the first rejection is, every row's residual is computed
     and the draw's row is picked on the device. Shapes as :func:`greedy_verdict`'s (leading dimensions: requests
     verified together, each with its own noise, ``[..., g]`` and ``[..., V]``); the caller checks the logits are
