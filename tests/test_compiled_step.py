@@ -14,8 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,6 +311,8 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     # the H200 run's compiled step, on the scheduler's thread. Caught: the set-up skipped, done in the wrong thread,
     # redone over a thread's existing state (its tree managers lost), or stashed in torch's C++ thread-local state
     # (a process exit abort: tests/test_scheduler_exit.py).
+    from torch._inductor import cudagraph_trees  # noqa: F401 - imported here, in this thread, whatever ran before
+
     assert isinstance(_in_a_fresh_thread(lambda: _torch_2_11_lookup("tree_manager_containers")), AssertionError)
 
     def set_up_twice():
@@ -329,6 +335,36 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     guarded = compiled_step.GuardedStep(lambda *args: _torch_2_11_lookup("tree_manager_containers") is not None,
                                         "reduce-overhead")
     assert _in_a_fresh_thread(lambda: guarded(1)) is True and not guarded.failed
+
+
+def test_a_step_thread_that_first_imports_cuda_graph_trees_keeps_nothing_in_cpp_thread_local_state():
+    # Importing cudagraph_trees runs torch's _initialize_tls in the importing thread, which stashes Python objects in
+    # its C++ thread-local state; when that thread is the scheduler's, their destructor runs after join() returned and
+    # needs the GIL while the interpreter finalises: "terminate called without an active exception" (1 run in 8
+    # under load, tests/test_scheduler_exit.py). A fresh process, so that the import happens in the step thread.
+    script = textwrap.dedent("""
+        import sys, threading
+        sys.path.insert(0, {repo!r})
+        import torch
+        from ctx_integrations.engine.core import compiled_step
+
+        assert "torch._inductor.cudagraph_trees" not in sys.modules
+        seen = []
+
+        def step_thread():
+            compiled_step.cudagraph_trees_in_this_thread()
+            from torch._inductor import cudagraph_trees
+            seen.append([torch._C._is_key_in_tls(key) for key in compiled_step.TREE_STATE])
+            seen.append(hasattr(cudagraph_trees.local, "tree_manager_containers"))
+
+        thread = threading.Thread(target=step_thread)
+        thread.start()
+        thread.join()
+        print(seen)
+    """).format(repo=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[[False, False], True]"
 
 
 def test_a_failures_place_is_the_innermost_frame_of_its_traceback():

@@ -81,6 +81,9 @@ def mark_arena_static(*arena: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(tensor, guard=False)
 
 
+TREE_STATE = ("tree_manager_containers", "tree_manager_locks")  # what cudagraph_trees stashes in C++ TLS
+
+
 def cudagraph_trees_in_this_thread() -> None:
     """Give this thread the thread-local state CUDA graph trees look up, if it has none.
 
@@ -92,9 +95,15 @@ def cudagraph_trees_in_this_thread() -> None:
     lock per device, as torch sets them). Not torch's ``_initialize_tls`` (2.13+): it also stashes the objects in
     the C++ thread-local state autograd copies into its threads, and a scheduler thread holding Python objects
     there aborted the process at exit ("terminate called without an active exception", 3 runs in 4 on the CPU).
-    Written by hand: torch has no public call for it."""
+    Importing the module runs ``_initialize_tls`` in the importing thread, so when that is this thread (the first
+    compiled step imports it here) the stash is taken out again: the thread's C++ thread-local destructor, run after
+    ``join`` has returned, would otherwise need the GIL while the interpreter finalises, and aborted 1 run in 8
+    under load. Written by hand: torch has no public call for it."""
     from torch._inductor import cudagraph_trees as trees
 
+    for key in TREE_STATE:
+        if torch._C._is_key_in_tls(key):
+            torch._C._remove_obj_from_tls(key)
     if hasattr(trees.local, "tree_manager_containers"):
         return
     trees.local.tree_manager_containers = {}
