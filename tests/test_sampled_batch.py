@@ -105,6 +105,27 @@ def test_a_batch_that_raises_leaves_every_generator_as_it_was():
     assert not torch.equal(one.generator.get_state(), before[0])
 
 
+class _Unread:
+    """A generator stand-in that fails when its state is copied or restored."""
+
+    def get_state(self):
+        raise AssertionError("a generator that draws nothing was copied")
+
+    set_state = get_state
+
+
+def test_a_batch_keeps_only_the_generators_it_draws_from():
+    # Greedy and unseeded samplers draw nothing from their own generators (unseeded noise is the device's draw), so
+    # the batch copies no state for them (a get_state per request per step otherwise), and a failure restores none.
+    greedy, unseeded, seeded = TokenSampler(), TokenSampler(1.0), TokenSampler(1.0, seed=3)
+    greedy.generator = unseeded.generator = _Unread()
+    before = seeded.generator.get_state()
+    with pytest.raises(RuntimeError, match="broke"), generators_kept([greedy, unseeded, seeded]):
+        torch.rand(4, generator=seeded.generator)
+        raise RuntimeError("broke")
+    assert torch.equal(seeded.generator.get_state(), before)
+
+
 def test_seeded_rows_draw_from_their_generators_and_unseeded_ones_in_one_draw_on_the_device():
     # A batch mixing seeded and unseeded samplers: each seeded row is its own generator's draw (what it draws alone),
     # the unseeded rows one draw from the device's default generator (here the CPU's: torch.manual_seed fixes it),
@@ -194,9 +215,10 @@ def test_concurrent_sampled_requests_of_every_fused_mode_answer_as_alone(engine,
 def test_a_sampled_steps_operations_do_not_grow_with_its_requests(engine, monkeypatch, seeded):
     """The step's choice for 1 and 8 sampled concat requests. Unseeded: the same operations for 8 as for 1 (their noise
     is one draw on the device). Seeded: beside what does not depend on the request count, each request adds only its
-    noise, drawn on the CPU by its own generator (2 operations). One by one each adds a whole pick."""
+    noise, drawn on the CPU by its own generator into its row of the batch's noise (1 operation, no copy). One by one
+    each adds a whole pick."""
     monkeypatch.setattr(FusedJob, "batch_on_cpu", True)
     one, eight, one_by_one, eight_one_by_one = operations_per_step(engine, monkeypatch, mode="concat", temperature=0.8,
                                                                    top_p=0.9, seed_each=seeded)
-    assert eight - one == (7 * 2 if seeded else 0)
+    assert eight - one == (7 if seeded else 0)
     assert eight_one_by_one - 1 == 8 * (one_by_one - 1)

@@ -28,6 +28,7 @@ from ctx_integrations.engine.modes.speculative import (
     sampled_verdict,
     tail_adjusted,
     verdict_noise,
+    verdict_noises,
     verify,
 )
 from ctx_integrations.engine.modes.speculative_rows import DraftJob, DraftRow, RapidJob, SequenceRow, verdict_values
@@ -192,6 +193,27 @@ def test_sampled_verdicts_chosen_together_are_each_requests_own_draw_for_draw(ta
         alone = sampled_verdict(logits[j], q[j], drafts[j], noise=noise[j], **options)
         assert (int(accepted[j]), int(token[j])) == tuple(int(x) for x in alone), j
     assert set(accepted.tolist()) == set(range(g + 1))
+
+
+def test_verdict_noise_is_a_seeded_requests_own_and_one_device_draw_for_the_unseeded():
+    # A seeded request's uniforms and race are what verify draws from its generator (alone, batched, any device); the
+    # unseeded requests' come from the device's default generator in one draw (here the CPU's: torch.manual_seed
+    # fixes it), and their own generators do not move (no V-wide host draw per unseeded request per round).
+    g, vocab = 3, 40
+    mixed = [TokenSampler(0.8, seed=4), TokenSampler(0.8), TokenSampler(0.8, seed=9), TokenSampler(0.8)]
+    states = [sampler.generator.get_state() for sampler in mixed]
+    torch.manual_seed(0)
+    uniforms, race = verdict_noises(mixed, g, vocab, torch.device("cpu"))
+    torch.manual_seed(0)
+    device_uniforms, device_race = torch.rand(4, g), torch.empty(4, vocab).exponential_()
+    for j, seed in ((0, 4), (2, 9)):
+        own_uniforms, own_race = verdict_noise(torch.Generator().manual_seed(seed), g, vocab)
+        assert torch.equal(uniforms[j], own_uniforms) and torch.equal(race[j], own_race)
+    for j in (1, 3):
+        assert torch.equal(uniforms[j], device_uniforms[j]) and torch.equal(race[j], device_race[j])
+        assert torch.equal(mixed[j].generator.get_state(), states[j])
+    alone = verdict_noises([TokenSampler(0.8, seed=9)], g, vocab, torch.device("cpu"))
+    assert torch.equal(alone[0][0], uniforms[2]) and torch.equal(alone[1][0], race[2])
 
 
 # -- the drafter's distributions and the sampled verdict -------------------------------------------------

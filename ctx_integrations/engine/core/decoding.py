@@ -259,13 +259,18 @@ def race_noises(samplers: Sequence[TokenSampler], width: int, dtype: torch.dtype
                 device: torch.device) -> torch.Tensor:
     """The exponential noise of one draw over ``width`` tokens per sampler, ``[J, V]`` on ``device``, for
     :func:`race_winner`: ``torch.multinomial``'s own algorithm for one sample (the argmax of p / q, q ~ Exp(1)) with q
-    chosen per request. A seeded sampler's q comes from its own CPU generator (:func:`race_noise`: the same draws on
+    chosen per request. A seeded sampler's q comes from its own CPU generator (as :func:`race_noise`: the same draws on
     every device, alone or batched; on a CPU the draw is bit for bit ``torch.multinomial(probs, 1,
     generator=...)``), copied to the device without a wait. The unseeded samplers' q is one draw on the device from its
     default generator, as vLLM draws the noise of requests without a seed: nothing to reproduce, and no V-wide draw
-    per request on the host each step."""
+    per request on the host each step. Each seeded row is drawn in place, so a seeded request adds one host
+    operation (its draw) and no V-wide copy."""
     seeded = [j for j, sampler in enumerate(samplers) if sampler.seeded]
-    own = torch.stack([race_noise(samplers[j].generator, width, dtype) for j in seeded]) if seeded else None
+    own = None
+    if seeded:
+        own = torch.empty(len(seeded), width, dtype=dtype)
+        for row, j in zip(own.unbind(), seeded):
+            row.exponential_(generator=samplers[j].generator)
     if len(seeded) == len(samplers):
         return own.to(device, non_blocking=True)
     race = torch.empty(len(samplers), width, dtype=dtype, device=device).exponential_()
@@ -275,8 +280,8 @@ def race_noises(samplers: Sequence[TokenSampler], width: int, dtype: torch.dtype
 
 
 def race_noise(generator: torch.Generator, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """The exponential noise of one draw over ``width`` tokens from ``generator`` (on the CPU): J requests' draws
-    are their own generators' noise stacked (``[J, V]``), each what that request draws alone."""
+    """The exponential noise of one draw over ``width`` tokens from ``generator`` (on the CPU): what
+    :func:`race_noises` draws for a seeded request, row by row."""
     return torch.empty(width, dtype=dtype).exponential_(generator=generator)
 
 
@@ -312,9 +317,11 @@ def sampling_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k
 
 @contextmanager
 def generators_kept(samplers: Sequence[TokenSampler]) -> Iterator[None]:
-    """Put the samplers' generators back as they were if the block raises: a batch that fails is proposed again
-    one by one (``choice.choose``), and must draw the same noise then."""
-    generators = {id(sampler.generator): sampler.generator for sampler in samplers}
+    """Put the seeded samplers' generators back as they were if the block raises: a batch that fails is proposed
+    again one by one (``choice.choose``), and must draw the same noise then. Greedy and unseeded samplers draw
+    nothing from their own generators (:func:`race_noises`), so theirs are not read: no state copy per request."""
+    generators = {id(sampler.generator): sampler.generator for sampler in samplers
+                  if sampler.seeded and sampler.temperature > 0}
     states = {key: generator.get_state() for key, generator in generators.items()}
     try:
         yield

@@ -22,11 +22,12 @@ With ``eta = 0`` that is token for token plain greedy decoding of the target.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ctx_integrations.engine.core.decoding import check_finite_scores, race_noise, race_winner
+from ctx_integrations.engine.core.decoding import TokenSampler, check_finite_scores, race_noise, race_winner
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
@@ -187,6 +188,25 @@ def verdict_noise(generator: torch.Generator, drafts: int, width: int) -> tuple[
     uniforms, then the noise of one draw over ``width`` tokens (:func:`sampled_verdict`'s ``noise``)."""
     uniforms = torch.rand(drafts, generator=generator)
     return uniforms, race_noise(generator, width, torch.float32)
+
+
+def verdict_noises(samplers: Sequence[TokenSampler], drafts: int, width: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """J sampled verdicts' noise on ``device``, ``([J, drafts], [J, width])``: a seeded request's from its own
+    generator (:func:`verdict_noise`: what :func:`verify` draws, on every device, alone or batched), the unseeded
+    requests' in one draw on the device from its default generator, as
+    :func:`~ctx_integrations.engine.core.decoding.race_noises` draws every other mode's (no host draw for them)."""
+    seeded = [j for j, sampler in enumerate(samplers) if sampler.seeded]
+    own = [verdict_noise(samplers[j].generator, drafts, width) for j in seeded]
+    own_uniforms = torch.stack([u for u, _ in own]).to(device, non_blocking=True) if own else None
+    own_race = torch.stack([r for _, r in own]).to(device, non_blocking=True) if own else None
+    if len(seeded) == len(samplers):
+        return own_uniforms, own_race
+    uniforms = torch.rand(len(samplers), drafts, device=device)
+    race = torch.empty(len(samplers), width, device=device).exponential_()
+    if own:
+        uniforms[seeded], race[seeded] = own_uniforms, own_race
+    return uniforms, race
 
 
 def _choose(probs: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

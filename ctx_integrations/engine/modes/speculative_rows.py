@@ -401,12 +401,11 @@ class RapidJob(PooledJob):
         if sampler.temperature == 0:
             accepted, token = greedy_verdict(target, dists, drafts, eta=first.eta, tail_rule=first.tail_rule)
         else:
-            with generators_kept([job.ctx.sampler for job in jobs]):
-                noise = [speculative.verdict_noise(job.ctx.sampler.generator, g, width) for job in jobs]
+            samplers = [job.ctx.sampler for job in jobs]
+            with generators_kept(samplers):
                 accepted, token = speculative.sampled_verdict(
                     target, dists, drafts, eta=first.eta, temperature=sampler.temperature, top_p=sampler.top_p,
-                    noise=(torch.stack([u for u, _ in noise]), torch.stack([r for _, r in noise])),
-                    tail_rule=first.tail_rule)
+                    noise=speculative.verdict_noises(samplers, g, width, target.device), tail_rule=first.tail_rule)
         values = verdict_values(target, drafts, accepted, token, target.amax(dim=(-2, -1)), sampler.temperature)
         return list(values.unbind(0))
 
@@ -469,9 +468,10 @@ class RapidJob(PooledJob):
         elif sampler.temperature == 0:
             accepted, token = greedy_verdict(logits, self.dists, drafts, eta=self.eta, tail_rule=self.tail_rule)
         else:
+            uniforms, race = speculative.verdict_noises([sampler], g, self.width, logits.device)
             accepted, token = speculative.sampled_verdict(
                 logits, self.dists, drafts, eta=self.eta, temperature=sampler.temperature, top_p=sampler.top_p,
-                noise=speculative.verdict_noise(sampler.generator, g, self.width), tail_rule=self.tail_rule)
+                noise=(uniforms[0], race[0]), tail_rule=self.tail_rule)
         return verdict_values(logits, drafts, accepted, token, checked, sampler.temperature)
 
     def _emit(self, values: list[float]) -> None:
