@@ -214,6 +214,10 @@ def test_verdict_noise_is_a_seeded_requests_own_and_one_device_draw_for_the_unse
         assert torch.equal(mixed[j].generator.get_state(), states[j])
     alone = verdict_noises([TokenSampler(0.8, seed=9)], g, vocab, torch.device("cpu"))
     assert torch.equal(alone[0][0], uniforms[2]) and torch.equal(alone[1][0], race[2])
+    torch.manual_seed(0)
+    unseeded = verdict_noises([mixed[1], mixed[3]], g, vocab, torch.device("cpu"))  # no request seeded
+    torch.manual_seed(0)
+    assert torch.equal(unseeded[0], torch.rand(2, g)) and torch.equal(unseeded[1], torch.empty(2, vocab).exponential_())
 
 
 # -- the drafter's distributions and the sampled verdict -------------------------------------------------
