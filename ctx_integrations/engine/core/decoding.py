@@ -343,27 +343,26 @@ class TokenSampler:
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
                  min_p: float = 0.0, penalties: Penalties = NO_PENALTIES, constraint: object | None = None,
-                 logprobs: int | None = None, generator: torch.Generator | None = None, seeded: bool = True):
+                 logprobs: int | None = None, generator: torch.Generator | None = None):
         temperature, top_p, seed = sampling_knobs(temperature, top_p, seed)
         top_k, min_p, *_ = filter_knobs(top_k, min_p, penalties.repetition, penalties.frequency, penalties.presence)
         self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
         self.penalties, self.constraint, self.logprobs = penalties, constraint, logprobs
         self.counts: torch.Tensor | None = None  # how often each token is in the answer (penalties only)
-        if generator is not None:  # a side decode of a request (``unconstrained``): its draws, its seed or none
-            self.generator, self.seeded = generator, seeded
-            return
-        self.seeded = seed is not None  # an unseeded answer's sampled noise is drawn on the device (race_noises)
-        self.generator = torch.Generator()
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        # Only a seeded answer has a generator of its own: an unseeded answer's sampled noise is drawn on the device
+        # (race_noises, verdict_noises), so nothing can draw from an unseeded generator by mistake. ``generator``: a
+        # side decode of a seeded request (``unconstrained``) continuing its sequence of draws.
+        self.generator: torch.Generator | None = generator
+        if generator is None and seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+        self.seeded = self.generator is not None
 
     def unconstrained(self) -> TokenSampler:
         """A sampler for a side decode of this answer's request (MapReduce's summaries): the same knobs and
-        generator (so draws stay in one seeded sequence), its own penalty counts, no constraint, no logprobs."""
+        generator (so a seeded request's draws stay in one sequence; an unseeded one has none), its own penalty
+        counts, no constraint, no logprobs."""
         return TokenSampler(self.temperature, self.top_p, top_k=self.top_k, min_p=self.min_p,
-                            penalties=self.penalties, generator=self.generator, seeded=self.seeded)
+                            penalties=self.penalties, generator=self.generator)
 
     @property
     def plain(self) -> bool:
