@@ -1,28 +1,29 @@
 """Kernels whose per-row results do not depend on the batch (``Engine(batch_invariant=True)``, CPU).
 
 The row pool keeps every shape a row sees its own (:mod:`~ctx_integrations.engine.core.rows`: columns, key
-blocks, one forward per token count). Two CPU kernels still round a row by what is beside it, measured with
-torch 2.13 on AVX-512 in fp32 (bf16 showed neither):
+blocks, one forward per token count). Two CPU kernels still round a row by what is beside it:
 
-- **GEMM height.** MKL picks its kernel by the matrix's shape: an fp32 row comes out differently when the
-  matrix has 1, 2-3, 5-7 or 9-11 rows than with 4, 8 or 12 and more (~3e-5 on SmolLM2's logits), so a
-  request alone in the pool (one or two slots) rounds unlike the same request beside others.
+- **GEMM height.** MKL and oneDNN pick their kernel by the matrix's shape, so a row comes out with other bits
+  in a matrix of another height. Measured with torch 2.13: on an AMD EPYC (AVX-512) in fp32, 1-3, 5-7 and 9-11
+  rows unlike 4, 8 or 12 and more (~3e-5 on SmolLM2's logits); on an Intel Xeon with AMX, fp32 1-15 rows
+  unlike 16-56 and, on two threads, 57-81 unlike either, and bf16 5-36 rows unlike 1-4 and 37 and more. No
+  height rounds "like a tall matrix" on every CPU, so none is guessed: every row goes through GEMMs of one
+  fixed height, :data:`ROW_BLOCK` rows (zero rows pad the last block), where a row's bits depend neither on
+  its place in the block nor on the other rows (checked on the CPU that runs the tests).
 - **Flash attention's thread split.** torch's CPU flash kernel in fp32 gives a row other bits when the batch
   is split differently over the threads (one query per row, two threads, batch 2 vs 4); the math kernel
   (``aten._scaled_dot_product_attention_math``: one matmul per batch entry) gives every row the same bits.
 
 While :class:`batch_invariant_kernels` is active (the runner's forwards, when asked), ``F.linear`` on the CPU
-pads its rows up to the smallest height *measured* on this machine (per weight shape and dtype, once per
-process) to round like a tall matrix, and drops the padding from the result; a height that already rounds
-like a tall one is left alone, so a library without such kernels pays nothing. ``F.scaled_dot_product_attention``
-on the CPU runs the math kernel. This is vLLM's batch-invariant mode for the CPU (vLLM's replaces CUDA kernels;
-nothing offers it for CPU kernels, hence this module). Its cost, measured in docs/scheduler.md#batch-invariance:
-the padded rows' compute and the math kernel's score matrix.
+runs in blocks of :data:`ROW_BLOCK` rows and ``F.scaled_dot_product_attention`` on the CPU runs the math
+kernel. This is vLLM's batch-invariant mode for the CPU (vLLM's fixes the tiling of CUDA kernels; nothing
+offers it for CPU kernels, hence this module). Its cost, measured in docs/scheduler.md#batch-invariance: a
+decode step's few rows computed as 16, one GEMM call per 16 rows of a prefill, and the math kernel's score
+matrix.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,61 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# Heights probed against a tall matrix; a taller matrix is taken as rounding like a tall one (measured with MKL
-# up to 300 rows; tests/test_batch_invariant_kernels.py checks heights up to 40 on the machine that runs it).
-PROBED_ROWS = 16
-_TALL_ROWS = 64
-# Outputs compared per probed height: a bf16 row of a one-row matrix with a bias was seen to differ in 1 output
-# of 576, so a narrow weight is probed with more rows (up to the tall matrix's 64) than a wide one (2).
-_PROBED_OUTPUTS = 1 << 16
-
-_heights: dict[tuple, tuple[int, ...]] = {}
-_heights_lock = threading.Lock()
-
-
-def padded_heights(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, ...]:
-    """For ``F.linear`` with this weight's (and bias's) shape and dtype on the CPU, with this thread's torch
-    thread count: entry ``m`` (1..:data:`PROBED_ROWS`) is the smallest height >= ``m`` whose rows come out bit
-    for bit as in a tall matrix (entry 0 unused).
-
-    Measured once per (shape, dtype, bias, threads) and process: random rows through matrices of each height,
-    compared with the same rows inside one :data:`_TALL_ROWS`-row matrix (consecutive windows of the
-    height, so rows at every place in a window are compared). A height none reaches maps to the tallest probed."""
-    threads = torch.get_num_threads()  # MKL's choice of kernel for a short fp32 matrix depends on it (measured)
-    key = (*weight.shape, weight.dtype, bias is not None, threads)
-    with _heights_lock:
-        known = _heights.get(key)
-        if known is not None:
-            return known
-        generator = torch.Generator().manual_seed(0)
-        probe = torch.randn(_TALL_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
-        rows = min(_TALL_ROWS, max(2, _PROBED_OUTPUTS // weight.shape[0]))
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            tall = F.linear(probe, weight, bias)
-
-            def exact(m: int) -> bool:
-                return all(torch.equal(F.linear(probe[start:start + m], weight, bias), tall[start:start + m])
-                           for start in range(0, max(1, rows - m + 1), m))
-
-            heights, target = [0] * (PROBED_ROWS + 1), PROBED_ROWS
-            for m in range(PROBED_ROWS, 0, -1):
-                target = m if exact(m) else target
-                heights[m] = target
-        _heights[key] = known = tuple(heights)
-        return known
+# The height of every GEMM a row goes through: enough for a decode step's slots (one block), small enough that
+# a lone request's one row costs 16 rows' compute.
+ROW_BLOCK = 16
 
 
 def linear_rows_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed with at least the height :func:`padded_heights` names for ``x``'s
-    rows (zero rows appended, their outputs dropped)."""
+    """``F.linear(x, weight, bias)`` with every row of ``x`` computed in a GEMM of exactly :data:`ROW_BLOCK` rows
+    (zero rows appended to the last block, their outputs dropped), so a row's bits do not depend on how many
+    rows are beside it. Off the CPU, and for no rows, plain ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or rows == 0 or rows > PROBED_ROWS:
+    if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
-    height = padded_heights(weight, bias)[rows]
-    if height == rows:
-        return F.linear(x, weight, bias)
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, height - rows))
-    return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % ROW_BLOCK))
+    blocks = [F.linear(flat[start:start + ROW_BLOCK], weight, bias) for start in range(0, flat.shape[0], ROW_BLOCK)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

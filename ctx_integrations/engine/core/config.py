@@ -155,9 +155,9 @@ class EngineConfig:
     (:mod:`~ctx_integrations.engine.core.compiled_step`): ``"auto"`` (``"reduce-overhead"``, CUDA graphs per bucket
     of rows and columns, on CUDA; the eager step elsewhere), ``None`` (the eager step, the reference) or a
     ``torch.compile`` mode. ``batch_invariant`` (*shared*): on the CPU, run the pool's forwards with kernels whose
-    rows round the same whatever the batch (:mod:`~ctx_integrations.engine.core.batch_invariant`: short GEMMs
-    padded to a measured height, the math attention kernel, capacity in whole 512-column key blocks), so a
-    request's logits are bit for bit those it gets alone in fp32 as in bf16, at 1.3-1.8x the time per token
+    rows round the same whatever the batch (:mod:`~ctx_integrations.engine.core.batch_invariant`: every GEMM
+    in blocks of 16 rows, the math attention kernel, capacity in whole 512-column key blocks), so a
+    request's logits are bit for bit those it gets alone in fp32 as in bf16, at 1.1-2.5x the time per token
     (docs/scheduler.md#batch-invariance); ``False`` (default): a row's logits may move with its neighbours (fp32:
     ~4e-5).
 
@@ -224,7 +224,7 @@ class EngineConfig:
                                             metavar="MODE", value=lambda word: None if word == "none" else word))
     batch_invariant: bool = setting(False, "scheduler", flag,
                                     "on the CPU, logits bit for bit those of the request alone, whatever the batch "
-                                    "(1.3-1.8x the time per token; default off)", Flag())
+                                    "(1.1-2.5x the time per token; default off)", Flag())
     # prompt
     system_prompt: str = setting(PCED_SYSTEM_PROMPT, "prompt", text,
                                  "the system turn of every prompt (default: PCED's)", Flag(metavar="TEXT"))
