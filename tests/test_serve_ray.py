@@ -58,6 +58,9 @@ def ray_app(tmp_path_factory):
         # Ray gives its raylet 30 s to register (RAY_raylet_start_wait_time_s); on a 2-core machine busy with other
         # test workers it took longer and every test of the module errored at setup
         patch.setenv("RAY_raylet_start_wait_time_s", "120")
+        # and Serve gives its HTTP proxy 60 s to be ready (a constant, not a setting): under the same load it took
+        # longer once (an Intel 2-core machine, an evaluation beside the suite) and every test errored at setup
+        patch.setattr("ray.serve._private.api.HTTP_PROXY_TIMEOUT", 180)
         store = DocumentStore(chroma_url)
         store.engine = tiny_engine(cache_dir=store.kv_dir)  # what `ctx-experts ingest` does: caches computed now
         assert store.add(load_demo_corpus()[0]).cache_misses > 0
