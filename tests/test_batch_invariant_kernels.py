@@ -121,6 +121,9 @@ def test_a_given_scale_and_a_causal_mask_reach_the_math_kernel():
         with torch.no_grad(), batch_invariant_kernels():
             out = F.scaled_dot_product_attention(q, k, v, **options)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, **options), atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), batch_invariant_kernels():  # the mask, dropout and causality given by position
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)
 
 
 def test_the_math_kernel_takes_a_bf16_query_with_a_boolean_mask():

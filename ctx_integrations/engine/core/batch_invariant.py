@@ -57,12 +57,11 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attention_batch_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` through the math kernel on the CPU (the flash kernel elsewhere)."""
+    """``F.scaled_dot_product_attention`` through the math kernel on the CPU (the flash kernel elsewhere); a boolean
+    ``attn_mask`` was made additive by the caller (:class:`batch_invariant_kernels`, once per forward)."""
     if query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = additive_mask(attn_mask, query.dtype)
     return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                              scale=scale, enable_gqa=enable_gqa)[0]
 
