@@ -195,16 +195,19 @@ def verdict_noises(samplers: Sequence[TokenSampler], drafts: int, width: int,
     """J sampled verdicts' noise on ``device``, ``([J, drafts], [J, width])``: a seeded request's from its own
     generator (:func:`verdict_noise`: what :func:`verify` draws, on every device, alone or batched), the unseeded
     requests' in one draw on the device from its default generator, as
-    :func:`~ctx_integrations.engine.core.decoding.race_noises` draws every other mode's (no host draw for them)."""
+    :func:`~ctx_integrations.engine.core.decoding.race_noises` draws every other mode's (no host draw for them).
+    Each seeded row is drawn in place, in :func:`verdict_noise`'s order (no copy per request)."""
     seeded = [j for j, sampler in enumerate(samplers) if sampler.seeded]
-    own = [verdict_noise(samplers[j].generator, drafts, width) for j in seeded]
-    own_uniforms = torch.stack([u for u, _ in own]).to(device, non_blocking=True) if own else None
-    own_race = torch.stack([r for _, r in own]).to(device, non_blocking=True) if own else None
+    own_uniforms, own_race = torch.empty(len(seeded), drafts), torch.empty(len(seeded), width)
+    for uniforms, race, j in zip(own_uniforms.unbind(), own_race.unbind(), seeded):
+        uniforms.uniform_(generator=samplers[j].generator)
+        race.exponential_(generator=samplers[j].generator)
+    own_uniforms, own_race = own_uniforms.to(device, non_blocking=True), own_race.to(device, non_blocking=True)
     if len(seeded) == len(samplers):
         return own_uniforms, own_race
     uniforms = torch.rand(len(samplers), drafts, device=device)
     race = torch.empty(len(samplers), width, device=device).exponential_()
-    if own:
+    if seeded:
         uniforms[seeded], race[seeded] = own_uniforms, own_race
     return uniforms, race
 
