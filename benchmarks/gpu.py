@@ -90,6 +90,7 @@ from benchmarks.budget import INTERRUPTED_EXIT, Budget, Watchdog  # noqa: E402
 from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
 from ctx_integrations import Answer, Engine  # noqa: E402
 from ctx_integrations.engine.core.cache import batch_sequences  # noqa: E402
+from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step, resolve_compile_mode  # noqa: E402,E501
 from ctx_integrations.engine.core.decoding import forward_sequences  # noqa: E402
 from ctx_integrations.engine.core.layout import PromptLayout  # noqa: E402
 from ctx_integrations.engine.core.model import (  # noqa: E402
@@ -707,8 +708,8 @@ def plan_cache(bench: Bench) -> Plan:
 
 def decode_case(bench: Bench, n: int) -> Case:
     """The pool's decode step over 1 + N rows (PCED's batch: the amateur and one expert per document), eager and
-    compiled (``Engine(compile_mode=...)``: CUDA graphs per bucket on CUDA): steps/s of one PCED answer after its
-    prefill. The compiled row is the engine's default on CUDA; on the CPU (the dry run) only the eager step runs
+    compiled (what ``Engine(compile_mode="auto")`` runs: CUDA graphs per bucket on CUDA): steps/s of one PCED answer
+    after its prefill. The eager row is the engine's default; on the CPU (the dry run) only the eager step runs
     (compiling there costs minutes for a tiny model)."""
     s = bench.shapes
     steps = 4 * s.new_tokens
@@ -718,7 +719,9 @@ def decode_case(bench: Bench, n: int) -> Case:
         engine = bench.engine()
         engine.warm(docs)
         runner = engine.scheduler.runner
-        compiled, out = runner.step, []
+        default, out = runner.step, []
+        mode = resolve_compile_mode("auto", bench.device)
+        compiled = GuardedStep(compiled_decode_step(mode), mode) if mode is not None else None
         methods = [("eager step", None)] + ([("compiled step (CUDA graphs)", compiled)] if compiled is not None else [])
         try:
             for method, step in methods:
@@ -732,7 +735,7 @@ def decode_case(bench: Bench, n: int) -> Case:
                 out.append({"method": method, "steps": steps, "first_call_s": times[0][0],
                             "steps_per_s": statistics.median(rate for _, rate in times[1:])})
         finally:
-            runner.step = compiled
+            runner.step = default
         for row in out:
             row["speedup"] = row["steps_per_s"] / out[0]["steps_per_s"]
         return out

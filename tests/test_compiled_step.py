@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from ctx_integrations import Engine
 from ctx_integrations.engine.core import compiled_step
 from ctx_integrations.engine.core import runner as runner_module
-from ctx_integrations.engine.core.config import COMPILE_MODES
+from ctx_integrations.engine.core.config import COMPILE_MODES, EngineConfig
 from ctx_integrations.engine.core.rows import slot_bucket
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import tiny_loaded
@@ -187,7 +187,10 @@ def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_o
     with pytest.raises(InvalidOptionError, match="compile_mode must be one of"):
         Engine(tiny_loaded("llama", seed=9), compile_mode="fast")
     loaded = tiny_loaded("llama", seed=10)
-    Engine(loaded)  # auto: eager on the CPU
+    assert Engine(loaded).scheduler.runner.step is None
+    # the default is the eager step on CUDA too (measured faster for PCED's rows on an H200: compiled_step's docstring)
+    assert compiled_step.resolve_compile_mode(EngineConfig().compile_mode, torch.device("cuda")) is None
+    assert Engine(loaded, compile_mode="auto").scheduler.runner.step is None  # auto: eager on the CPU
     with pytest.raises(InvalidOptionError, match="compile_mode=None"):
         Engine(loaded, compile_mode="default")
     assert Engine(loaded, compile_mode=None).scheduler.runner.step is None
@@ -365,6 +368,39 @@ def test_a_step_thread_that_first_imports_cuda_graph_trees_keeps_nothing_in_cpp_
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[[False, False], True]"
+
+
+def test_a_guarded_step_built_on_torch_2_11_runs_in_another_thread_and_leaves_it_no_cpp_state():
+    # torch 2.11 has no torch._C._remove_obj_from_tls: calling it failed the H200 run's first compiled step
+    # (AttributeError), and its engine decoded eagerly for the whole benchmark. Caught: the removal called where
+    # torch lacks it, or the module imported in the step's thread (which 2.11 cannot clean up: an exit abort).
+    # A fresh process, torch 2.11's C API imitated by deleting the call.
+    script = textwrap.dedent("""
+        import sys, threading
+        sys.path.insert(0, {repo!r})
+        import torch
+        del torch._C._remove_obj_from_tls
+        from ctx_integrations.engine.core import compiled_step
+
+        assert "torch._inductor.cudagraph_trees" not in sys.modules
+        guarded = compiled_step.GuardedStep(lambda *args: "compiled", "reduce-overhead")
+        assert "torch._inductor.cudagraph_trees" in sys.modules  # imported here, in the building thread
+        seen = []
+
+        def step_thread():
+            seen.append(guarded(1))
+            from torch._inductor import cudagraph_trees
+            seen.append([torch._C._is_key_in_tls(key) for key in compiled_step.TREE_STATE])
+            seen.append(cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers"))
+
+        thread = threading.Thread(target=step_thread)
+        thread.start()
+        thread.join()
+        print(seen, guarded.failed)
+    """).format(repo=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['compiled', [False, False], {}] False", done.stderr[-2000:]
 
 
 def test_a_failures_place_is_the_innermost_frame_of_its_traceback():

@@ -69,7 +69,7 @@ FLAGS = {  # field: (the flag and its text, the setting's value); a field with a
     "request_timeout_s": (["--request-timeout-s", "2.5"], 2.5),
     "attention_kernel": (["--attention-kernel", "eager"], "eager"),
     "threads": (["--threads", "2"], 2),
-    "compile_mode": (["--compile-mode", "none"], None),
+    "compile_mode": (["--compile-mode", "auto"], "auto"),
     "batch_invariant": (["--batch-invariant"], True),
     "system_prompt": (["--system-prompt", "Answer in French."], "Answer in French."),
     "question_template": (["--question-template", "Q: {question}"], "Q: {question}"),

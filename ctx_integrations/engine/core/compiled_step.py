@@ -13,9 +13,15 @@ assert that it never breaks, never recompiles within a bucket, takes a few graph
 writes in place only into static inputs (``tests/test_compiled_step.py``): the preconditions a GPU then only
 has to confirm.
 
-``compile_mode`` values: ``"auto"`` (``"reduce-overhead"`` on CUDA, ``None`` elsewhere), ``None`` (the
-eager step, the reference) or a ``torch.compile`` mode. A step that fails to compile or run compiled warns
-once and the engine goes on with the eager step.
+``compile_mode`` values: ``None`` (the eager step, the reference, and the default), ``"auto"``
+(``"reduce-overhead"`` on CUDA, ``None`` elsewhere) or a ``torch.compile`` mode. A step that fails to compile or
+run compiled warns once and the engine goes on with the eager step.
+
+Why the eager step is the default on CUDA too: measured on one H200 (random-weight Llama-3.1-8B shape, bf16,
+torch 2.11, ``benchmarks/gpu.py --budget``, docs/gpu-benchmark.md), the compiled step with CUDA graphs captured
+(6 graphs, no CUDA-graph skip) decoded PCED's 65 rows x ~2k columns at 15.1 steps/s, the eager step at 41.3;
+``concat``'s one row of 131k columns went the other way (17.9 vs 10.8 tokens/s), and the first compile cost
+~90 s. Until the compiled step wins on the pool's many-row shapes it is an opt-in.
 """
 
 from __future__ import annotations
@@ -95,15 +101,18 @@ def cudagraph_trees_in_this_thread() -> None:
     lock per device, as torch sets them). Not torch's ``_initialize_tls`` (2.13+): it also stashes the objects in
     the C++ thread-local state autograd copies into its threads, and a scheduler thread holding Python objects
     there aborted the process at exit ("terminate called without an active exception", 3 runs in 4 on the CPU).
-    Importing the module runs ``_initialize_tls`` in the importing thread, so when that is this thread (the first
-    compiled step imports it here) the stash is taken out again: the thread's C++ thread-local destructor, run after
-    ``join`` has returned, would otherwise need the GIL while the interpreter finalises, and aborted 1 run in 8
-    under load. Written by hand: torch has no public call for it."""
+    Importing the module stashes its state in the importing thread's C++ thread-local state; the thread's
+    destructor of it, run after ``join`` has returned, needs the GIL while the interpreter finalises, and aborted
+    1 run in 8 under load. :class:`GuardedStep` therefore imports the module in the thread that builds it; where
+    this thread imported it anyway, the stash is taken out again, on torches that can (2.13 has
+    ``_remove_obj_from_tls``; 2.11 has not, and calling it failed the H200 run's first compiled step). Written
+    by hand: torch has no public call for it."""
     from torch._inductor import cudagraph_trees as trees
 
+    remove = getattr(torch._C, "_remove_obj_from_tls", None)
     for key in TREE_STATE:
-        if torch._C._is_key_in_tls(key):
-            torch._C._remove_obj_from_tls(key)
+        if remove is not None and torch._C._is_key_in_tls(key):
+            remove(key)
     if hasattr(trees.local, "tree_manager_containers"):
         return
     trees.local.tree_manager_containers = {}
@@ -114,6 +123,9 @@ class GuardedStep:
     """A compiled step that falls back to the eager one for good, with one warning, the first time it fails."""
 
     def __init__(self, step: Callable[..., torch.Tensor], mode: str):
+        # imported in the building thread, not in the step's: see cudagraph_trees_in_this_thread
+        from torch._inductor import cudagraph_trees  # noqa: F401
+
         self.step, self.mode, self.failed = step, mode, False
 
     def __call__(self, *args: object) -> torch.Tensor:

@@ -680,7 +680,7 @@ def _stop_all() -> None:
 
 def scheduler_for(loaded: LoadedModel, attention_kernel: str = "auto",
                   max_batch_bytes: int | None = None, threads: int | None = None,
-                  compile_mode: str | None = "auto", batch_invariant: bool = False) -> Scheduler:
+                  compile_mode: str | None = None, batch_invariant: bool = False) -> Scheduler:
     """The scheduler that owns ``loaded.model`` (one per model, shared by every engine built on it).
 
     ``attention_kernel`` is the row pool's (``flex.resolve_kernel``), ``max_batch_bytes`` the KV bytes

@@ -241,7 +241,7 @@ def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> Job:
     the window the reduce step raises ``DocumentTooLongError`` (lower ``summary_tokens``). Both steps run
     as rows of the scheduler's shared batch, beside other requests: the map step one row per input
     (:class:`MapJob`), then the reduce step one row (its follow-up job); with the engine's compiled decode
-    step (``Engine(compile_mode=...)``, CUDA graphs by default on CUDA) like every pooled request.
+    step (``Engine(compile_mode=...)``, e.g. CUDA graphs on CUDA) like every pooled request.
     """
     summary_tokens = whole_number("summary_tokens", summary_tokens, minimum=1)
     return _map_job(ctx, summary_tokens)
