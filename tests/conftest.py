@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
 
-from ctx_integrations import Engine
-from ctx_integrations.engine.core.layout import PromptLayout
-from ctx_integrations.paths import cache_root
-from tests.helpers import tiny_loaded
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist, give each worker its share of the cores as torch's (OpenMP's) thread count.
+
+    Each worker's torch otherwise takes every core, and ``make test``'s two workers on two cores ran a 2.4 s
+    test in 46-50 s (OpenMP's threads spinning against the other worker's). Set before torch is imported:
+    OpenMP reads the variable when it loads; subprocesses (the CLI, servers, notebooks) inherit it. A value
+    the developer set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores_between_workers()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if "OMP_NUM_THREADS" in os.environ:  # torch imported earlier (a plugin) has its count already: set it too
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+from ctx_integrations import Engine  # noqa: E402
+from ctx_integrations.engine.core.layout import PromptLayout  # noqa: E402
+from ctx_integrations.paths import cache_root  # noqa: E402
+from tests.helpers import tiny_loaded  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -57,3 +76,16 @@ def loaded():
 def layout(loaded) -> PromptLayout:
     """The default prompt layout over ``loaded``'s tokenizer."""
     return PromptLayout(loaded.tokenizer)
+
+
+# The slowest modules of `make test`'s main run, slowest first (its --durations on the 2-core CPU: each one minute or
+# more, the notebooks and benchmarks ~3-4 minutes in all): scheduled first, so that the two workers of --dist
+# loadfile do not end with one of them alone on a long module while the other idles.
+SLOWEST_FIRST = ("test_notebooks.py", "test_benchmarks.py", "test_serve_ray.py", "test_scheduler_exit.py",
+                 "test_cli.py", "test_scheduler.py", "test_serve_http.py", "test_llama_index_patterns.py",
+                 "test_docs_snippets.py", "test_soft_nbce_scheduler_batched.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))  # stable: each module's own order
