@@ -340,6 +340,33 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
     assert _in_a_fresh_thread(lambda: guarded(1)) is True and not guarded.failed
 
 
+@pytest.mark.parametrize("removable", [True, False], ids=["torch 2.13", "torch 2.11"])
+def test_a_stash_in_the_step_threads_cpp_state_is_taken_out_where_torch_can(monkeypatch, removable):
+    # What importing cudagraph_trees in the step's thread leaves there (torch's _initialize_tls), made by hand in this
+    # process (the subprocess tests run unmutated code under mutation testing). Caught: the stash left where torch
+    # can take it out (an exit abort), a removal called where torch cannot (2.11: AttributeError, the H200 run's
+    # failed compiled step), the wrong key removed, or keys removed that were never stashed.
+    if not removable:
+        monkeypatch.delattr(torch._C, "_remove_obj_from_tls")
+
+    def stashed_then_set_up():
+        torch._C._stash_obj_in_tls("tree_manager_containers", {})
+        torch._C._stash_obj_in_tls("tree_manager_locks", {})
+        compiled_step.cudagraph_trees_in_this_thread()
+        return [torch._C._is_key_in_tls(key) for key in compiled_step.TREE_STATE], \
+            _torch_2_11_lookup("tree_manager_containers")
+
+    left, containers = _in_a_fresh_thread(stashed_then_set_up)
+    assert left == ([False, False] if removable else [True, True]) and containers == {}
+
+    def only_one_stashed():
+        torch._C._stash_obj_in_tls("tree_manager_locks", {})
+        compiled_step.cudagraph_trees_in_this_thread()
+        return [torch._C._is_key_in_tls(key) for key in compiled_step.TREE_STATE]
+
+    assert _in_a_fresh_thread(only_one_stashed) == ([False, False] if removable else [False, True])
+
+
 def test_a_step_thread_that_first_imports_cuda_graph_trees_keeps_nothing_in_cpp_thread_local_state():
     # Importing cudagraph_trees runs torch's _initialize_tls in the importing thread, which stashes Python objects in
     # its C++ thread-local state; when that thread is the scheduler's, their destructor runs after join() returned and

@@ -112,6 +112,10 @@ TARGETS = {
                             ("tests/test_compiled_step.py", "-k",
                              "not one_graph and not another_bucket and not slot_buckets "
                              "and not several_tokens")),
+    # the CUDA graph trees' state in the step's thread, and where the guarded step imports them (torch 2.11 and 2.13)
+    "graph_tree_state": Target("ctx_integrations/engine/core/compiled_step.py",
+                               ("x_cudagraph_trees_in_this_thread*", "xǁGuardedStepǁ*"),
+                               ("tests/test_compiled_step.py", "-k", "thread or guarded or failures")),
     # a flex kernel that cannot be built: smaller tiles, then SDPA in query chunks, remembered per kernel kind
     "flex_fallback": Target("ctx_integrations/engine/core/flex.py", ("x__kernel_kind*", "x__recover*", "x_run_flex*"),
                             ("tests/test_core_flex.py", "-k", "not windowed")),
