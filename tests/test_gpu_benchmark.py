@@ -125,7 +125,7 @@ def test_the_budget_runs_the_table_in_order_writes_every_case_at_once_and_skips_
     assert settings["sections"] == [gpu.TABLE] and settings["budget_s"] == 600 and settings["shapes"]["repeats"] == 1
     assert [_case_key(c) for c in settings["cases"]] == _table_cases()
     assert settings["seconds"] < 600
-    # each case says what it compiled (nothing on the CPU: the engines' compile_mode="auto" is eager there)
+    # each case says what it compiled (nothing on the CPU: the engines' default compile_mode is the eager step)
     assert all(c["graphs_compiled"] == 0 and c["cudagraph_skips"] == 0 for c in settings["cases"])
     skipped = [c for c in settings["cases"] if c["status"] == "skipped"]
     assert [c["section"] for c in skipped] == ["ape", "ape"]
