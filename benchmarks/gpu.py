@@ -90,7 +90,7 @@ from benchmarks.budget import INTERRUPTED_EXIT, Budget, Watchdog  # noqa: E402
 from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
 from ctx_integrations import Answer, Engine  # noqa: E402
 from ctx_integrations.engine.core.cache import batch_sequences  # noqa: E402
-from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step, resolve_compile_mode  # noqa: E402,E501
+from ctx_integrations.engine.core.compiled_step import resolve_compile_mode  # noqa: E402
 from ctx_integrations.engine.core.decoding import forward_sequences  # noqa: E402
 from ctx_integrations.engine.core.layout import PromptLayout  # noqa: E402
 from ctx_integrations.engine.core.model import (  # noqa: E402
@@ -100,6 +100,7 @@ from ctx_integrations.engine.core.model import (  # noqa: E402
     load_tokenizer,
     model_identity,
 )
+from ctx_integrations.engine.core.runner import guarded_step  # noqa: E402
 from ctx_integrations.engine.core.transfer import prefetch, to_host  # noqa: E402
 
 SECTIONS = ("pced", "ape", "ippd", "rapid", "soft_nbce", "scheduler", "cache", "decode", "peer", "bandwidth")
@@ -720,8 +721,7 @@ def decode_case(bench: Bench, n: int) -> Case:
         engine.warm(docs)
         runner = engine.scheduler.runner
         default, out = runner.step, []
-        mode = resolve_compile_mode("auto", bench.device)
-        compiled = GuardedStep(compiled_decode_step(mode), mode) if mode is not None else None
+        compiled = guarded_step(engine.loaded, resolve_compile_mode("auto", bench.device))
         methods = [("eager step", None)] + ([("compiled step (CUDA graphs)", compiled)] if compiled is not None else [])
         try:
             for method, step in methods:

@@ -26,6 +26,15 @@ from ctx_integrations.engine.core.rows import GROW_COLUMNS, TIGHT_COLUMNS, RowPo
 from ctx_integrations.engine.core.step import ScheduledStep, StepForwards, StepLogits, StepOutput
 
 
+def guarded_step(loaded: LoadedModel, compile_mode: str | None) -> GuardedStep | None:
+    """The pool's decode step compiled with ``compile_mode`` (resolved: ``None`` or a torch mode), guarded by its
+    eager fallback; ``None`` without a mode, or for a model whose attention is not its own SDPA / eager (the step
+    passes it a boolean mask)."""
+    if compile_mode is None or loaded.model.config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    return GuardedStep(compiled_decode_step(compile_mode), compile_mode)
+
+
 class ModelRunner:
     """One loaded model's batched forwards over the row pool (eager boolean mask or FlexAttention block mask)."""
 
@@ -38,11 +47,8 @@ class ModelRunner:
         self.compile_mode = compile_mode  # resolved by compiled_step.resolve_compile_mode: None or a torch mode
         self.pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
         self.pool: RowPool | None = None
-        # the decode step of the running pool, compiled (CUDA graphs per bucket on a GPU); None: the eager forward.
-        # Only for the model's own SDPA / eager attention: the step passes it a boolean mask.
-        compilable = loaded.model.config._attn_implementation in ("sdpa", "eager")
-        self.step = GuardedStep(compiled_decode_step(compile_mode), compile_mode) if compile_mode and compilable \
-            else None
+        # the decode step of the running pool, compiled (CUDA graphs per bucket on a GPU); None: the eager forward
+        self.step = guarded_step(loaded, compile_mode)
 
     @property
     def loaded(self) -> LoadedModel:
