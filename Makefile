@@ -53,12 +53,14 @@ demo: $(VENV)/.base
 
 # The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others), but for
 # the parity and concurrency tests marked dtype_legs: those run once in each dtype (CTX_DTYPE), so either kind of
-# CPU checks both, the default among them.
+# CPU checks both, the default among them. The legs name the files that hold such tests, so they do not collect the
+# whole suite twice more (46 s a process); tests/test_makefile.py fails if a marked test lives in a file not named here.
+DTYPE_LEG_FILES = tests/test_batch_invariance.py tests/test_scheduler.py
 test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 -m "not dtype_legs"
-	CTX_DTYPE=bfloat16 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
-	CTX_DTYPE=float32 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs
+	CTX_DTYPE=bfloat16 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs $(DTYPE_LEG_FILES)
+	CTX_DTYPE=float32 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs $(DTYPE_LEG_FILES)
 
 # Mutation testing of the per-step rule modules (not part of `make test` / CI; minutes per module).
 # `make mutate MODULES="pced scores"` runs some of them; see docs/testing.md for the scores.

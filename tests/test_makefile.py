@@ -8,6 +8,7 @@ silently installing the CPU wheel; ``TORCH_INDEX`` ignored.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -52,3 +53,19 @@ def test_torch_goes_in_first_pinned_and_of_the_kind_asked(tmp_path, variables, f
 def test_an_unknown_torch_kind_is_refused(tmp_path):
     done = dry(tmp_path, "TORCH=gpu")
     assert done.returncode != 0 and "TORCH=gpu: use TORCH=cpu (the default) or TORCH=cuda" in done.stderr
+
+
+def test_the_dtype_legs_run_every_file_that_marks_a_test_for_them(tmp_path):
+    """The legs name their files (collecting the whole suite costs 46 s a process); a test marked ``dtype_legs``
+    in a file they do not name would run in neither dtype's leg, and the main run deselects it."""
+    done = subprocess.run(["make", "-n", "test", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    legs = [line.split() for line in done.stdout.splitlines() if "-m dtype_legs" in line]
+    assert [words[0] for words in legs] == ["CTX_DTYPE=bfloat16", "CTX_DTYPE=float32"]
+    marker = re.compile(r"^\s*(@pytest\.mark\.dtype_legs\b|pytestmark\s*=.*\bpytest\.mark\.dtype_legs\b)", re.M)
+    marking = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_*.py")
+               if marker.search(path.read_text(encoding="utf-8"))}
+    assert marking, "no test file marks a test dtype_legs: the scan or the marker's name changed"
+    for words in legs:
+        assert {word for word in words if word.startswith("tests/")} == marking
