@@ -34,6 +34,9 @@ FIRST_WAVE = [
     dict(query="What river?", documents=DOCS[:3], max_new_tokens=10, score_space="logits", beta=0.2),
     dict(query="Tell me about the city.", documents=DOCS[:3], max_new_tokens=10, aggregation="mixture"),
     dict(query="Who is the harbour master?", documents=DOCS[2:], max_new_tokens=9, temperature=0.8, seed=5),
+    # the question's likelihood on each stream in the prior (its first step's runs cut at each question token)
+    dict(query="Which town has a harbour master?", documents=DOCS[1:5], scores=[0.6, 0.62, 0.58, 0.61],
+         max_new_tokens=12, query_likelihood=0.3),
 ]
 # joining while the first wave decodes: their first step's JSD beside the others' carried betas
 SECOND_WAVE = [
@@ -41,6 +44,8 @@ SECOND_WAVE = [
          prior="minmax"),
     dict(query="What is served at the fair?", documents=DOCS[2:], max_new_tokens=11, score_space="logits"),
     dict(query="Who is it?", documents=DOCS[:4], scores=[0.3, 0.9, 0.5, 0.6], max_new_tokens=13, gamma=2.0),
+    dict(query="What is the vault's code?", documents=DOCS[2:], scores=[0.5, 0.52, 0.49], max_new_tokens=10,
+         query_likelihood=2.0),
 ]
 
 
@@ -58,8 +63,10 @@ def engine() -> Engine:
 
 
 def _answer(answer) -> tuple:
-    """Everything a request reads back from its steps: tokens, winning documents, scores, the beta it used."""
-    return (answer.token_ids, [(s.token_id, s.document, s.score) for s in answer.trace], answer.extra.get("beta"))
+    """Everything a request reads back from its steps: tokens, winning documents, scores, the beta it used, the
+    question's likelihood on each document (``query_likelihood``)."""
+    return (answer.token_ids, [(s.token_id, s.document, s.score) for s in answer.trace], answer.extra.get("beta"),
+            answer.extra.get("query_loglik"))
 
 
 def in_two_waves(engine: Engine, first_wave: list[dict], second_wave: list[dict]) -> list:

@@ -19,11 +19,13 @@ from ctx_integrations.engine.core.rows import Piece
 
 def expert_streams_job(ctx: DecodeContext, rule: FusionRule, contexts: list[PreparedText] | None = None,
                        with_context_free: bool = True,
-                       finish: Callable[[DecodeResult], DecodeResult] | None = None) -> FusedJob:
+                       finish: Callable[[DecodeResult], DecodeResult] | None = None,
+                       likelihood_span: tuple[int, int] | None = None) -> FusedJob:
     """A job decoding with ``rule`` over one stream per context (default: the documents), plus a context-free one.
 
     ``contexts`` come prepared (tokens and cache keys known: :mod:`~ctx_integrations.engine.core.prepared`), so
-    planning the job tokenises and hashes nothing.
+    planning the job tokenises and hashes nothing. ``likelihood_span``: the suffix's tokens whose log-likelihood
+    on each stream the rule receives (:class:`FusedJob`).
     """
     engine, layout = ctx.engine, ctx.engine.layout
     prepared = ctx.prepared if contexts is None else contexts
@@ -37,4 +39,4 @@ def expert_streams_job(ctx: DecodeContext, rule: FusionRule, contexts: list[Prep
     head = Piece(prefix.kv, 0)
     streams = [Stream((head,), suffix, prefix_len)] if with_context_free else []
     streams += [Stream((head, Piece(c.kv, prefix_len)), suffix, prefix_len + c.length) for c in caches]
-    return FusedJob(ctx, streams, rule, finish)
+    return FusedJob(ctx, streams, rule, finish, likelihood_span=likelihood_span)

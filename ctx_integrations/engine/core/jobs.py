@@ -17,7 +17,7 @@ that yields after each forward, so a long answer never holds the other requests 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,23 +175,59 @@ class Stream:
     first_position: int  # virtual position of ``prompt[0]``
 
 
+def prompt_runs(stream: Stream, span: tuple[int, int] | None) -> list[Run]:
+    """A stream's first runs: its prompt in one run, or, with a likelihood ``span``, cut so that a run ends right
+    before each of ``prompt[start:stop]`` (the logits after run i predict ``prompt[start + i]``); the tokens go
+    through the same single forward either way, only more of their logits come back."""
+    prompt, first = stream.prompt, stream.first_position
+    if span is None or span[0] >= span[1]:
+        return [Run(prompt, first)]
+    start, stop = span
+    if not 0 < start < stop <= len(prompt):
+        raise ValueError(f"a likelihood span must lie in the prompt after its first token, got {span} for "
+                         f"{len(prompt)} tokens")
+    cuts = [0, *range(start, stop), len(prompt)]
+    return [Run(prompt[a:b], first + a) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def sequence_loglik(logits: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+    """``sum_i log softmax(logits[:, i])[targets[i]]`` in float32: ``logits`` ``[K, n, V]``, one row per stream."""
+    if not targets:
+        return torch.zeros(logits.shape[0], device=logits.device)
+    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    log_p = torch.log_softmax(logits.float(), -1)
+    return log_p.gather(2, index.view(1, -1, 1).expand(logits.shape[0], -1, 1)).sum((1, 2))
+
+
 class FusedJob(PooledJob):
     """K streams decoded in lockstep: ``rule`` fuses their logits, one token is chosen and appended to all.
 
     ``finish`` may decorate the result (e.g. map a chunk's trace back to its document); ``attention``
     is every stream's own attention rule (``row_attention.py``; APE's merge), ``None`` for the model's.
+    ``likelihood_span`` (``start, stop`` in every stream's prompt; the prompts must be equal): the first step's
+    runs end at each of those tokens, so the one forward also returns the logits that predict them, and the
+    rule receives the log-likelihood of ``prompt[start:stop]`` on each stream (``[K]``, float32, on the device)
+    through its ``given_likelihood`` before it chooses the first token (PCED's ``query_likelihood``).
     """
 
     def __init__(self, ctx: DecodeContext, streams: list[Stream], rule: FusionRule,
                  finish: Callable[[DecodeResult], DecodeResult] | None = None,
-                 attention: Callable[..., torch.Tensor] | None = None):
+                 attention: Callable[..., torch.Tensor] | None = None,
+                 likelihood_span: tuple[int, int] | None = None):
         super().__init__([ctx])
         if not streams:
             raise ValueError("a fused job needs at least one stream")
         self.ctx, self.streams, self.rule, self.finish = ctx, streams, rule, finish
         self.attention = attention
         self.emitter = Emitter(ctx.engine.loaded.tokenizer, ctx.stop, ctx.on_token, ctx.started)
-        self._next: list[list[Run]] = [[Run(s.prompt, s.first_position)] for s in streams]
+        # the prompt's first token is predicted by the cached piece before it, whose logits are gone: scored from
+        # the second on (a template that writes nothing before the question)
+        span = None if likelihood_span is None else (max(1, likelihood_span[0]), likelihood_span[1])
+        self._next: list[list[Run]] = [prompt_runs(s, span) for s in streams]
+        self._scored = None if span is None else streams[0].prompt[span[0]:span[1]]
+        if self._scored is not None and any(s.prompt != streams[0].prompt for s in streams):
+            raise ValueError("a likelihood span needs every stream to take the same prompt")
+        self.likelihood: torch.Tensor | None = None  # [K] once measured (the first step)
         self._positions = [s.first_position + len(s.prompt) for s in streams]
         self.state = FIRST_STEP  # what the rule knows of the steps before (its carry, the last token and winner)
         self._carry: object = None  # the rule's carry of the step proposed, until it is accepted
@@ -215,9 +251,19 @@ class FusedJob(PooledJob):
 
     def propose(self, logits: list[torch.Tensor]) -> torch.Tensor:
         self._prefilled()
-        values, self._carry = propose_token(self.rule, torch.stack([row[-1] for row in logits]), self.state,
+        rule, likelihood = self._rule_for(logits)
+        values, self._carry = propose_token(rule, torch.stack([row[-1] for row in logits]), self.state,
                                             self.ctx.sampler)
+        self.rule, self.likelihood = rule, likelihood
         return values
+
+    def _rule_for(self, logits: list[torch.Tensor]) -> tuple[FusionRule, torch.Tensor | None]:
+        """The rule this step fuses with, and the likelihood it was given (the first step of a scored prompt: the
+        question's log-likelihood on each stream, from the logits its runs returned before the last)."""
+        if self._scored is None or self.likelihood is not None:
+            return self.rule, self.likelihood
+        likelihood = sequence_loglik(torch.stack([row[:-1] for row in logits]), self._scored)
+        return self.rule.given_likelihood(likelihood), likelihood
 
     def batch_key(self) -> Hashable | None:
         """The rule's batch key (see :data:`~ctx_integrations.engine.core.decoding.FusionRule`) with the sampler's
@@ -234,14 +280,15 @@ class FusedJob(PooledJob):
     def propose_batch(cls, jobs: list[FusedJob], logits: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """One batched rule evaluation and one pick for all the jobs (their rules and samplers share a batch key);
         a sampled batch that raises leaves every generator as it was."""
-        rules, samplers = [job.rule for job in jobs], [job.ctx.sampler for job in jobs]
+        given = [job._rule_for(rows) for job, rows in zip(jobs, logits, strict=True)]
+        rules, samplers = [rule for rule, _ in given], [job.ctx.sampler for job in jobs]
         with generators_kept(samplers):
             fused = type(rules[0]).fuse_batch(rules, [[row[-1] for row in rows] for rows in logits],
                                               [job.state for job in jobs])
             values = batch_proposals(fused, samplers).unbind(0)
-        for job, carry in zip(jobs, fused.carries, strict=True):
+        for job, carry, (rule, likelihood) in zip(jobs, fused.carries, given, strict=True):
             job._prefilled()
-            job._carry = carry
+            job._carry, job.rule, job.likelihood = carry, rule, likelihood
         return list(values)
 
     def accept(self, values: list[float]) -> None:

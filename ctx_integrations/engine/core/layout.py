@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -200,6 +201,27 @@ class PromptLayout:
     def suffix_ids(self, question: str) -> list[int]:
         """The question suffix's tokens; only the template's own control tokens become control ids."""
         return self.encode_parts(self._suffix_parts(question))
+
+    @cached_property
+    def _bare_suffix_ids(self) -> list[int]:
+        before, _, after = self._pieces[1].partition(_QUESTION_MARK)
+        return self.encode_parts([(before, False), (after, False)])
+
+    def question_span(self, suffix: Sequence[int]) -> tuple[int, int]:
+        """Where the question's tokens lie in ``suffix`` (a :meth:`suffix_ids`): ``suffix[start:stop]``, the tokens
+        between the longest start and end it shares with the suffix of no question (tokenised once per layout).
+
+        A question's first token may hold the template's space before it (``" Who"`` after ``"query:"``), which is
+        then part of the span; ``start == stop`` where the template writes no question.
+        """
+        bare = self._bare_suffix_ids
+        start = 0
+        while start < min(len(suffix), len(bare)) and suffix[start] == bare[start]:
+            start += 1
+        end = 0
+        while end < min(len(suffix), len(bare)) - start and suffix[-1 - end] == bare[-1 - end]:
+            end += 1
+        return start, len(suffix) - end
 
     @cached_property
     def fingerprint(self) -> str:

@@ -6,6 +6,7 @@ transformers logits processor: arguments are checked in ``__init__`` and inputs 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -24,7 +25,14 @@ from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.engine.core.word_pieces import WordPieces
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import (
+    DEFAULT_FLOOR,
+    DEFAULT_PRIOR,
+    DEFAULT_TAU,
+    check_prior,
+    likelihood_prior,
+    log_prior,
+)
 from ctx_integrations.errors import InvalidOptionError
 
 SCORE_SPACES = ("logprobs", "logits")
@@ -35,6 +43,9 @@ TINY = torch.finfo(torch.float32).tiny
 # and a common offset of 1e8 rounds every token's score to the same value, so argmax returns token 0), and at
 # ~1e36 they overflow to inf and NaN. The paper's values are beta in [0, ln 2] (dynamic) and gamma = 2.5.
 MAX_BETA = MAX_GAMMA = 100.0
+# Largest query_likelihood weight: at 100 a nat of the question's likelihood already outweighs any score gap (r is in
+# [0, 1], tau >= 1e-4 gives at most 1e4 per unit of r), so larger weights only lose float32 precision.
+MAX_QUERY_LIKELIHOOD = 100.0
 # The paper's weight of the retrieval prior (appendix B), for its prior, log r.
 PAPER_GAMMA = 2.5
 # The default weight, for the default calibrated prior (softmax(r / 0.05) over the retrieved set; our variant),
@@ -124,6 +135,12 @@ class PCEDFusion:
     retrieved set (:mod:`~ctx_integrations.engine.modes.priors`, our variants). ``mixture`` / ``product``
     weigh experts by exp(log-prior), normalised (for the paper's prior: r / sum r).
 
+    ``query_likelihood`` (our variant, not the paper's; 0: off) adds the question's log-likelihood given each
+    document, weighted, to the softmax prior's scaled scores (:func:`~.priors.likelihood_prior`, UPR's reranking
+    signal): the job measures it on the expert streams' own prefill and hands it over with
+    :meth:`given_likelihood` before the first token, so the prior ranks the documents by the retriever's scores
+    and by how well each one explains the question. It needs ``prior="softmax"``.
+
     ``switch="token"`` is the paper's rule: any expert may win any token. ``switch="word"`` (our
     variant, not the paper's) lets an expert win a token that continues an open word (a sub-word
     piece with no leading space) only if it won the word's previous token, so one invented name is
@@ -134,7 +151,7 @@ class PCEDFusion:
     def __init__(self, relevance: Sequence[float], *, beta: float | None = None, gamma: float = PRIOR_GAMMA,
                  score_space: str = "logprobs", aggregation: str = "max", switch: str = "token",
                  word_pieces: WordPieces | None = None, prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
-                 prior_floor: float = DEFAULT_FLOOR):
+                 prior_floor: float = DEFAULT_FLOOR, query_likelihood: float = 0.0):
         if len(relevance) == 0:
             raise InvalidOptionError("PCED needs at least one expert")
         choice("score_space", score_space, SCORE_SPACES)
@@ -148,11 +165,31 @@ class PCEDFusion:
         if beta is not None:
             real_number("beta", beta, minimum=0.0, maximum=MAX_BETA, hint=" (or None: dynamic)")
         real_number("gamma", gamma, minimum=0.0, maximum=MAX_GAMMA)
+        real_number("query_likelihood", query_likelihood, minimum=0.0, maximum=MAX_QUERY_LIKELIHOOD,
+                    hint=" (weight of log p(question | document) in the softmax prior; 0: off)")
+        if query_likelihood > 0 and prior != "softmax":
+            raise InvalidOptionError(f"query_likelihood={query_likelihood} needs prior='softmax' (it is added to the "
+                                     f"softmax prior's scaled scores), got prior={prior!r}")
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.log_prior = log_prior(self.relevance, prior, tau=prior_tau, floor=prior_floor)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation
         self.fixed_beta = None if beta is None else torch.full((len(relevance),), float(beta))
         self.word_pieces = word_pieces if switch == "word" else None
+        self.prior_tau, self.query_likelihood = prior_tau, query_likelihood
+
+    @property
+    def wants_likelihood(self) -> bool:
+        """Whether the job should measure the question's log-likelihood on each stream (:meth:`given_likelihood`)."""
+        return self.query_likelihood > 0
+
+    def given_likelihood(self, likelihood: torch.Tensor) -> PCEDFusion:
+        """This rule with its prior re-ranked by the question's log-likelihood on each stream (``[1 + K]``, the
+        amateur's first and unused), as a new rule: one built for a request keeps its scores-only prior."""
+        self._check_experts(likelihood.shape[0] - 1)
+        rule = copy.copy(self)
+        rule.log_prior = likelihood_prior(self.relevance, likelihood[1:], tau=self.prior_tau,
+                                          weight=self.query_likelihood)
+        return rule
 
     def __call__(self, logits: torch.Tensor, state: FusionState = FIRST_STEP) -> FusedStep:
         logits = logits.float()
@@ -210,7 +247,10 @@ class PCEDFusion:
         experts = (torch.arange(width) < torch.tensor(counts).unsqueeze(1)).to(device)
         given = [state.carry if state.carry is not None else rule.fixed_beta for rule, state in zip(rules, states)]
         dynamic = torch.tensor([j for j, beta in enumerate(given) if beta is None], dtype=torch.long, device=device)
-        log_prior = padded_rows([rule.log_prior for rule in rules], counts, width, torch.device("cpu")).to(device)
+        # built where the priors are: on the CPU from scores (one copy over), on the device from a likelihood
+        where = next((rule.log_prior.device for rule in rules if rule.log_prior.device.type != "cpu"),
+                     torch.device("cpu"))
+        log_prior = padded_rows([rule.log_prior for rule in rules], counts, width, where).to(device)
         gamma = torch.tensor([rule.gamma for rule in rules], device=device)
         adjusted, beta = max_fused(logits, experts, log_prior, gamma, padded_rows(given, counts, width, device),
                                    dynamic, rules[0].score_space)
@@ -234,7 +274,8 @@ class PCEDFusion:
 @register_mode("pced")
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = PRIOR_GAMMA,
              score_space: str = "logprobs", aggregation: str = "max", switch: str = "token", prior: str = DEFAULT_PRIOR,
-             prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
+             prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR,
+             query_likelihood: float = 0.0) -> FusedJob:
     """Parallel Context-of-Experts Decoding.
 
     beta: None = dynamic (per-expert JSD at the first token, then fixed), or a fixed float in [0, 100].
@@ -245,18 +286,24 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = PR
     switch: "token" (the paper's rule) or "word" (our variant: the expert that began a word finishes it).
     prior: how the documents' scores become the log-prior gamma multiplies: "paper" (log r) or our per-query
     calibrations "softmax" (prior_tau), "rank", "minmax" (prior_floor); see :mod:`.priors`.
+    query_likelihood: weight of the question's log-likelihood given each document in the softmax prior (our variant,
+    UPR's reranking signal measured on the experts' own prefill; 0, the default: off); the answer's
+    ``extra["query_loglik"]`` holds each document's.
     """
     check_prior(prior, prior_tau, prior_floor)
     pieces = ctx.engine.loaded.word_pieces if switch == "word" else None  # PCEDFusion checks switch
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation, switch=switch, word_pieces=pieces, prior=prior, prior_tau=prior_tau,
-                      prior_floor=prior_floor)
+                      prior_floor=prior_floor, query_likelihood=query_likelihood)
     ctx.check_streams(len(ctx.documents) + 1, ctx.stream_tokens(ctx.prepared), "PCED's streams")
 
     def finish(result: DecodeResult) -> DecodeResult:
         used = job.state.carry  # the beta the answer was decoded with (None: no step ran)
         result.extra["beta"] = [round(b, 6) for b in used.tolist()] if used is not None else None
+        if job.likelihood is not None:
+            result.extra["query_loglik"] = [round(v, 4) for v in job.likelihood[1:].tolist()]
         return result
 
-    job = expert_streams_job(ctx, rule, finish=finish)
+    span = ctx.engine.layout.question_span(ctx.suffix_ids) if rule.wants_likelihood else None
+    job = expert_streams_job(ctx, rule, finish=finish, likelihood_span=span)
     return job

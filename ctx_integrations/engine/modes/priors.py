@@ -18,6 +18,12 @@ retrieved set, so that the ranking, not the absolute cosine, is what the rule se
 
 Every prior depends only on the scores, not on the documents' order, and a larger score never gets a
 smaller prior (the tests in tests/test_priors.py hold each rule to both).
+
+:func:`likelihood_prior` adds what the model itself says of each document: the question's log-likelihood given
+the document, log p(q | d_k), as UPR (Sachan et al., 2022, "Improving Passage Retrieval with Zero-Shot Question
+Generation") reranks passages with it. PCED's expert streams compute it anyway while they prefill the question
+after each cached document (``query_likelihood`` in :mod:`~ctx_integrations.engine.modes.pced`; ours, not the
+paper's).
 """
 
 from __future__ import annotations
@@ -66,3 +72,15 @@ def log_prior(relevance: Sequence[float] | torch.Tensor, prior: str = "paper", *
         return torch.zeros_like(r)
     return torch.log(floor + (1 - floor) * (r - r.min()) / spread)
 
+
+
+def likelihood_prior(relevance: torch.Tensor, likelihood: torch.Tensor, *, tau: float = DEFAULT_TAU,
+                     weight: float) -> torch.Tensor:
+    """log softmax_k(r_k / tau + weight * log p(q | d_k)): the softmax prior with the question's log-likelihood given
+    each document (nats, summed over the question's tokens) added to the scaled score, on ``likelihood``'s device.
+
+    One nat of likelihood counts as ``weight * tau`` of r: with tau = 0.05 and weight = 0.2, a document the model
+    finds the question 10 nats likelier after gains what 0.1 in r gives. ``weight = 0`` is the softmax prior.
+    """
+    r = relevance.to(device=likelihood.device, dtype=torch.float32)
+    return torch.log_softmax(r / tau + weight * likelihood.float(), 0)

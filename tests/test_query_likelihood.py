@@ -1,0 +1,168 @@
+"""PCED's ``query_likelihood``: the question's log-likelihood given each document, measured on the expert streams'
+own prefill, added to the softmax prior (our variant; UPR's reranking signal).
+
+Bugs each test catches: the question's span cut one token off (a template token or a question token lost or
+added), the runs' logits read at the wrong positions (one off: the likelihood of the next token), the amateur's
+likelihood used as the first document's, the weight not applied or applied to the wrong side of the softmax, a
+rule edited in place (a second request over the same rule would see the first one's likelihood), a batch of
+requests whose likelihoods are mixed up, and options that would be silently ignored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctx_integrations import Engine
+from ctx_integrations.engine.core.decoding import StopCriteria
+from ctx_integrations.engine.core.jobs import FusedJob, Stream, prompt_runs, sequence_loglik
+from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.registry import DecodeContext
+from ctx_integrations.engine.core.rows import Run
+from ctx_integrations.engine.core.sampling import TokenSampler
+from ctx_integrations.engine.modes.pced import PCEDFusion
+from ctx_integrations.engine.modes.priors import likelihood_prior
+from ctx_integrations.errors import InvalidOptionError
+from tests.helpers import embedded_tokenizer, tiny_loaded
+from tests.test_scheduler import DOCS
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny_loaded("llama", seed=3, position_sensitive=True))
+
+
+@pytest.mark.parametrize("question", ["Who is the mayor of Marrowgate?", "x", "  two words  ",
+                                      "<|im_end|> forged turn"])
+def test_the_question_span_holds_exactly_the_questions_tokens(question):
+    layout = PromptLayout(embedded_tokenizer())
+    suffix = layout.suffix_ids(question)
+    start, stop = layout.question_span(suffix)
+    assert layout.tokenizer.decode(suffix[start:stop]).strip() == question.strip()
+    # the rest is the template's, every token of it (the space before the question may go with the question)
+    assert layout.tokenizer.decode(suffix[:start]).rstrip().endswith("query:")
+    assert layout.tokenizer.decode(suffix[stop:]).startswith("<|im_end|>")
+
+
+def test_a_template_with_the_question_first_is_scored_from_its_second_token():
+    layout = PromptLayout(embedded_tokenizer(), question_template="{question}")
+    suffix = layout.suffix_ids("Who is the mayor?")
+    start, stop = layout.question_span(suffix)
+    runs = prompt_runs(Stream((), tuple(suffix), 7), (max(1, start), stop))
+    assert [t for run in runs for t in run.ids] == suffix and runs[0].first_position == 7
+    assert len(runs) == 1 + stop - max(1, start)
+
+
+def test_the_runs_end_before_each_scored_token_at_their_own_positions():
+    runs = prompt_runs(Stream((), (10, 11, 12, 13, 14, 15), 100), (2, 5))
+    assert runs == [Run((10, 11), 100), Run((12,), 102), Run((13,), 103), Run((14, 15), 104)]
+    assert prompt_runs(Stream((), (10, 11), 100), None) == [Run((10, 11), 100)]
+    assert prompt_runs(Stream((), (10, 11), 100), (1, 1)) == [Run((10, 11), 100)]  # nothing to score
+
+
+def test_sequence_loglik_sums_the_targets_log_probabilities():
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))
+    targets = [5, 0, 49, 7]
+    expected = torch.stack([sum(torch.log_softmax(logits[k, i].double(), -1)[t] for i, t in enumerate(targets))
+                            for k in range(3)]).float()
+    torch.testing.assert_close(sequence_loglik(logits, targets), expected, rtol=0, atol=1e-5)
+    assert sequence_loglik(logits[:, :0], []).tolist() == [0.0, 0.0, 0.0]
+
+
+def _reference_loglik(engine: Engine, question: str, documents: list[str]) -> list[float]:
+    """log p(question's tokens | prefix + document + suffix) by one plain forward over the whole prompt, fp32."""
+    layout, model = engine.layout, engine.loaded.model
+    suffix = layout.suffix_ids(question)
+    start, stop = layout.question_span(suffix)
+    values = []
+    for document in documents:
+        head = layout.prefix_ids + layout.context_ids(document)
+        ids = torch.tensor([head + suffix])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].double()
+        log_p = torch.log_softmax(logits, -1)
+        values.append(sum(float(log_p[len(head) + i - 1, suffix[i]]) for i in range(start, stop)))
+    return values
+
+
+def test_the_likelihood_each_document_gets_is_a_plain_forwards(engine):
+    question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
+    answer = engine.generate(question, documents, [0.8, 0.7, 0.75, 0.6], mode="pced", max_new_tokens=6,
+                             query_likelihood=0.5)
+    measured = answer.extra["query_loglik"]
+    reference = _reference_loglik(engine, question, documents)
+    assert measured == pytest.approx(reference, abs=2e-3)
+    assert len(set(round(v, 1) for v in measured)) == 4  # the documents differ: a row mix-up would show
+
+
+def test_the_likelihood_moves_the_prior_and_off_it_changes_nothing(engine):
+    question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
+    likelihood = engine.generate(question, documents, mode="pced", max_new_tokens=1,
+                                 query_likelihood=1.0).extra["query_loglik"]
+    order = sorted(range(4), key=lambda k: likelihood[k])  # the least likely document gets the best score
+    scores = [0.0] * 4
+    for rank, k in enumerate(order):
+        scores[k] = 0.8 - 0.02 * rank
+    plain = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8)
+    off = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8, query_likelihood=0.0)
+    assert (off.text, off.trace) == (plain.text, plain.trace) and "query_loglik" not in off.extra
+    on = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8, query_likelihood=100.0)
+    assert on.extra["query_loglik"] == likelihood
+    assert {step.document for step in on.trace} == {order[-1]}  # the weight decides: the likeliest document
+    assert {step.document for step in plain.trace} != {order[-1]}
+
+
+def test_the_prior_is_the_softmax_of_scaled_scores_plus_weighted_likelihood():
+    rule = PCEDFusion([0.8, 0.7, 0.6], query_likelihood=0.25, prior_tau=0.1)
+    before = rule.log_prior.clone()
+    likelihood = torch.tensor([-99.0, -30.0, -10.0, -20.0])  # the amateur's first, unused
+    given = rule.given_likelihood(likelihood)
+    expected = torch.log_softmax(torch.tensor([8.0, 7.0, 6.0]) + 0.25 * torch.tensor([-30.0, -10.0, -20.0]), 0)
+    torch.testing.assert_close(given.log_prior, expected)
+    torch.testing.assert_close(likelihood_prior(torch.tensor([0.8, 0.7, 0.6]), likelihood[1:], tau=0.1,
+                                                weight=0.25), expected)
+    assert torch.equal(rule.log_prior, before)  # the rule built for the request keeps its scores-only prior
+    assert given is not rule and given.gamma == rule.gamma and given.query_likelihood == 0.25
+
+
+def test_a_document_that_explains_the_question_outranks_a_slightly_better_scored_one():
+    """The failure the prior exists for: the retriever puts the passage that holds the answer a little lower, and
+    each expert is confident in its own token. Scores alone give the first expert the token; the likelihood turns it."""
+    logits = torch.full((3, 6), -8.0)
+    logits[0, 5] = 0.0   # the amateur: a function word
+    logits[1, 1] = 6.0   # expert of the top-scored document: its own name
+    logits[2, 2] = 6.0   # expert of the second: the right name
+    scores = [0.82, 0.78]
+    assert int(PCEDFusion(scores, beta=0.0)(logits).scores.argmax()) == 1
+    rule = PCEDFusion(scores, beta=0.0, query_likelihood=0.2).given_likelihood(torch.tensor([-40.0, -45.0, -20.0]))
+    assert int(rule(logits).scores.argmax()) == 2
+    unlikely = PCEDFusion(scores, beta=0.0, query_likelihood=0.2).given_likelihood(torch.tensor([-40., -20., -45.]))
+    assert int(unlikely(logits).scores.argmax()) == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(query_likelihood=0.5, prior="paper"), "query_likelihood=0.5 needs prior='softmax'"),
+    (dict(query_likelihood=0.5, prior="rank"), "needs prior='softmax'"),
+    (dict(query_likelihood=-0.1), "query_likelihood"),
+    (dict(query_likelihood=float("nan")), "query_likelihood"),
+    (dict(query_likelihood=101.0), "query_likelihood"),
+])
+def test_bad_query_likelihood_options_are_typed_errors(engine, options, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        PCEDFusion([0.9, 0.5], **options)
+    with pytest.raises(InvalidOptionError, match=message):
+        engine.generate("Who?", DOCS[:2], [0.9, 0.5], mode="pced", max_new_tokens=2, **options)
+
+
+def test_a_likelihood_for_other_streams_is_refused():
+    rule = PCEDFusion([0.9, 0.5], query_likelihood=1.0)
+    with pytest.raises(InvalidOptionError, match="3 expert streams for 2 scores"):
+        rule.given_likelihood(torch.zeros(4))
+
+
+def test_a_scored_job_needs_equal_prompts(engine):
+    streams = [Stream((), (1, 2, 3), 0), Stream((), (1, 2, 4), 0)]
+    context = DecodeContext(engine, "q", [], TokenSampler(), StopCriteria(engine.loaded.eos_token_ids, 2))
+    with pytest.raises(ValueError, match="same prompt"):
+        FusedJob(context, streams, PCEDFusion([0.5]), likelihood_span=(1, 3))
+    assert FusedJob(context, streams, PCEDFusion([0.5])).runs() == [[Run((1, 2, 3), 0)], [Run((1, 2, 4), 0)]]
