@@ -44,13 +44,28 @@ def test_the_question_span_holds_exactly_the_questions_tokens(question):
     assert layout.tokenizer.decode(suffix[stop:]).startswith("<|im_end|>")
 
 
-def test_a_template_with_the_question_first_is_scored_from_its_second_token():
-    layout = PromptLayout(embedded_tokenizer(), question_template="{question}")
-    suffix = layout.suffix_ids("Who is the mayor?")
-    start, stop = layout.question_span(suffix)
-    runs = prompt_runs(Stream((), tuple(suffix), 7), (max(1, start), stop))
-    assert [t for run in runs for t in run.ids] == suffix and runs[0].first_position == 7
-    assert len(runs) == 1 + stop - max(1, start)
+def test_the_span_is_what_lies_between_the_start_and_the_end_shared_with_no_questions_suffix():
+    layout = PromptLayout(embedded_tokenizer())
+    bare = list(layout._bare_suffix_ids)
+    q = max(bare) + 1  # a token the template never writes
+    assert layout.question_span(bare) == (len(bare), len(bare))  # no question at all
+    assert layout.question_span(bare[:3] + [q, q] + bare[3:]) == (3, 5)
+    assert layout.question_span(bare[:4] + [q, q, q] + bare[4:]) == (4, 7)
+    assert layout.question_span(bare[:3] + [q]) == (3, 4)  # nothing of the template after it
+    assert layout.question_span([q] + bare[1:]) == (0, 1)  # nothing before it
+    # a question token equal to the template's next one: the start shared takes it, and the end shared stops
+    # where it would overlap the start: the span still holds one token
+    assert layout.question_span(bare[:3] + [bare[3]] + bare[3:]) == (4, 5)
+
+
+def test_a_span_from_the_prompts_first_token_is_scored_from_its_second(engine):
+    """The prompt's first token is predicted by the cached piece before it, whose logits are gone."""
+    streams = [Stream((), (1, 2, 3, 4), 5), Stream((), (1, 2, 3, 4), 9)]
+    context = DecodeContext(engine, "q", [], TokenSampler(), StopCriteria(engine.loaded.eos_token_ids, 2))
+    job = FusedJob(context, streams, PCEDFusion([0.5]), likelihood_span=(0, 3))
+    assert job.runs()[1] == [Run((1,), 9), Run((2,), 10), Run((3, 4), 11)] and job._scored == (2, 3)
+    with pytest.raises(ValueError, match="after its first token"):
+        prompt_runs(streams[0], (0, 3))
 
 
 def test_the_runs_end_before_each_scored_token_at_their_own_positions():
