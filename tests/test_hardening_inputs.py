@@ -63,6 +63,8 @@ MODE_OPTIONS = [
     ("pced", "gamma", NAN), ("pced", "gamma", INF), ("pced", "gamma", "2.5"), ("pced", "gamma", -1.0),
     ("pced", "beta", NAN), ("pced", "beta", INF), ("pced", "beta", "0.5"), ("pced", "beta", True),
     ("pced", "score_space", ["logits"]), ("pced", "aggregation", None),
+    ("pced", "query_likelihood", NAN), ("pced", "query_likelihood", INF), ("pced", "query_likelihood", "0.2"),
+    ("pced", "query_likelihood", True), ("pced", "query_likelihood", -0.5),
     ("rapid", "eta", NAN), ("rapid", "eta", INF), ("rapid", "eta", "10"), ("rapid", "eta", -1.0),
     ("rapid", "gamma", NAN), ("rapid", "gamma", 2.5), ("rapid", "gamma", True), ("rapid", "gamma", 0),
     ("rapid", "chunk_tokens", NAN), ("rapid", "chunk_tokens", 1.5), ("rapid", "chunk_tokens", "64"),
