@@ -91,17 +91,23 @@ def test_concurrent_pced_requests_chosen_in_one_batch_get_their_answers_alone_an
     requests = FIRST_WAVE + SECOND_WAVE
     alone = [_answer(engine.generate(**r)) for r in requests]
     assert all(len(answer[0]) >= 5 for answer in alone) and len({tuple(a[0]) for a in alone}) == len(alone)
-    batches: list[list[bool]] = []  # per batched proposal, which of its jobs were at their first step
+    # per batched proposal that returned (one that raises is retried job by job, with the same answers), which of
+    # its jobs were at their first step, and which of those measured the question's likelihood there
+    batches: list[list[tuple[bool, bool]]] = []
     propose_batch = FusedJob.propose_batch.__func__
 
     def spied(cls, jobs, logits):
-        batches.append([job.state is FIRST_STEP for job in jobs])
-        return propose_batch(cls, jobs, logits)
+        seen = [(job.state is FIRST_STEP, job.state is FIRST_STEP and job._scored is not None) for job in jobs]
+        values = propose_batch(cls, jobs, logits)
+        batches.append(seen)
+        return values
 
     monkeypatch.setattr(FusedJob, "propose_batch", classmethod(spied))
     assert _together(engine) == alone
     assert max(map(len, batches)) >= 4  # several requests really shared a batched evaluation
-    assert any(any(first) and not all(first) for first in batches)  # a joining request beside decoding ones
+    firsts = [[first for first, _ in batch] for batch in batches]
+    assert any(any(first) and not all(first) for first in firsts)  # a joining request beside decoding ones
+    assert sum(scored for batch in batches for _, scored in batch) == 2  # both likelihoods measured in a batch
 
     monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)  # the one-by-one path
     batches.clear()
