@@ -181,3 +181,4 @@ def test_a_scored_job_needs_equal_prompts(engine):
     with pytest.raises(ValueError, match="same prompt"):
         FusedJob(context, streams, PCEDFusion([0.5]), likelihood_span=(1, 3))
     assert FusedJob(context, streams, PCEDFusion([0.5])).runs() == [[Run((1, 2, 3), 0)], [Run((1, 2, 4), 0)]]
+    assert FusedJob(context, streams[1:], PCEDFusion([0.5]), likelihood_span=(1, 3))._scored == (2, 4)  # its own
