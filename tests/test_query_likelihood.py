@@ -158,9 +158,10 @@ def test_a_document_that_explains_the_question_outranks_a_slightly_better_scored
 @pytest.mark.parametrize("options, message", [
     (dict(query_likelihood=0.5, prior="paper"), "query_likelihood=0.5 needs prior='softmax'"),
     (dict(query_likelihood=0.5, prior="rank"), "needs prior='softmax'"),
-    (dict(query_likelihood=-0.1), "query_likelihood"),
-    (dict(query_likelihood=float("nan")), "query_likelihood"),
-    (dict(query_likelihood=101.0), "query_likelihood"),
+    (dict(query_likelihood=-0.1), r"^query_likelihood must be in \[0, 100\], got -0.1 \(weight of log p\(question "
+                                  r"\| document\) in the softmax prior; 0: off\)$"),
+    (dict(query_likelihood=float("nan")), r"^query_likelihood must be a number, got NaN \(weight of log p"),
+    (dict(query_likelihood=101.0), r"^query_likelihood must be in \[0, 100\], got 101.0 \("),
 ])
 def test_bad_query_likelihood_options_are_typed_errors(engine, options, message):
     with pytest.raises(InvalidOptionError, match=message):
