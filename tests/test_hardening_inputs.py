@@ -65,6 +65,8 @@ MODE_OPTIONS = [
     ("pced", "score_space", ["logits"]), ("pced", "aggregation", None),
     ("pced", "query_likelihood", NAN), ("pced", "query_likelihood", INF), ("pced", "query_likelihood", "0.2"),
     ("pced", "query_likelihood", True), ("pced", "query_likelihood", -0.5),
+    ("soft_nbce", "query_likelihood", NAN), ("soft_nbce", "query_likelihood", "0.2"),
+    ("soft_nbce", "query_likelihood", True), ("soft_nbce", "query_likelihood", 101.0),
     ("rapid", "eta", NAN), ("rapid", "eta", INF), ("rapid", "eta", "10"), ("rapid", "eta", -1.0),
     ("rapid", "gamma", NAN), ("rapid", "gamma", 2.5), ("rapid", "gamma", True), ("rapid", "gamma", 0),
     ("rapid", "chunk_tokens", NAN), ("rapid", "chunk_tokens", 1.5), ("rapid", "chunk_tokens", "64"),

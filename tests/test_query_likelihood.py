@@ -1,11 +1,13 @@
-"""PCED's ``query_likelihood``: the question's log-likelihood given each document, measured on the expert streams'
-own prefill, added to the softmax prior (our variant; UPR's reranking signal).
+"""PCED's and Soft-NBCE's ``query_likelihood``: the question's log-likelihood given each document (or chunk),
+measured on the expert streams' own prefill, added to the softmax prior (our variant; UPR's reranking signal).
 
 Bugs each test catches: the question's span cut one token off (a template token or a question token lost or
 added), the runs' logits read at the wrong positions (one off: the likelihood of the next token), the amateur's
 likelihood used as the first document's, the weight not applied or applied to the wrong side of the softmax, a
 rule edited in place (a second request over the same rule would see the first one's likelihood), a batch of
-requests whose likelihoods are mixed up, and options that would be silently ignored.
+requests whose likelihoods are mixed up, and options that would be silently ignored; for Soft-NBCE also chunks
+given their document's likelihood instead of their own, and the likelihood's routing dropped where the scores are
+equal (or the paper's rule lost where there is one chunk).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ctx_integrations.engine.core.rows import Run
 from ctx_integrations.engine.core.sampling import TokenSampler
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.engine.modes.priors import likelihood_prior
+from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion, routed_rule
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, tiny_loaded
 from tests.test_scheduler import DOCS
@@ -183,3 +186,124 @@ def test_a_scored_job_needs_equal_prompts(engine):
         FusedJob(context, streams, PCEDFusion([0.5]), likelihood_span=(1, 3))
     assert FusedJob(context, streams, PCEDFusion([0.5])).runs() == [[Run((1, 2, 3), 0)], [Run((1, 2, 4), 0)]]
     assert FusedJob(context, streams[1:], PCEDFusion([0.5]), likelihood_span=(1, 3))._scored == (2, 4)  # its own
+
+
+# Soft-NBCE's chunk streams take the same likelihood (``soft_nbce(query_likelihood=w)``): its chunks' routing prior.
+
+def test_each_chunks_likelihood_is_a_plain_forwards_and_equals_pceds_per_document(engine):
+    question, documents, scores = "Who is the mayor of Marrowgate?", DOCS[:4], [0.8, 0.7, 0.75, 0.6]
+    answer = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=4, query_likelihood=0.5)
+    assert answer.extra["n_chunks"] == 4 and answer.extra["query_loglik"] == pytest.approx(
+        _reference_loglik(engine, question, documents), abs=2e-3)
+    pced = engine.generate(question, documents, scores, mode="pced", max_new_tokens=1, query_likelihood=0.5)
+    assert answer.extra["query_loglik"] == pced.extra["query_loglik"]
+
+
+def test_a_document_cut_into_chunks_gets_one_likelihood_per_chunk(engine):
+    question = "Who is the mayor of Marrowgate?"
+    answer = engine.generate(question, DOCS[:2], [0.8, 0.7], mode="soft_nbce", max_new_tokens=2, chunk_tokens=8,
+                             query_likelihood=0.5)
+    chunks = [engine.loaded.tokenizer.decode(engine.loaded.tokenizer(text.strip(), add_special_tokens=False)
+                                             ["input_ids"][i:i + 8])
+              for text in DOCS[:2]
+              for i in range(0, len(engine.loaded.tokenizer(text.strip(), add_special_tokens=False)["input_ids"]), 8)]
+    assert answer.extra["n_chunks"] == len(chunks) > 2
+    assert answer.extra["query_loglik"] == pytest.approx(_reference_loglik(engine, question, chunks), abs=2e-3)
+
+
+def test_soft_nbces_prior_is_the_softmax_of_scaled_scores_plus_weighted_likelihood():
+    rule = SoftNBCEFusion(gamma=10.0, log_prior=[-0.1, -1.0, -3.0], relevance=[0.8, 0.7, 0.6], prior_tau=0.1,
+                          query_likelihood=0.25)
+    before = rule.log_prior_values
+    given = rule.given_likelihood(torch.tensor([-99.0, -30.0, -10.0, -20.0]))  # the query-only prior's first
+    expected = torch.log_softmax(torch.tensor([8.0, 7.0, 6.0]) + 0.25 * torch.tensor([-30.0, -10.0, -20.0]), 0)
+    torch.testing.assert_close(given.log_prior, expected)
+    assert given.log_prior_values == tuple(expected.tolist())  # what the knobs read
+    assert rule.log_prior_values == before and given is not rule  # the request's rule keeps its scores-only prior
+    assert (given.gamma, given.tau, given.rho, given.query_likelihood) == (10.0, rule.tau, rule.rho, 0.25)
+
+
+def test_the_chunk_that_explains_the_question_takes_the_weight_from_a_slightly_better_scored_one():
+    """Each chunk is confident in its own name; the scores alone give the first chunk the token, the likelihood
+    gives it to the second, and a likelihood that favours the first leaves it there."""
+    logits = torch.full((3, 6), -8.0)
+    logits[0, 5] = 0.0   # the query-only prior: a function word
+    logits[1, 1] = 6.0   # the top-scored chunk: its own name
+    logits[2, 2] = 6.0   # the second: the right name
+    scores = torch.tensor([0.82, 0.78])
+
+    def rule(likelihood=None):
+        built = routed_rule(torch.log_softmax(scores / 0.05, 0), relevance=scores, query_likelihood=0.2)
+        return built if likelihood is None else built.given_likelihood(torch.tensor(likelihood))
+
+    assert int(rule()(logits).scores.argmax()) == 1
+    assert int(rule([-40.0, -45.0, -20.0])(logits).scores.argmax()) == 2
+    assert int(rule([-40.0, -20.0, -45.0])(logits).scores.argmax()) == 1
+
+
+def test_equal_scores_are_ranked_by_the_likelihood_alone_and_one_chunk_by_nothing():
+    equal = torch.zeros(3)
+    plain = routed_rule(equal, relevance=torch.full((3,), 0.5))
+    assert (plain.gamma, plain.rho, plain.wants_likelihood) == (0.0, 0.9, False)  # the paper's rule
+    assert plain.log_prior is None and plain.relevance is None  # nothing of a prior left on it
+    for count in (2, 3):
+        measured = routed_rule(torch.zeros(count), relevance=torch.full((count,), 0.5), query_likelihood=0.2)
+        assert (measured.gamma, measured.rho, measured.wants_likelihood) == (10.0, 1.0, True)
+        given = measured.given_likelihood(torch.arange(count + 1.0))
+        torch.testing.assert_close(given.log_prior, torch.log_softmax(0.2 * torch.arange(1, count + 1.0), 0))
+    scores = torch.tensor([0.9, 0.6])  # the mode's prior_tau reaches the likelihood's prior
+    ranked = routed_rule(torch.log_softmax(scores / 0.1, 0), relevance=scores, prior_tau=0.1, query_likelihood=0.2)
+    torch.testing.assert_close(ranked.given_likelihood(torch.tensor([0.0, -10.0, -5.0])).log_prior,
+                               torch.log_softmax(torch.tensor([9.0 - 2.0, 6.0 - 1.0]), 0))
+    one = routed_rule(torch.zeros(1), relevance=torch.full((1,), 0.5), query_likelihood=0.2)
+    assert (one.gamma, one.rho, one.wants_likelihood) == (0.0, 0.9, False)
+    no_gamma = routed_rule(torch.tensor([0.0, -1.0]), relevance=torch.tensor([0.9, 0.8]), gamma=0.0,
+                           query_likelihood=0.2)
+    assert (no_gamma.gamma, no_gamma.wants_likelihood) == (0.0, False)
+
+
+def test_the_soft_nbce_likelihood_weight_decides_and_off_it_changes_nothing(engine):
+    question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
+    likelihood = engine.generate(question, documents, mode="soft_nbce", max_new_tokens=1,
+                                 query_likelihood=1.0).extra["query_loglik"]
+    order = sorted(range(4), key=lambda k: likelihood[k])  # the least likely document gets the best score
+    scores = [0.0] * 4
+    for rank, k in enumerate(order):
+        scores[k] = 0.8 - 0.02 * rank
+    plain = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0)
+    off = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0,
+                          query_likelihood=0.0)
+    assert (off.text, off.trace) == (plain.text, plain.trace) and "query_loglik" not in off.extra
+    on = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0,
+                         query_likelihood=100.0)
+    assert on.extra["query_loglik"] == likelihood
+    assert {step.document for step in on.trace} == {order[-1]}  # the weight decides: the likeliest document
+    assert {step.document for step in plain.trace} != {order[-1]}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(query_likelihood=0.5, prior="rank"), "query_likelihood=0.5 needs prior='softmax'"),
+    (dict(query_likelihood=0.5, gamma=0.0), r"^query_likelihood=0.5 needs gamma > 0: the likelihood reaches the "
+                                            r"chunks' weights through the retrieval prior, which gamma=0 leaves out$"),
+    (dict(query_likelihood=-0.1), r"^query_likelihood must be in \[0, 100\], got -0.1 \("),
+])
+def test_bad_soft_nbce_query_likelihood_options_are_typed_errors(engine, options, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        engine.generate("Who?", DOCS[:2], [0.9, 0.5], mode="soft_nbce", max_new_tokens=2, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gamma=0.0, query_likelihood=0.5), r"^query_likelihood=0.5 needs gamma > 0 and each chunk's score "
+                                            r"\(relevance=...\): the likelihood reaches the weights through the "
+                                            r"retrieval prior$"),
+    (dict(gamma=1.0, log_prior=[0.0, -1.0], query_likelihood=0.5), "needs gamma > 0 and each chunk's score"),
+    (dict(gamma=1.0, log_prior=[0.0, -1.0], relevance=[0.9], query_likelihood=0.5), "^got 1 chunk scores for 2 "
+                                                                                     "priors$"),
+    (dict(gamma=1.0, log_prior=[0.0, -1.0], relevance=[0.9, 0.8], query_likelihood=101.0), r"must be in \[0, 100\]"),
+])
+def test_a_soft_nbce_rule_refuses_a_likelihood_it_could_not_use(options, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        SoftNBCEFusion(**options)
+    rule = SoftNBCEFusion(gamma=1.0, log_prior=[0.0, -1.0], relevance=[0.9, 0.8], query_likelihood=0.5)
+    with pytest.raises(InvalidOptionError, match="got 3 chunk streams for 2 priors"):
+        rule.given_likelihood(torch.zeros(4))

@@ -21,7 +21,8 @@ from tests.test_scheduler import DOCS
 from tests.test_scheduler_batched import in_two_waves, operations_per_step
 
 # 1 to 5 documents, cut into 1 to 14 chunks (chunk_tokens); the paper's rule and nbce_code; taus, betas, rhos,
-# gammas and priors apart; NBCE and PCW (batches of their own); a sampled request that goes one by one beside them
+# gammas and priors apart; NBCE and PCW (batches of their own); a sampled request that goes one by one beside them;
+# a question likelihood prior in each wave (measured at a request's first step, beside requests that decode)
 FIRST_WAVE = [
     dict(query="Who is the mayor?", documents=DOCS[:2], mode="soft_nbce", max_new_tokens=14),
     dict(query="What is the secret code?", documents=DOCS, scores=[0.2, 0.4, 0.6, 0.8, 0.95], mode="soft_nbce",
@@ -34,6 +35,8 @@ FIRST_WAVE = [
     dict(query="Tell me about the city.", documents=DOCS[:4], mode="nbce", max_new_tokens=10, chunk_tokens=7),
     dict(query="Who is the harbour master?", documents=DOCS[2:], mode="pcw", max_new_tokens=9, beta=0.25),
     dict(query="Who is it?", documents=DOCS[2:], mode="soft_nbce", max_new_tokens=9, temperature=0.8, seed=5),
+    dict(query="Who keeps the lighthouse?", documents=DOCS[:4], scores=[0.8, 0.7, 0.75, 0.6], mode="soft_nbce",
+         max_new_tokens=12, chunk_tokens=10, query_likelihood=0.5),
 ]
 # joining while the first wave decodes
 SECOND_WAVE = [
@@ -43,6 +46,8 @@ SECOND_WAVE = [
          rule="nbce_code", beta=0.0),
     dict(query="Where is the vault?", documents=DOCS[:4], mode="nbce", max_new_tokens=13, beta=0.43),
     dict(query="Which town?", documents=DOCS[:2], mode="pcw", max_new_tokens=8, chunk_tokens=6),
+    dict(query="What does the mayor sell?", documents=DOCS[1:], mode="soft_nbce", max_new_tokens=10, tau=0.3,
+         query_likelihood=2.0),
 ]
 
 
@@ -60,9 +65,9 @@ def engine() -> Engine:
 
 
 def _answer(answer) -> tuple:
-    """Everything a request reads back from its steps: tokens, winning documents and chunks, scores."""
+    """Everything a request reads back from its steps: tokens, winning documents and chunks, scores, likelihoods."""
     return (answer.token_ids, [(s.token_id, s.document, s.score) for s in answer.trace],
-            answer.extra["trace_chunks"], answer.extra["n_chunks"])
+            answer.extra["trace_chunks"], answer.extra["n_chunks"], answer.extra.get("query_loglik"))
 
 
 def _together(engine: Engine) -> list:
@@ -79,9 +84,14 @@ def test_concurrent_chunk_fusion_requests_chosen_in_batches_get_their_answers_al
 
     propose_batch = FusedJob.propose_batch.__func__
 
+    measured = []  # per batched proposal that returned: how many jobs were given their likelihood in it
+
     def spied(cls, jobs, logits):
         batches.append((jobs[0].batch_key()[0], [job.state is FIRST_STEP for job in jobs]))  # the rule's key
-        return propose_batch(cls, jobs, logits)
+        before = [job.likelihood is None for job in jobs]
+        values = propose_batch(cls, jobs, logits)
+        measured.append(sum(b and job.likelihood is not None for b, job in zip(before, jobs, strict=True)))
+        return values
 
     monkeypatch.setattr(FusedJob, "propose_batch", classmethod(spied))
     assert _together(engine) == alone
@@ -91,6 +101,7 @@ def test_concurrent_chunk_fusion_requests_chosen_in_batches_get_their_answers_al
     assert sizes[(SoftNBCEFusion, "paper")] >= 4  # several requests really shared an evaluation
     assert len(sizes) == 4  # the paper's rule, nbce_code, NBCE and PCW: a batch each
     assert any(any(first) and not all(first) for _, first in batches)  # a joining request beside decoding ones
+    assert sum(measured) == 2 and sum(alone_answer[4] is not None for alone_answer in alone) == 2
 
     monkeypatch.setattr(FusedJob, "batch_key", lambda self: None)  # the one-by-one path
     batches.clear()

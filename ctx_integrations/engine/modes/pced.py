@@ -30,6 +30,7 @@ from ctx_integrations.engine.modes.priors import (
     DEFAULT_PRIOR,
     DEFAULT_TAU,
     check_prior,
+    check_query_likelihood,
     likelihood_prior,
     log_prior,
 )
@@ -43,9 +44,6 @@ TINY = torch.finfo(torch.float32).tiny
 # and a common offset of 1e8 rounds every token's score to the same value, so argmax returns token 0), and at
 # ~1e36 they overflow to inf and NaN. The paper's values are beta in [0, ln 2] (dynamic) and gamma = 2.5.
 MAX_BETA = MAX_GAMMA = 100.0
-# Largest query_likelihood weight: at 100 a nat of the question's likelihood already outweighs any score gap (r is in
-# [0, 1], tau >= 1e-4 gives at most 1e4 per unit of r), so larger weights only lose float32 precision.
-MAX_QUERY_LIKELIHOOD = 100.0
 # The paper's weight of the retrieval prior (appendix B), for its prior, log r.
 PAPER_GAMMA = 2.5
 # The default weight, for the default calibrated prior (softmax(r / 0.05) over the retrieved set; our variant),
@@ -165,11 +163,7 @@ class PCEDFusion:
         if beta is not None:
             real_number("beta", beta, minimum=0.0, maximum=MAX_BETA, hint=" (or None: dynamic)")
         real_number("gamma", gamma, minimum=0.0, maximum=MAX_GAMMA)
-        real_number("query_likelihood", query_likelihood, minimum=0.0, maximum=MAX_QUERY_LIKELIHOOD,
-                    hint=" (weight of log p(question | document) in the softmax prior; 0: off)")
-        if query_likelihood > 0 and prior != "softmax":
-            raise InvalidOptionError(f"query_likelihood={query_likelihood} needs prior='softmax' (it is added to the "
-                                     f"softmax prior's scaled scores), got prior={prior!r}")
+        check_query_likelihood(query_likelihood, prior)
         self.relevance = torch.as_tensor(relevance, dtype=torch.float32)
         self.log_prior = log_prior(self.relevance, prior, tau=prior_tau, floor=prior_floor)
         self.gamma, self.score_space, self.aggregation = gamma, score_space, aggregation

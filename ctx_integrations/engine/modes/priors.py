@@ -22,8 +22,8 @@ smaller prior (the tests in tests/test_priors.py hold each rule to both).
 :func:`likelihood_prior` adds what the model itself says of each document: the question's log-likelihood given
 the document, log p(q | d_k), as UPR (Sachan et al., 2022, "Improving Passage Retrieval with Zero-Shot Question
 Generation") reranks passages with it. PCED's expert streams compute it anyway while they prefill the question
-after each cached document (``query_likelihood`` in :mod:`~ctx_integrations.engine.modes.pced`; ours, not the
-paper's).
+after each cached document (``query_likelihood`` in :mod:`~ctx_integrations.engine.modes.pced`), and so do
+Soft-NBCE's chunk streams (:mod:`~ctx_integrations.engine.modes.soft_nbce`); ours, not the papers'.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ DEFAULT_PRIOR = "softmax"
 TINY = torch.finfo(torch.float32).tiny
 DEFAULT_TAU = 0.05  # softmax's temperature, in units of r
 DEFAULT_FLOOR = 0.05  # minmax's prior of the lowest-scored document (log 0.05 = -3.0 nats before gamma)
+# Largest weight of the question's likelihood: at 100 one nat counts as 100 x tau of score, far past the measured 0.2
+# (a few nats' difference then outweighs any gap of the default prior), and larger weights only cost float32 precision
+# (a question's log-likelihood reaches -100s of nats).
+MAX_QUERY_LIKELIHOOD = 100.0
 
 
 def check_prior(prior: str, tau: float = DEFAULT_TAU, floor: float = DEFAULT_FLOOR) -> None:
@@ -72,6 +76,16 @@ def log_prior(relevance: Sequence[float] | torch.Tensor, prior: str = "paper", *
         return torch.zeros_like(r)
     return torch.log(floor + (1 - floor) * (r - r.min()) / spread)
 
+
+
+def check_query_likelihood(weight: float, prior: str = "softmax") -> None:
+    """The weight of the question's log-likelihood in a prior (0: off); it is added to the softmax prior's scaled
+    scores, so any other ``prior`` is refused rather than silently given a softmax."""
+    real_number("query_likelihood", weight, minimum=0.0, maximum=MAX_QUERY_LIKELIHOOD,
+                hint=" (weight of log p(question | document) in the softmax prior; 0: off)")
+    if weight > 0 and prior != "softmax":
+        raise InvalidOptionError(f"query_likelihood={weight} needs prior='softmax' (it is added to the softmax "
+                                 f"prior's scaled scores), got prior={prior!r}")
 
 
 def likelihood_prior(relevance: torch.Tensor, likelihood: torch.Tensor, *, tau: float = DEFAULT_TAU,

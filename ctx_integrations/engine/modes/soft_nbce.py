@@ -18,6 +18,7 @@ mode. The chunk index per token is kept in ``Answer.extra["trace_chunks"]``, and
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -37,7 +38,15 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import real_number
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import (
+    DEFAULT_FLOOR,
+    DEFAULT_PRIOR,
+    DEFAULT_TAU,
+    check_prior,
+    check_query_likelihood,
+    likelihood_prior,
+    log_prior,
+)
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -265,6 +274,11 @@ class SoftNBCEFusion:
     routing: w_k = softmax_k(-H_k / tau + gamma * log_prior_k), where ``log_prior`` holds each chunk's
     log-prior (its document's, from :func:`~ctx_integrations.engine.modes.priors.log_prior`), so a chunk the
     retriever ranked low cannot take the weight with a confident (low-entropy) wrong token.
+
+    ``query_likelihood`` > 0 (our variant, as PCED's; it needs gamma > 0 and each chunk's score, ``relevance``) makes
+    that log-prior log softmax_k(r_k / prior_tau + query_likelihood * log p(q | chunk_k)) once the job has measured
+    the question's log-likelihood on each chunk stream's prefill (:meth:`given_likelihood`, before the first token),
+    so a chunk the model finds explains the question better gains weight (:func:`~.priors.likelihood_prior`).
     """
 
     # structured output masks the streams before this rule, so each nucleus is taken among the tokens the format
@@ -272,7 +286,9 @@ class SoftNBCEFusion:
     format_masks_streams = True
 
     def __init__(self, *, tau: float = 0.1, beta: float = 0.25, rho: float = PAPER_RHO, rule: str = "paper",
-                 gamma: float = 0.0, log_prior: Sequence[float] | torch.Tensor | None = None):
+                 gamma: float = 0.0, log_prior: Sequence[float] | torch.Tensor | None = None,
+                 relevance: Sequence[float] | torch.Tensor | None = None, prior_tau: float = DEFAULT_TAU,
+                 query_likelihood: float = 0.0):
         real_number("tau", tau, minimum=MIN_TAU, allow_inf=True,
                     hint=" (math.inf = uniform average; mode='nbce' is the tau -> 0 limit)")
         self.tau = tau
@@ -286,6 +302,32 @@ class SoftNBCEFusion:
         self.log_prior = None if log_prior is None else torch.as_tensor(log_prior, dtype=torch.float32)
         # the priors as Python floats (float32 values, exact), read once here: a step's knobs read no tensor back
         self.log_prior_values = () if self.log_prior is None else tuple(self.log_prior.tolist())
+        check_query_likelihood(query_likelihood)
+        if query_likelihood > 0 and (gamma == 0 or relevance is None):
+            raise InvalidOptionError(f"query_likelihood={query_likelihood} needs gamma > 0 and each chunk's score "
+                                     "(relevance=...): the likelihood reaches the weights through the retrieval prior")
+        self.relevance = None if relevance is None else torch.as_tensor(relevance, dtype=torch.float32)
+        if self.relevance is not None and self.log_prior is not None and self.relevance.shape != self.log_prior.shape:
+            raise InvalidOptionError(f"got {self.relevance.numel()} chunk scores for {self.log_prior.numel()} priors")
+        self.prior_tau, self.query_likelihood = prior_tau, query_likelihood
+
+    @property
+    def wants_likelihood(self) -> bool:
+        """Whether the job should measure the question's log-likelihood on each stream (:meth:`given_likelihood`)."""
+        return self.query_likelihood > 0
+
+    def given_likelihood(self, likelihood: torch.Tensor) -> SoftNBCEFusion:
+        """This rule with its chunks' log-prior re-ranked by the question's log-likelihood on each stream (``[1 + K]``,
+        the query-only prior's first and unused), as a new rule: one built for a request keeps its scores-only prior.
+
+        The new prior is read to the host once (the knobs take it as Python floats, :class:`Knobs`): one read at the
+        first step of a request, none after."""
+        self._check_chunks(likelihood.shape[0] - 1)
+        rule = copy.copy(self)
+        rule.log_prior = likelihood_prior(self.relevance, likelihood[1:], tau=self.prior_tau,
+                                          weight=self.query_likelihood).cpu()
+        rule.log_prior_values = tuple(rule.log_prior.tolist())
+        return rule
 
     @staticmethod
     def routing(entropy: torch.Tensor, knobs: Knobs) -> torch.Tensor:
@@ -478,19 +520,25 @@ def support_rho(rho: float | None, ranked: bool) -> float:
 
 
 def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
-                rule: str = "paper", gamma: float = PRIOR_GAMMA) -> SoftNBCEFusion:
+                rule: str = "paper", gamma: float = PRIOR_GAMMA, relevance: torch.Tensor | None = None,
+                prior_tau: float = DEFAULT_TAU, query_likelihood: float = 0.0) -> SoftNBCEFusion:
     """The soft_nbce mode's rule for chunks with these log-priors ``[K]``: routed by the prior (weight ``gamma``) only
-    when it ranks them (not all equal), with :func:`support_rho`'s top-p; the paper's rule otherwise, exactly."""
+    when it ranks them (not all equal, or two chunks or more whose question likelihoods will rank them), with
+    :func:`support_rho`'s top-p; the paper's rule otherwise, exactly (one chunk: nothing to rank, nothing measured)."""
     check_gamma(gamma)  # here too: a rule nothing ranks is built with gamma 0, so its own check would not see it
-    ranked = gamma > 0 and bool(chunk_log_prior.max() > chunk_log_prior.min())
+    measured = query_likelihood > 0 and chunk_log_prior.numel() > 1
+    ranked = gamma > 0 and (measured or bool(chunk_log_prior.max() > chunk_log_prior.min()))
     return SoftNBCEFusion(tau=tau, beta=beta, rho=support_rho(rho, ranked), rule=rule, gamma=gamma if ranked else 0.0,
-                          log_prior=chunk_log_prior if ranked else None)
+                          log_prior=chunk_log_prior if ranked else None, relevance=relevance if ranked else None,
+                          prior_tau=prior_tau, query_likelihood=query_likelihood if ranked else 0.0)
 
 
 def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[int]], SoftNBCEFusion],
                      chunk_tokens: int | None) -> FusedJob:
     """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents.
-    ``rule`` may be built from the chunks' source documents (a callable given their indices)."""
+    ``rule`` may be built from the chunks' source documents (a callable given their indices). A rule that
+    :attr:`~SoftNBCEFusion.wants_likelihood` gets the question's log-likelihood on each stream, and the answer's
+    ``extra["query_loglik"]`` holds each chunk's."""
     size = fitting_chunk_tokens(ctx, chunk_tokens)
     chunks = split_documents(ctx.engine.loaded.tokenizer, [d.text for d in ctx.documents], size)
     prepared = ctx.engine.texts.prepare_all([c.text for c in chunks])  # whole documents: ctx.prepared's, memoised
@@ -505,16 +553,21 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
                         for step in result.trace]
         result.extra.update(chunk_documents=sources, chunk_tokens=size, n_chunks=len(chunks), rho=rule.rho,
                             gamma=rule.gamma)
+        if job.likelihood is not None:
+            result.extra["query_loglik"] = [round(v, 4) for v in job.likelihood[1:].tolist()]
         return result
 
-    return expert_streams_job(ctx, rule, contexts=prepared, with_context_free=True, finish=finish)
+    span = ctx.engine.layout.question_span(ctx.suffix_ids) if rule.wants_likelihood else None
+    job = expert_streams_job(ctx, rule, contexts=prepared, with_context_free=True, finish=finish,
+                             likelihood_span=span)
+    return job
 
 
 @register_mode("soft_nbce")
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
                   chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = PRIOR_GAMMA,
                   prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
-                  prior_floor: float = DEFAULT_FLOOR) -> FusedJob:
+                  prior_floor: float = DEFAULT_FLOOR, query_likelihood: float = 0.0) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
@@ -528,12 +581,21 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
     alone whatever gamma is: the prior would add the same number to each, so the rule is then the paper's, exactly.
     prior, prior_tau, prior_floor: how the documents' scores become that log-prior, as PCED's (see :mod:`.priors`);
     every chunk of a document gets the document's.
+    query_likelihood: weight of the question's log-likelihood given each chunk in the softmax prior (our variant, as
+    PCED's; 0, the default: off; it needs gamma > 0 and prior="softmax"); ``extra["query_loglik"]`` holds each
+    chunk's. With it the chunks are routed by the prior even when their scores are equal.
     The paper's rule on every input: ``gamma=0`` (``rho`` is then 0.9).
     """
     check_prior(prior, prior_tau, prior_floor)
-    logs = log_prior([d.score for d in ctx.documents], prior, tau=prior_tau, floor=prior_floor)
-    return run_chunk_fusion(ctx, lambda sources: routed_rule(logs[sources], tau=tau, beta=beta, rho=rho, rule=rule,
-                                                             gamma=gamma), chunk_tokens)
+    check_query_likelihood(query_likelihood, prior)
+    if query_likelihood > 0 and gamma == 0:
+        raise InvalidOptionError(f"query_likelihood={query_likelihood} needs gamma > 0: the likelihood reaches the "
+                                 "chunks' weights through the retrieval prior, which gamma=0 leaves out")
+    scores = torch.tensor([d.score for d in ctx.documents], dtype=torch.float32)
+    logs = log_prior(scores, prior, tau=prior_tau, floor=prior_floor)
+    return run_chunk_fusion(ctx, lambda sources: routed_rule(
+        logs[sources], tau=tau, beta=beta, rho=rho, rule=rule, gamma=gamma, relevance=scores[sources],
+        prior_tau=prior_tau, query_likelihood=query_likelihood), chunk_tokens)
 
 
 @register_mode("nbce")
