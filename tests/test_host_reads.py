@@ -76,7 +76,8 @@ def test_every_step_of_every_mode_reads_the_device_once_alone_and_batched(steps)
                                           "map_reduce")]
     calls += [dict(mode="pced", sampling=sampled), dict(mode="soft_nbce", sampling=sampled),
               dict(mode="pced", sampling=structured),
-              dict(mode="rapid", sampling=SamplingParams(max_tokens=8, temperature=0.8, seed=1))]  # drafts, verdicts
+              dict(mode="rapid", sampling=SamplingParams(max_tokens=8, temperature=0.8, seed=1)),  # drafts, verdicts
+              dict(mode="pced", query_likelihood=0.5), dict(mode="soft_nbce", query_likelihood=0.5)]  # measured priors
 
     def settings(call: dict) -> dict:
         return call if "sampling" in call else dict(call, max_new_tokens=4)

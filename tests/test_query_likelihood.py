@@ -24,7 +24,7 @@ from ctx_integrations.engine.core.rows import Run
 from ctx_integrations.engine.core.sampling import TokenSampler
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.engine.modes.priors import likelihood_prior
-from ctx_integrations.engine.modes.soft_nbce import SoftNBCEFusion, routed_rule
+from ctx_integrations.engine.modes.soft_nbce import Knobs, SoftNBCEFusion, routed_rule
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, tiny_loaded
 from tests.test_scheduler import DOCS
@@ -214,12 +214,17 @@ def test_a_document_cut_into_chunks_gets_one_likelihood_per_chunk(engine):
 def test_soft_nbces_prior_is_the_softmax_of_scaled_scores_plus_weighted_likelihood():
     rule = SoftNBCEFusion(gamma=10.0, log_prior=[-0.1, -1.0, -3.0], relevance=[0.8, 0.7, 0.6], prior_tau=0.1,
                           query_likelihood=0.25)
-    before = rule.log_prior_values
     given = rule.given_likelihood(torch.tensor([-99.0, -30.0, -10.0, -20.0]))  # the query-only prior's first
     expected = torch.log_softmax(torch.tensor([8.0, 7.0, 6.0]) + 0.25 * torch.tensor([-30.0, -10.0, -20.0]), 0)
-    torch.testing.assert_close(given.log_prior, expected)
-    assert given.log_prior_values == tuple(expected.tolist())  # what the knobs read
-    assert rule.log_prior_values == before and given is not rule  # the request's rule keeps its scores-only prior
+    torch.testing.assert_close(given.measured_prior, expected)
+    # what the step's knobs take, alone and beside a request of 2 chunks whose own prior is kept
+    other = SoftNBCEFusion(gamma=5.0, log_prior=[-0.5, -1.5])
+    knobs = Knobs.of([other, given, rule], [2, 3, 3], torch.device("cpu"))
+    assert torch.equal(knobs.log_prior[1], expected)
+    assert torch.equal(Knobs.of([given], [3], torch.device("cpu")).log_prior[0], expected)
+    assert torch.equal(knobs.log_prior[0], torch.tensor([-0.5, -1.5, 0.0]))  # its padding: 0
+    assert torch.equal(knobs.log_prior[2], torch.tensor([-0.1, -1.0, -3.0]))
+    assert rule.measured_prior is None and given is not rule  # the request's rule keeps its scores-only prior
     assert (given.gamma, given.tau, given.rho, given.query_likelihood) == (10.0, rule.tau, rule.rho, 0.25)
 
 
@@ -250,10 +255,10 @@ def test_equal_scores_are_ranked_by_the_likelihood_alone_and_one_chunk_by_nothin
         measured = routed_rule(torch.zeros(count), relevance=torch.full((count,), 0.5), query_likelihood=0.2)
         assert (measured.gamma, measured.rho, measured.wants_likelihood) == (10.0, 1.0, True)
         given = measured.given_likelihood(torch.arange(count + 1.0))
-        torch.testing.assert_close(given.log_prior, torch.log_softmax(0.2 * torch.arange(1, count + 1.0), 0))
+        torch.testing.assert_close(given.measured_prior, torch.log_softmax(0.2 * torch.arange(1, count + 1.0), 0))
     scores = torch.tensor([0.9, 0.6])  # the mode's prior_tau reaches the likelihood's prior
     ranked = routed_rule(torch.log_softmax(scores / 0.1, 0), relevance=scores, prior_tau=0.1, query_likelihood=0.2)
-    torch.testing.assert_close(ranked.given_likelihood(torch.tensor([0.0, -10.0, -5.0])).log_prior,
+    torch.testing.assert_close(ranked.given_likelihood(torch.tensor([0.0, -10.0, -5.0])).measured_prior,
                                torch.log_softmax(torch.tensor([9.0 - 2.0, 6.0 - 1.0]), 0))
     one = routed_rule(torch.zeros(1), relevance=torch.full((1,), 0.5), query_likelihood=0.2)
     assert (one.gamma, one.rho, one.wants_likelihood) == (0.0, 0.9, False)

@@ -170,7 +170,7 @@ TARGETS = {
     # Soft-NBCE's query_likelihood: the rule takes the likelihood, and the mode routes by it even on equal scores
     "soft_nbce_likelihood": Target("ctx_integrations/engine/modes/soft_nbce.py",
                                    ("xǁSoftNBCEFusionǁgiven_likelihood*", "xǁSoftNBCEFusionǁwants_likelihood*",
-                                    "xǁSoftNBCEFusionǁ__init__*", "x_routed_rule*"),
+                                    "xǁSoftNBCEFusionǁ__init__*", "x_routed_rule*", "xǁKnobsǁof*"),
                                    ("tests/test_query_likelihood.py", "tests/test_priors.py", "tests/test_soft_nbce.py",
                                     "-m", "not slow", "-k", "not mode and not ape_bias")),
     # the pool's masks for sliding-window models: which layers slide, and the window on the virtual positions (the flex

@@ -231,7 +231,7 @@ class Knobs:
     share: torch.Tensor  # [J, W]: 1 / K_j on request j's chunks, 0 on its padding (PCW's weights)
     chunks: torch.Tensor | None  # [J, W] bool: request j's K_j chunks; None when no request is padded
     gamma: torch.Tensor | None  # [J, 1]; None when no request routes by a prior
-    log_prior: torch.Tensor | None  # [J, W]: each chunk's log-prior where gamma > 0, else 0
+    log_prior: torch.Tensor | None  # [J, W]: each chunk's log-prior where gamma > 0 (its measured_prior if any), else 0
 
     @classmethod
     def of(cls, rules: Sequence[SoftNBCEFusion], counts: Sequence[int], device: torch.device) -> Knobs:
@@ -245,6 +245,9 @@ class Knobs:
             share = [1.0 / count] * count
             rows.append([rule.tau, rule.beta, 1 + rule.beta, rho, rule.gamma, *share, *pad, *logs, *pad])
         table = torch.tensor(rows, dtype=torch.float32).to(device)
+        for j, (rule, count) in enumerate(zip(rules, counts, strict=True)):
+            if rule.measured_prior is not None:  # already on the device: written there, not read back
+                table[j, 5 + width:5 + width + count] = rule.measured_prior
         share = table[:, 5:5 + width]
         whole = all(rule.rho >= 1 for rule in rules)
         return cls(rule=rules[0].rule, tau=table[:, 0:1], beta=table[:, 1:2].unsqueeze(2),
@@ -310,6 +313,7 @@ class SoftNBCEFusion:
         if self.relevance is not None and self.log_prior is not None and self.relevance.shape != self.log_prior.shape:
             raise InvalidOptionError(f"got {self.relevance.numel()} chunk scores for {self.log_prior.numel()} priors")
         self.prior_tau, self.query_likelihood = prior_tau, query_likelihood
+        self.measured_prior: torch.Tensor | None = None  # the prior with the likelihood (given_likelihood), on device
 
     @property
     def wants_likelihood(self) -> bool:
@@ -320,13 +324,12 @@ class SoftNBCEFusion:
         """This rule with its chunks' log-prior re-ranked by the question's log-likelihood on each stream (``[1 + K]``,
         the query-only prior's first and unused), as a new rule: one built for a request keeps its scores-only prior.
 
-        The new prior is read to the host once (the knobs take it as Python floats, :class:`Knobs`): one read at the
-        first step of a request, none after."""
+        The new prior stays on the likelihood's device (``measured_prior``, which :meth:`Knobs.of` writes into the
+        step's knobs there), so the step still reads the device once."""
         self._check_chunks(likelihood.shape[0] - 1)
         rule = copy.copy(self)
-        rule.log_prior = likelihood_prior(self.relevance, likelihood[1:], tau=self.prior_tau,
-                                          weight=self.query_likelihood).cpu()
-        rule.log_prior_values = tuple(rule.log_prior.tolist())
+        rule.measured_prior = likelihood_prior(self.relevance, likelihood[1:], tau=self.prior_tau,
+                                               weight=self.query_likelihood)
         return rule
 
     @staticmethod
