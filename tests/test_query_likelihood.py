@@ -224,6 +224,9 @@ def test_soft_nbces_prior_is_the_softmax_of_scaled_scores_plus_weighted_likeliho
     assert torch.equal(Knobs.of([given], [3], torch.device("cpu")).log_prior[0], expected)
     assert torch.equal(knobs.log_prior[0], torch.tensor([-0.5, -1.5, 0.0]))  # its padding: 0
     assert torch.equal(knobs.log_prior[2], torch.tensor([-0.1, -1.0, -3.0]))
+    wider = SoftNBCEFusion(gamma=5.0, log_prior=[-0.5, -1.5, -2.0, -2.5])  # the measured request padded
+    padded = Knobs.of([given, wider], [3, 4], torch.device("cpu")).log_prior
+    assert torch.equal(padded[0], torch.cat([expected, torch.zeros(1)]))
     assert rule.measured_prior is None and given is not rule  # the request's rule keeps its scores-only prior
     assert (given.gamma, given.tau, given.rho, given.query_likelihood) == (10.0, rule.tau, rule.rho, 0.25)
 

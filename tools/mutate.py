@@ -172,7 +172,8 @@ TARGETS = {
                                    ("xǁSoftNBCEFusionǁgiven_likelihood*", "xǁSoftNBCEFusionǁwants_likelihood*",
                                     "xǁSoftNBCEFusionǁ__init__*", "x_routed_rule*", "xǁKnobsǁof*"),
                                    ("tests/test_query_likelihood.py", "tests/test_priors.py", "tests/test_soft_nbce.py",
-                                    "-m", "not slow", "-k", "not mode and not ape_bias")),
+                                    "tests/test_soft_nbce_batched.py", "-m", "not slow", "-k",
+                                    "not mode and not ape_bias")),
     # the pool's masks for sliding-window models: which layers slide, and the window on the virtual positions (the flex
     # kernel's test is left out: FlexAttention traces its mask_mod with Dynamo, which cannot trace mutmut's
     # trampolines; the same in_window rule is killed through the eager masks)
