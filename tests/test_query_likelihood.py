@@ -24,7 +24,7 @@ from ctx_integrations.engine.core.rows import Run
 from ctx_integrations.engine.core.sampling import TokenSampler
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.engine.modes.priors import likelihood_prior
-from ctx_integrations.engine.modes.soft_nbce import Knobs, SoftNBCEFusion, routed_rule
+from ctx_integrations.engine.modes.soft_nbce import Knobs, SoftNBCEFusion, routed_rule, split_documents
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, tiny_loaded
 from tests.test_scheduler import DOCS
@@ -113,18 +113,19 @@ def test_the_likelihood_each_document_gets_is_a_plain_forwards(engine):
     assert len(set(round(v, 1) for v in measured)) == 4  # the documents differ: a row mix-up would show
 
 
-def test_the_likelihood_moves_the_prior_and_off_it_changes_nothing(engine):
+@pytest.mark.parametrize("mode, options", [("pced", {}), ("soft_nbce", dict(tau=1.0))])
+def test_the_likelihood_moves_the_prior_and_off_it_changes_nothing(engine, mode, options):
     question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
-    likelihood = engine.generate(question, documents, mode="pced", max_new_tokens=1,
+    likelihood = engine.generate(question, documents, mode=mode, max_new_tokens=1,
                                  query_likelihood=1.0).extra["query_loglik"]
     order = sorted(range(4), key=lambda k: likelihood[k])  # the least likely document gets the best score
     scores = [0.0] * 4
     for rank, k in enumerate(order):
         scores[k] = 0.8 - 0.02 * rank
-    plain = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8)
-    off = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8, query_likelihood=0.0)
+    plain = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, **options)
+    off = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, query_likelihood=0.0, **options)
     assert (off.text, off.trace) == (plain.text, plain.trace) and "query_loglik" not in off.extra
-    on = engine.generate(question, documents, scores, mode="pced", max_new_tokens=8, query_likelihood=100.0)
+    on = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, query_likelihood=100.0, **options)
     assert on.extra["query_loglik"] == likelihood
     assert {step.document for step in on.trace} == {order[-1]}  # the weight decides: the likeliest document
     assert {step.document for step in plain.trace} != {order[-1]}
@@ -203,10 +204,7 @@ def test_a_document_cut_into_chunks_gets_one_likelihood_per_chunk(engine):
     question = "Who is the mayor of Marrowgate?"
     answer = engine.generate(question, DOCS[:2], [0.8, 0.7], mode="soft_nbce", max_new_tokens=2, chunk_tokens=8,
                              query_likelihood=0.5)
-    chunks = [engine.loaded.tokenizer.decode(engine.loaded.tokenizer(text.strip(), add_special_tokens=False)
-                                             ["input_ids"][i:i + 8])
-              for text in DOCS[:2]
-              for i in range(0, len(engine.loaded.tokenizer(text.strip(), add_special_tokens=False)["input_ids"]), 8)]
+    chunks = [chunk.text for chunk in split_documents(engine.loaded.tokenizer, DOCS[:2], 8)]
     assert answer.extra["n_chunks"] == len(chunks) > 2
     assert answer.extra["query_loglik"] == pytest.approx(_reference_loglik(engine, question, chunks), abs=2e-3)
 
@@ -268,25 +266,6 @@ def test_equal_scores_are_ranked_by_the_likelihood_alone_and_one_chunk_by_nothin
     no_gamma = routed_rule(torch.tensor([0.0, -1.0]), relevance=torch.tensor([0.9, 0.8]), gamma=0.0,
                            query_likelihood=0.2)
     assert (no_gamma.gamma, no_gamma.wants_likelihood) == (0.0, False)
-
-
-def test_the_soft_nbce_likelihood_weight_decides_and_off_it_changes_nothing(engine):
-    question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
-    likelihood = engine.generate(question, documents, mode="soft_nbce", max_new_tokens=1,
-                                 query_likelihood=1.0).extra["query_loglik"]
-    order = sorted(range(4), key=lambda k: likelihood[k])  # the least likely document gets the best score
-    scores = [0.0] * 4
-    for rank, k in enumerate(order):
-        scores[k] = 0.8 - 0.02 * rank
-    plain = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0)
-    off = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0,
-                          query_likelihood=0.0)
-    assert (off.text, off.trace) == (plain.text, plain.trace) and "query_loglik" not in off.extra
-    on = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=8, tau=1.0,
-                         query_likelihood=100.0)
-    assert on.extra["query_loglik"] == likelihood
-    assert {step.document for step in on.trace} == {order[-1]}  # the weight decides: the likeliest document
-    assert {step.document for step in plain.trace} != {order[-1]}
 
 
 @pytest.mark.parametrize("options, message", [

@@ -77,7 +77,6 @@ def log_prior(relevance: Sequence[float] | torch.Tensor, prior: str = "paper", *
     return torch.log(floor + (1 - floor) * (r - r.min()) / spread)
 
 
-
 def check_query_likelihood(weight: float, prior: str = "softmax") -> None:
     """The weight of the question's log-likelihood in a prior (0: off); it is added to the softmax prior's scaled
     scores, so any other ``prior`` is refused rather than silently given a softmax."""
