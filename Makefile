@@ -51,16 +51,18 @@ $(VENV)/.dev: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.base
 	$(BIN)/ctx-experts demo
 
-# The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others), but for
-# the parity and concurrency tests marked dtype_legs: those run once in each dtype (CTX_DTYPE), so either kind of
-# CPU checks both, the default among them. The legs name the files that hold such tests, so they do not collect the
-# whole suite twice more (46 s a process); tests/test_makefile.py fails if a marked test lives in a file not named here.
+# The suite runs in the library's default dtype (bf16 on CPUs with AMX / AVX512-BF16, fp32 on others); its parity
+# and concurrency tests marked dtype_legs then run once more in the other dtype (CTX_DTYPE), so either kind of CPU
+# checks both. That leg names the files that hold such tests, so it does not collect the whole suite again (46 s a
+# process); tests/test_makefile.py fails if a marked test lives in a file not named here.
 DTYPE_LEG_FILES = tests/test_batch_invariance.py tests/test_scheduler.py
+OTHER_DTYPE = from ctx_integrations.engine.core.machine import cpu_dtype_name; \
+	print("float32" if cpu_dtype_name() == "bfloat16" else "bfloat16")
 test: $(VENV)/.dev
 	$(BIN)/ruff check ctx_integrations tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 -m "not dtype_legs"
-	CTX_DTYPE=bfloat16 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs $(DTYPE_LEG_FILES)
-	CTX_DTYPE=float32 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs $(DTYPE_LEG_FILES)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	other=$$($(BIN)/python -c '$(OTHER_DTYPE)') && \
+	  CTX_DTYPE=$$other $(BIN)/python -m pytest -q -n 2 --dist loadfile -m dtype_legs $(DTYPE_LEG_FILES)
 
 # Mutation testing of the per-step rule modules (not part of `make test` / CI; minutes per module).
 # `make mutate MODULES="pced scores"` runs some of them; see docs/testing.md for the scores.

@@ -3,7 +3,7 @@ the same alone and beside any other requests, in bf16 as in fp32.
 
 The dtype is the library's default (:func:`~ctx_integrations.engine.core.model.default_dtype`): bf16 on a CPU
 with AMX / AVX512-BF16, fp32 on others, and whatever ``$CTX_DTYPE`` names: ``make test`` runs this file (the
-``dtype_legs`` marker) once more with ``CTX_DTYPE=bfloat16`` and once with ``CTX_DTYPE=float32``, so a machine of
+``dtype_legs`` marker) in its main run, then once more with ``CTX_DTYPE`` naming the other dtype, so a machine of
 either kind checks both. The model is the embedded SmolLM2: what breaks invariance is rounding, and a tiny random
 model's few small layers did not show it (its concurrent bf16 answers equalled its solo ones before the fix).
 

@@ -84,32 +84,26 @@ def test_cpu_flags_and_native_bf16(tmp_path):
 
 
 def test_default_dtype_follows_the_cpu_features(monkeypatch):
-    from ctx_integrations.engine.core import model
-
     monkeypatch.delenv("CTX_DTYPE", raising=False)
-    monkeypatch.setattr(model, "native_bf16", lambda: False)
-    assert default_dtype(torch.device("cpu")) == torch.float32
-    monkeypatch.setattr(model, "native_bf16", lambda: True)
-    assert default_dtype(torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(machine, "native_bf16", lambda: False)
+    assert default_dtype(torch.device("cpu")) == torch.float32 and machine.cpu_dtype_name() == "float32"
+    monkeypatch.setattr(machine, "native_bf16", lambda: True)
+    assert default_dtype(torch.device("cpu")) == torch.bfloat16 and machine.cpu_dtype_name() == "bfloat16"
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("value, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
                                           (" BFloat16 ", torch.bfloat16), ("float16", torch.float16)])
 def test_ctx_dtype_overrides_the_cpu_features_on_every_device(monkeypatch, value, dtype):
-    """The dtype legs of ``make test`` set it; a machine of either kind then runs the default path in both dtypes."""
-    from ctx_integrations.engine.core import model
-
+    """The dtype leg of ``make test`` sets it; a machine of either kind then runs the default path in both dtypes."""
     monkeypatch.setenv("CTX_DTYPE", value)
     for bf16 in (False, True):
-        monkeypatch.setattr(model, "native_bf16", lambda bf16=bf16: bf16)
+        monkeypatch.setattr(machine, "native_bf16", lambda bf16=bf16: bf16)
         assert default_dtype(torch.device("cpu")) == dtype and default_dtype(torch.device("cuda")) == dtype
 
 
 def test_ctx_dtype_auto_or_empty_leaves_the_choice_to_the_cpu(monkeypatch):
-    from ctx_integrations.engine.core import model
-
-    monkeypatch.setattr(model, "native_bf16", lambda: False)
+    monkeypatch.setattr(machine, "native_bf16", lambda: False)
     for value in ("auto", "", " AUTO"):
         monkeypatch.setenv("CTX_DTYPE", value)
         assert default_dtype(torch.device("cpu")) == torch.float32

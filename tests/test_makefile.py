@@ -8,9 +8,11 @@ silently installing the CPU wheel; ``TORCH_INDEX`` ignored.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,17 +57,27 @@ def test_an_unknown_torch_kind_is_refused(tmp_path):
     assert done.returncode != 0 and "TORCH=gpu: use TORCH=cpu (the default) or TORCH=cuda" in done.stderr
 
 
-def test_the_dtype_legs_run_every_file_that_marks_a_test_for_them(tmp_path):
-    """The legs name their files (collecting the whole suite costs 46 s a process); a test marked ``dtype_legs``
-    in a file they do not name would run in neither dtype's leg, and the main run deselects it."""
+def test_the_dtype_leg_runs_every_file_that_marks_a_test_for_it_in_the_other_dtype(tmp_path):
+    """The main run is the default dtype's leg; the second leg names its files (collecting the whole suite costs 46 s
+    a process). Bugs caught: a test marked ``dtype_legs`` in a file the leg does not name (it would run in one
+    dtype only), a main run that deselects the marked tests (they would skip the default dtype), a leg that
+    runs the default dtype again instead of the other one."""
     done = subprocess.run(["make", "-n", "test", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    legs = [line.split() for line in done.stdout.splitlines() if "-m dtype_legs" in line]
-    assert [words[0] for words in legs] == ["CTX_DTYPE=bfloat16", "CTX_DTYPE=float32"]
+    runs = [line for line in done.stdout.replace("\\\n", " ").splitlines() if "-m pytest" in line]
+    assert len(runs) == 2 and "-m" not in runs[0].split("-m pytest", 1)[1].split(), runs
+    leg = runs[1].split("-m pytest", 1)[1].split()
+    assert leg[leg.index("-m") + 1] == "dtype_legs"
     marker = re.compile(r"^\s*(@pytest\.mark\.dtype_legs\b|pytestmark\s*=.*\bpytest\.mark\.dtype_legs\b)", re.M)
     marking = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_*.py")
                if marker.search(path.read_text(encoding="utf-8"))}
     assert marking, "no test file marks a test dtype_legs: the scan or the marker's name changed"
-    for words in legs:
-        assert {word for word in words if word.startswith("tests/")} == marking
+    assert {word for word in leg if word.startswith("tests/")} == marking
+    # the leg's dtype: what the snippet prints, with the main run's dtype forced either way
+    snippet = re.search(r"python -c '([^']+)'", runs[1]).group(1)
+    assert "CTX_DTYPE=$other" in runs[1]
+    for main_run, other in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        printed = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "CTX_DTYPE": main_run}, cwd=ROOT)
+        assert printed.stdout.strip() == other, (main_run, printed.stdout, printed.stderr)

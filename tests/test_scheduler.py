@@ -54,13 +54,14 @@ def _call(request: dict) -> dict:
     return dict(query=request.pop("query"), documents=request.pop("documents"), **request)
 
 
-LEG_DTYPE = default_dtype(torch.device("cpu"))  # the library's default here, or $CTX_DTYPE's (make test's dtype legs)
+LEG_DTYPE = default_dtype(torch.device("cpu"))  # the library's default here, or $CTX_DTYPE's (make test's dtype leg)
 
 
 @pytest.fixture
 def engine(family) -> Engine:
     """The position-sensitive tiny model (a position bug changes its answers) in the library's default dtype: the
-    concurrency tests marked ``dtype_legs`` run in bf16 and in fp32 (``make test``), exactness promised in both."""
+    concurrency tests marked ``dtype_legs`` run in it and in the other one (``make test``), exactness promised in
+    both."""
     return Engine(tiny_loaded(family, seed=3, position_sensitive=True, dtype=LEG_DTYPE))
 
 

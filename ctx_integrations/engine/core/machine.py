@@ -92,7 +92,6 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     return any(flag in flags for flag in _BF16_FLAGS)
 
 
-
 def forced_dtype() -> str | None:
     """The dtype ``$CTX_DTYPE`` names (``float32``, ``bfloat16`` or ``float16``), ``None`` when unset or ``auto``.
 
@@ -107,3 +106,9 @@ def forced_dtype() -> str | None:
 
         raise InvalidOptionError(f"${DTYPE_ENV}={value!r} names no dtype: use one of auto, {', '.join(DTYPE_NAMES)}")
     return value
+
+
+def cpu_dtype_name() -> str:
+    """The dtype the library runs on this CPU: ``$CTX_DTYPE``'s when set, else ``bfloat16`` where the CPU computes
+    bf16 and ``float32`` where it does not. Torch-free, so ``make test`` asks it which dtype its main run used."""
+    return forced_dtype() or ("bfloat16" if native_bf16() else "float32")

@@ -31,7 +31,7 @@ import torch
 
 from ctx_integrations.engine.core.defaults import EMBEDDED_MODEL_NAME
 from ctx_integrations.engine.core.lora import merge_adapter
-from ctx_integrations.engine.core.machine import forced_dtype, native_bf16
+from ctx_integrations.engine.core.machine import cpu_dtype_name, forced_dtype
 from ctx_integrations.engine.core.validation import torch_device
 from ctx_integrations.engine.core.word_pieces import WordPieces, word_pieces
 from ctx_integrations.errors import (
@@ -109,12 +109,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     variable lets one machine of either kind run the library's default path in both dtypes (the test
     suite's dtype legs, ``make test``); an explicit ``dtype=`` / ``--dtype`` still wins over it.
     """
+    if device.type == "cpu":
+        return getattr(torch, cpu_dtype_name())
     forced = forced_dtype()
     if forced is not None:
         return getattr(torch, forced)
-    if device.type == "cuda" or (device.type == "cpu" and native_bf16()):
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
