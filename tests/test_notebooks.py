@@ -62,16 +62,19 @@ def _execute(path: Path) -> nbformat.NotebookNode | str:
 
 
 @pytest.fixture(scope="module")
-def executed_notebooks():
+def executed_notebooks(tmp_path_factory):
     """Every notebook started at once, two kernels at a time, each kernel on one torch thread.
 
     Why: a tutorial's time is mostly the per-token Python of a 135M model, which a second thread barely
     shortens, so two one-thread kernels side by side finish the set in about half the time of one after
-    another on two threads (CI's whole run has a 30-minute limit). The kernels inherit this environment.
+    another on two threads (CI's whole run has a 30-minute limit). The kernels inherit this environment,
+    with ``TMPDIR`` in pytest's own temporary folder: the tutorials' ``tempfile.mkdtemp`` stores and reports
+    are a reader's to keep, but a test run must not leave them in the system's ``/tmp`` (pytest prunes its own).
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("kernels-tmp")))
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="notebook") as pool:
             # longest first, so the two kernels end together
             futures = {path: pool.submit(_execute, path) for path in sorted(NOTEBOOKS, key=_cells, reverse=True)}
