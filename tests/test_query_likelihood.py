@@ -24,7 +24,14 @@ from ctx_integrations.engine.core.rows import Run
 from ctx_integrations.engine.core.sampling import TokenSampler
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.engine.modes.priors import likelihood_prior
-from ctx_integrations.engine.modes.soft_nbce import Knobs, SoftNBCEFusion, routed_rule, split_documents
+from ctx_integrations.engine.modes.soft_nbce import (
+    QUERY_LIKELIHOOD,
+    Knobs,
+    SoftNBCEFusion,
+    default_query_likelihood,
+    routed_rule,
+    split_documents,
+)
 from ctx_integrations.errors import InvalidOptionError
 from tests.helpers import embedded_tokenizer, tiny_loaded
 from tests.test_scheduler import DOCS
@@ -113,8 +120,9 @@ def test_the_likelihood_each_document_gets_is_a_plain_forwards(engine):
     assert len(set(round(v, 1) for v in measured)) == 4  # the documents differ: a row mix-up would show
 
 
-@pytest.mark.parametrize("mode, options", [("pced", {}), ("soft_nbce", dict(tau=1.0))])
-def test_the_likelihood_moves_the_prior_and_off_it_changes_nothing(engine, mode, options):
+@pytest.mark.parametrize("mode, options, default", [("pced", {}, 0.0), ("soft_nbce", dict(tau=1.0), 0.2)])
+def test_the_likelihood_moves_the_prior_and_the_default_is_the_modes_weight(engine, mode, options, default):
+    """PCED's default is off (weight 0), Soft-NBCE's 0.2 where the scores rank the chunks, as here."""
     question, documents = "Who is the mayor of Marrowgate?", DOCS[:4]
     likelihood = engine.generate(question, documents, mode=mode, max_new_tokens=1,
                                  query_likelihood=1.0).extra["query_loglik"]
@@ -123,12 +131,16 @@ def test_the_likelihood_moves_the_prior_and_off_it_changes_nothing(engine, mode,
     for rank, k in enumerate(order):
         scores[k] = 0.8 - 0.02 * rank
     plain = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, **options)
+    given = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, query_likelihood=default,
+                            **options)
+    assert (given.text, given.trace) == (plain.text, plain.trace)
+    assert ("query_loglik" in plain.extra) == (default > 0)
     off = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, query_likelihood=0.0, **options)
-    assert (off.text, off.trace) == (plain.text, plain.trace) and "query_loglik" not in off.extra
+    assert "query_loglik" not in off.extra
     on = engine.generate(question, documents, scores, mode=mode, max_new_tokens=8, query_likelihood=100.0, **options)
     assert on.extra["query_loglik"] == likelihood
     assert {step.document for step in on.trace} == {order[-1]}  # the weight decides: the likeliest document
-    assert {step.document for step in plain.trace} != {order[-1]}
+    assert {step.document for step in off.trace} != {order[-1]}
 
 
 def test_the_prior_is_the_softmax_of_scaled_scores_plus_weighted_likelihood():
@@ -266,6 +278,34 @@ def test_equal_scores_are_ranked_by_the_likelihood_alone_and_one_chunk_by_nothin
     no_gamma = routed_rule(torch.tensor([0.0, -1.0]), relevance=torch.tensor([0.9, 0.8]), gamma=0.0,
                            query_likelihood=0.2)
     assert (no_gamma.gamma, no_gamma.wants_likelihood) == (0.0, False)
+
+
+def test_soft_nbces_default_weight_is_set_only_where_the_scores_rank_the_chunks():
+    ranked = torch.log_softmax(torch.tensor([0.9, 0.8, 0.8]) / 0.05, 0)
+    assert default_query_likelihood(ranked, gamma=10.0, prior="softmax") == QUERY_LIKELIHOOD == 0.2
+    assert default_query_likelihood(ranked[1:], gamma=10.0, prior="softmax") == 0.0  # equal scores
+    assert default_query_likelihood(ranked[:1], gamma=10.0, prior="softmax") == 0.0  # one chunk
+    assert default_query_likelihood(ranked, gamma=0.0, prior="softmax") == 0.0  # the paper's rule asked for
+    for prior in ("paper", "rank", "minmax"):  # the likelihood needs the softmax prior: its default is off there
+        assert default_query_likelihood(ranked, gamma=10.0, prior=prior) == 0.0
+
+
+@pytest.mark.parametrize("case", ["equal scores", "one document's chunks", "gamma 0", "rank prior"])
+def test_where_nothing_asks_for_it_soft_nbces_default_measures_nothing_and_keeps_its_rule(engine, case):
+    """The default weight must not reach requests whose chunks nothing ranks (the paper's rule stays exactly, with
+    no likelihood measured) nor raise where a weight given would be refused (gamma 0, a prior other than softmax)."""
+    question, documents, scores, options = "Who is the mayor of Marrowgate?", DOCS[:3], [0.8, 0.7, 0.6], {}
+    if case == "equal scores":
+        scores = [0.7] * 3
+    elif case == "one document's chunks":
+        documents, scores, options = DOCS[:1], [0.8], dict(chunk_tokens=8)
+    else:
+        options = dict(gamma=0.0) if case == "gamma 0" else dict(prior="rank")
+    default = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=6, **options)
+    off = engine.generate(question, documents, scores, mode="soft_nbce", max_new_tokens=6, query_likelihood=0.0,
+                          **options)
+    assert "query_loglik" not in default.extra and (default.text, default.trace) == (off.text, off.trace)
+    assert default.extra["n_chunks"] > 1
 
 
 @pytest.mark.parametrize("options, message", [

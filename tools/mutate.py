@@ -174,6 +174,11 @@ TARGETS = {
                                    ("tests/test_query_likelihood.py", "tests/test_priors.py", "tests/test_soft_nbce.py",
                                     "tests/test_soft_nbce_batched.py", "-m", "not slow", "-k",
                                     "not mode and not ape_bias")),
+    # Soft-NBCE's default question-likelihood weight: set only where the scores rank the chunks, and the mode's checks
+    "soft_nbce_default": Target("ctx_integrations/engine/modes/soft_nbce.py",
+                                ("x_default_query_likelihood*", "x_run_soft_nbce*"),
+                                ("tests/test_query_likelihood.py", "tests/test_priors.py",
+                                 "tests/test_hardening_inputs.py", "-k", "soft_nbce or likelihood or prior")),
     # the pool's masks for sliding-window models: which layers slide, and the window on the virtual positions (the flex
     # kernel's test is left out: FlexAttention traces its mask_mod with Dynamo, which cannot trace mutmut's
     # trampolines; the same in_window rule is killed through the eager masks)

@@ -75,8 +75,12 @@ FILTERED_LOGPROB = -100.0
 # 200 questions, docs/evaluation.md): the chunks' weights also follow a retrieval prior of weight PRIOR_GAMMA (a
 # softmax over the retrieved set), and every token stays in the support (rho = 1). Where nothing ranks them (no
 # scores, equal scores, one document cut into chunks) the rule is the paper's: gamma 0, each chunk's top PAPER_RHO.
+# Where the scores rank them, that softmax prior also takes the question's log-likelihood given each chunk, of weight
+# QUERY_LIKELIHOOD (PCED's option's value; held-out NQ-open questions, seeds 3 and 4: +19 / -4 answers against the
+# prior alone, docs/evaluation.md).
 PRIOR_GAMMA = 10.0
 PAPER_RHO = 0.9
+QUERY_LIKELIHOOD = 0.2
 
 
 def check_gamma(gamma: float) -> None:
@@ -536,6 +540,15 @@ def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float 
                           prior_tau=prior_tau, query_likelihood=query_likelihood if ranked else 0.0)
 
 
+def default_query_likelihood(chunk_log_prior: torch.Tensor, *, gamma: float, prior: str) -> float:
+    """``query_likelihood``'s default for chunks with these log-priors ``[K]``: :data:`QUERY_LIKELIHOOD` where their
+    scores rank them through a softmax prior that routes them (``gamma`` > 0, log-priors not all equal); 0 where
+    nothing ranks them (no scores, equal scores, one document's chunks, one chunk), so there the rule stays the
+    paper's exactly and nothing is measured."""
+    ranked = chunk_log_prior.numel() > 1 and bool(chunk_log_prior.max() > chunk_log_prior.min())
+    return QUERY_LIKELIHOOD if ranked and gamma > 0 and prior == "softmax" else 0.0
+
+
 def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[int]], SoftNBCEFusion],
                      chunk_tokens: int | None) -> FusedJob:
     """A job decoding with ``rule`` over the prior plus one stream per chunk; the trace names source documents.
@@ -570,7 +583,7 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
                   chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = PRIOR_GAMMA,
                   prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
-                  prior_floor: float = DEFAULT_FLOOR, query_likelihood: float = 0.0) -> FusedJob:
+                  prior_floor: float = DEFAULT_FLOOR, query_likelihood: float | None = None) -> FusedJob:
     """Soft-NBCE: chunk experts weighted per token by softmax(-entropy / tau), contrasted with a query-only prior.
 
     tau: temperature of the entropy weights (-> 0: hard NBCE, math.inf: uniform average, PCW).
@@ -585,20 +598,28 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
     prior, prior_tau, prior_floor: how the documents' scores become that log-prior, as PCED's (see :mod:`.priors`);
     every chunk of a document gets the document's.
     query_likelihood: weight of the question's log-likelihood given each chunk in the softmax prior (our variant, as
-    PCED's; 0, the default: off; it needs gamma > 0 and prior="softmax"); ``extra["query_loglik"]`` holds each
-    chunk's. With it the chunks are routed by the prior even when their scores are equal.
-    The paper's rule on every input: ``gamma=0`` (``rho`` is then 0.9).
+    PCED's; it needs gamma > 0 and prior="softmax"); ``extra["query_loglik"]`` holds each chunk's. ``None`` (the
+    default): 0.2 where the scores rank the chunks (:func:`default_query_likelihood`), off where nothing ranks them;
+    0: off. A weight given routes the chunks by the prior even when their scores are equal.
+    The paper's rule on every input: ``gamma=0`` (``rho`` is then 0.9, and the likelihood's default off).
     """
     check_prior(prior, prior_tau, prior_floor)
-    check_query_likelihood(query_likelihood, prior)
-    if query_likelihood > 0 and gamma == 0:
-        raise InvalidOptionError(f"query_likelihood={query_likelihood} needs gamma > 0: the likelihood reaches the "
-                                 "chunks' weights through the retrieval prior, which gamma=0 leaves out")
+    check_gamma(gamma)
+    if query_likelihood is not None:
+        check_query_likelihood(query_likelihood, prior)
+        if query_likelihood > 0 and gamma == 0:
+            raise InvalidOptionError(f"query_likelihood={query_likelihood} needs gamma > 0: the likelihood reaches "
+                                     "the chunks' weights through the retrieval prior, which gamma=0 leaves out")
     scores = torch.tensor([d.score for d in ctx.documents], dtype=torch.float32)
     logs = log_prior(scores, prior, tau=prior_tau, floor=prior_floor)
-    return run_chunk_fusion(ctx, lambda sources: routed_rule(
-        logs[sources], tau=tau, beta=beta, rho=rho, rule=rule, gamma=gamma, relevance=scores[sources],
-        prior_tau=prior_tau, query_likelihood=query_likelihood), chunk_tokens)
+
+    def chunks_rule(sources: list[int]) -> SoftNBCEFusion:
+        weight = query_likelihood if query_likelihood is not None else \
+            default_query_likelihood(logs[sources], gamma=gamma, prior=prior)
+        return routed_rule(logs[sources], tau=tau, beta=beta, rho=rho, rule=rule, gamma=gamma,
+                           relevance=scores[sources], prior_tau=prior_tau, query_likelihood=weight)
+
+    return run_chunk_fusion(ctx, chunks_rule, chunk_tokens)
 
 
 @register_mode("nbce")
