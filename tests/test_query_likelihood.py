@@ -283,6 +283,7 @@ def test_equal_scores_are_ranked_by_the_likelihood_alone_and_one_chunk_by_nothin
 def test_soft_nbces_default_weight_is_set_only_where_the_scores_rank_the_chunks():
     ranked = torch.log_softmax(torch.tensor([0.9, 0.8, 0.8]) / 0.05, 0)
     assert default_query_likelihood(ranked, gamma=10.0, prior="softmax") == QUERY_LIKELIHOOD == 0.2
+    assert default_query_likelihood(ranked[:2], gamma=0.5, prior="softmax") == 0.2  # two chunks, a small gamma
     assert default_query_likelihood(ranked[1:], gamma=10.0, prior="softmax") == 0.0  # equal scores
     assert default_query_likelihood(ranked[:1], gamma=10.0, prior="softmax") == 0.0  # one chunk
     assert default_query_likelihood(ranked, gamma=0.0, prior="softmax") == 0.0  # the paper's rule asked for
