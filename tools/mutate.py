@@ -174,9 +174,10 @@ TARGETS = {
                                    ("tests/test_query_likelihood.py", "tests/test_priors.py", "tests/test_soft_nbce.py",
                                     "tests/test_soft_nbce_batched.py", "-m", "not slow", "-k",
                                     "not mode and not ape_bias")),
-    # Soft-NBCE's default question-likelihood weight: set only where the scores rank the chunks, and the mode's checks
+    # Soft-NBCE's default question-likelihood weight: set only where the scores rank the chunks (run_soft_nbce, which
+    # applies it, is under @register_mode, and mutmut leaves decorated functions alone)
     "soft_nbce_default": Target("ctx_integrations/engine/modes/soft_nbce.py",
-                                ("x_default_query_likelihood*", "x_run_soft_nbce*"),
+                                ("x_default_query_likelihood*", "x_scores_rank*"),
                                 ("tests/test_query_likelihood.py", "tests/test_priors.py",
                                  "tests/test_hardening_inputs.py", "-k", "soft_nbce or likelihood or prior")),
     # the pool's masks for sliding-window models: which layers slide, and the window on the virtual positions (the flex

@@ -526,6 +526,11 @@ def support_rho(rho: float | None, ranked: bool) -> float:
     return 1.0 if ranked else PAPER_RHO
 
 
+def scores_rank(chunk_log_prior: torch.Tensor) -> bool:
+    """Whether the chunks' log-priors ``[K]`` tell them apart: not all equal (one chunk never is ranked)."""
+    return chunk_log_prior.numel() > 1 and bool(chunk_log_prior.max() > chunk_log_prior.min())
+
+
 def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
                 rule: str = "paper", gamma: float = PRIOR_GAMMA, relevance: torch.Tensor | None = None,
                 prior_tau: float = DEFAULT_TAU, query_likelihood: float = 0.0) -> SoftNBCEFusion:
@@ -534,7 +539,7 @@ def routed_rule(chunk_log_prior: torch.Tensor, *, tau: float = 0.1, beta: float 
     :func:`support_rho`'s top-p; the paper's rule otherwise, exactly (one chunk: nothing to rank, nothing measured)."""
     check_gamma(gamma)  # here too: a rule nothing ranks is built with gamma 0, so its own check would not see it
     measured = query_likelihood > 0 and chunk_log_prior.numel() > 1
-    ranked = gamma > 0 and (measured or bool(chunk_log_prior.max() > chunk_log_prior.min()))
+    ranked = gamma > 0 and (measured or scores_rank(chunk_log_prior))
     return SoftNBCEFusion(tau=tau, beta=beta, rho=support_rho(rho, ranked), rule=rule, gamma=gamma if ranked else 0.0,
                           log_prior=chunk_log_prior if ranked else None, relevance=relevance if ranked else None,
                           prior_tau=prior_tau, query_likelihood=query_likelihood if ranked else 0.0)
@@ -545,8 +550,7 @@ def default_query_likelihood(chunk_log_prior: torch.Tensor, *, gamma: float, pri
     scores rank them through a softmax prior that routes them (``gamma`` > 0, log-priors not all equal); 0 where
     nothing ranks them (no scores, equal scores, one document's chunks, one chunk), so there the rule stays the
     paper's exactly and nothing is measured."""
-    ranked = chunk_log_prior.numel() > 1 and bool(chunk_log_prior.max() > chunk_log_prior.min())
-    return QUERY_LIKELIHOOD if ranked and gamma > 0 and prior == "softmax" else 0.0
+    return QUERY_LIKELIHOOD if gamma > 0 and prior == "softmax" and scores_rank(chunk_log_prior) else 0.0
 
 
 def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[int]], SoftNBCEFusion],
