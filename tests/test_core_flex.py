@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ctx_integrations.engine.core.flex import FLEX_ATTENTION, attention_swapped, run_flex
+from ctx_integrations.engine.core.attention_swap import attention_swapped
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION, run_flex
 from ctx_integrations.engine.core.rows import visibility_block_mask
 from ctx_integrations.engine.modes.ippd import PAD_ID, PAD_POSITION, visibility
 from ctx_integrations.errors import InvalidOptionError

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -245,18 +244,3 @@ def flex_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 
 AttentionInterface.register(FLEX_ATTENTION, flex_attention_forward)
-
-
-@contextmanager
-def attention_swapped(model: torch.nn.Module, implementation: str) -> Iterator[None]:
-    """Run ``model`` with attention ``implementation`` inside the block, and restore its own after."""
-    can_swap = getattr(model, "_can_set_attn_implementation", None)
-    if can_swap is None or not can_swap():
-        raise InvalidOptionError(f"{type(model).__name__} does not route its attention through transformers' "
-                                 "AttentionInterface; use attention_kernel='eager' with this model")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, attention_swapped, block_mask
+from ctx_integrations.engine.core.attention_swap import attention_swapped
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, block_mask
 from ctx_integrations.engine.core.row_attention import ROW_ATTENTION, RowRule
 from ctx_integrations.engine.core.windows import in_window, windows
 

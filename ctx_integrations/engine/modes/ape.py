@@ -22,14 +22,15 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
 
+from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.cache import CachedKV, concatenated_stream
 from ctx_integrations.engine.core.decoding import DecodeResult, forward_sequences, fused_steps, single_stream
 from ctx_integrations.engine.core.flex import resolve_kernel
@@ -215,21 +216,13 @@ def document_mass(p_context: torch.Tensor, context_weight: torch.Tensor, documen
 AttentionInterface.register(APE_ATTENTION, ape_attention)
 
 
-@contextmanager
-def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTENTION) -> Iterator[None]:
+def ape_attention_swapped(model: torch.nn.Module, implementation: str = APE_ATTENTION
+                          ) -> AbstractContextManager[None]:
     """Run the model with :func:`ape_attention` (or ``implementation``) inside the block, restore its own after."""
-    can_swap = getattr(model, "_can_set_attn_implementation", None)
-    if can_swap is None or not can_swap():
-        raise InvalidOptionError(
-            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so "
-            "APE's attention cannot be swapped in (custom or remote-code models often do not); use mode='pced' "
-            "or 'concat' with this model")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
+    return attention_swapped(model, implementation, refusal=(
+        f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, so APE's "
+        "attention cannot be swapped in (custom or remote-code models often do not); use mode='pced' or 'concat' "
+        "with this model"))
 
 
 @dataclass(frozen=True)
