@@ -167,3 +167,11 @@ def test_host_reads(tmp_path):
     assert all(r["steps"] > 0 and r["reads_per_step_min"] == r["reads_per_step_max"] == 1 for r in rows)
     ippd = json.loads((tmp_path / "host_reads.json").read_text())["ippd_choice"]
     assert [r["questions"] for r in ippd] == [1, 4] and ippd[0]["choice_operations"] == ippd[1]["choice_operations"]
+
+
+def test_compiled_step(tmp_path):
+    # Dynamo's tracing only (an Inductor compile costs ~20 s here): the script runs, and the compiled step answers
+    # as the eager one without falling back
+    rows = run_benchmark("compiled_step", ["--quick", "--backend", "eager"], tmp_path)
+    assert [row["step"] for row in rows] == ["eager", "compiled (eager)"]
+    assert all(row["tokens_equal_eager"] and not row["fell_back"] and row["steps_per_s"] > 0 for row in rows)

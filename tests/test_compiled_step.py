@@ -180,6 +180,62 @@ def test_the_compiled_step_writes_in_place_only_into_static_inputs_as_cuda_graph
         assert len(mutated) == 8 and mutated <= static, (mutated, static)
 
 
+def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copies_of_them(monkeypatch):
+    # Under torch.compile transformers' "sdpa" repeats each key/value head for its query heads whenever it gets a
+    # mask (repeat_kv): the compiled step copied every layer's slice of the arena `groups` times at every step and
+    # read the copies, 8x the key/value bytes on the Llama-3 8B shape (the H200 ran that step at 15 steps/s, ~2.5
+    # TB/s of copies, where the eager step ran at 41). Caught: the step's attention left to transformers' "sdpa"
+    # (keys with 4 heads below), or the grouped attention swapped in for good (the model's own after the step).
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(runner_module, "compiled_decode_step",
+                        lambda mode: compiled_step.compiled_decode_step(mode, backend=recording))
+    torch._dynamo.reset()
+    seed_model = dict(family="llama", seed=3, position_sensitive=True)
+    questions = ["Who is the mayor?", "When is the fair?", "Where is Marrowgate?"]
+    try:
+        eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode) for mode in (None, "default"))
+        for run in (lambda e: [e.generate("Who is the mayor?", DOCS, mode="pced", max_new_tokens=8).token_ids],
+                    lambda e: [a.token_ids for a in e.generate_many(questions, DOCS, max_new_tokens=8)]):
+            assert run(engine) == run(eager)
+    finally:
+        torch._dynamo.reset()
+    config = engine.loaded.model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    calls = [node for graph in graphs for node in graph.graph.nodes
+             if node.target is torch.nn.functional.scaled_dot_product_attention]
+    assert calls and not engine.scheduler.runner.step.failed and config._attn_implementation == "sdpa"
+    shapes = [[argument.meta["example_value"].shape for argument in node.args[:3]] for node in calls]
+    assert all(query[1] == key[1] == value[1] == config.num_key_value_heads for query, key, value in shapes), shapes
+    # one token per row (PCED's steps: its query heads folded into `groups` queries per key/value head) and
+    # IPPD's stacks of several tokens (a wider graph, its width symbolic)
+    assert any(query[2] == groups for query, _, _ in shapes), shapes
+    assert any(isinstance(query[2], torch.SymInt) or query[2] > groups for query, _, _ in shapes), shapes
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_grouped_attention_equals_sdpa_over_key_value_heads_repeated_for_their_query_heads(q_len):
+    # The reference is the attention transformers computes eagerly with a mask: each key/value head repeated for
+    # its query heads. Caught: query heads folded into the wrong key/value head (a head order of (group, kv head)),
+    # a packed query given another token's row of the mask (repeat_interleave instead of one row per token).
+    torch.manual_seed(0)
+    batch, heads, kv_heads, keys, dim = 2, 6, 2, 40, 8
+    query, key, value = (torch.randn(batch, n, length, dim)
+                         for n, length in ((heads, q_len), (kv_heads, keys), (kv_heads, keys)))
+    mask = torch.rand(batch, 1, q_len, keys) > 0.5
+    mask[..., 0] = True  # every query sees a key
+    groups = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
+    out, weights = compiled_step.grouped_sdpa(torch.nn.Module(), query, key, value, mask, scaling=0.3)
+    assert weights is None and out.shape == (batch, q_len, heads, dim)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
 def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_of_a_model():
     assert compiled_step.resolve_compile_mode("auto", torch.device("cpu")) is None
     assert compiled_step.resolve_compile_mode("auto", torch.device("cuda")) == "reduce-overhead"

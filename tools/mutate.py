@@ -127,6 +127,12 @@ TARGETS = {
                             ("tests/test_compiled_step.py", "-k",
                              "not one_graph and not another_bucket and not slot_buckets "
                              "and not several_tokens")),
+    # the compiled step's attention: each query head over its own key/value head, a packed query's row of the mask
+    "grouped_sdpa": Target("ctx_integrations/engine/core/compiled_step.py", ("x_grouped_sdpa*",),
+                           ("tests/test_compiled_step.py", "-k", "grouped_attention or own_key_value")),
+    # switching a model's attention per call: the full check once per model and name, then the shared config
+    "attention_swap": Target("ctx_integrations/engine/core/attention_swap.py", ("*",),
+                             ("tests/test_attention_swap.py",)),
     # the CUDA graph trees' state in the step's thread, and where the guarded step imports them (torch 2.11 and 2.13)
     "graph_tree_state": Target("ctx_integrations/engine/core/compiled_step.py",
                                ("x_cudagraph_trees_in_this_thread*", "xǁGuardedStepǁ*"),

@@ -21,12 +21,16 @@ Why the eager step is the default on CUDA too: measured on one H200 (random-weig
 torch 2.11, ``benchmarks/gpu.py --budget``, docs/gpu-benchmark.md), the compiled step with CUDA graphs captured
 (6 graphs, no CUDA-graph skip) decoded PCED's 65 rows x ~2k columns at 15.1 steps/s, the eager step at 41.3;
 ``concat``'s one row of 131k columns went the other way (17.9 vs 10.8 tokens/s), and the first compile cost
-~90 s. Until the compiled step wins on the pool's many-row shapes it is an opt-in.
+~90 s. The cause, found afterwards on the CPU: under compile transformers' SDPA attention copied every layer's
+slice of the arena once per query head of its key/value head (``repeat_kv``) at every step, so that step moved
+~8x the key/value bytes of the eager one; it now attends over the arena's own heads (:func:`grouped_sdpa`).
+Until a GPU shows the compiled step winning on the pool's many-row shapes it stays an opt-in.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import traceback
@@ -34,7 +38,10 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.config import check_compile_mode  # the command line offers the modes, torch-free
 
 # Shapes one compiled step may be specialised to before Dynamo stops compiling new ones (its default is 8):
@@ -69,11 +76,52 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
              k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
              layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         mark_arena_static(k_pos, k_ctx, k_qid, documents, *(tensor for pair in layers for tensor in pair))
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        own_sdpa = getattr(model, "config", None) is not None and model.config._attn_implementation == "sdpa"
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                attention_swapped(model, GROUPED_SDPA) if own_sdpa else contextlib.nullcontext():
             return compiled(model, ids, positions, contexts, questions, rows, columns, k_pos, k_ctx, k_qid,
                             documents, layers)
 
     return step
+
+
+GROUPED_SDPA = "ctx_grouped_sdpa"
+
+
+def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with every query head attending to its own key/value head in place.
+
+    Under ``torch.compile`` transformers' ``"sdpa"`` attention repeats each key/value head for its query heads
+    (``repeat_kv``) whenever it is given a mask, so the compiled step copied each layer's whole slice of the arena
+    ``groups`` times at every step, then read the copies: on the Llama-3 8B shape (32 query heads, 8 key/value
+    heads) with PCED's 65 rows in 72 slots of 2560 columns, 217 GB of keys and values per step instead of the
+    arena's 24 GB read once. With the 16 GB of weights that is 3.5 TB/s at the 15.1 steps/s the H200 measured
+    (4.3 TB/s copy bandwidth): the step was bound by the copies, and the eager step ran at 41. Eager,
+    transformers folds a one-token query's heads into their key/value head instead (``pack_gqa``); this does that
+    under compile too, for any number of query tokens: the ``groups`` query heads of key/value head ``j`` become
+    ``groups x q`` queries of head ``j``, each with its token's row of the mask (which is the same for every
+    head). Anything it does not cover (no mask, a mask per head, no grouping) goes to transformers' ``"sdpa"``.
+    Written by hand: transformers packs only outside compile, and SDPA's own ``enable_gqa`` with a mask takes the
+    math kernel on CUDA.
+    """
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or heads == kv_heads:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+    batch, _, q_len, dim = query.shape
+    groups = heads // kv_heads
+    mask = attention_mask
+    if q_len > 1:  # [B, 1, q, K] -> [B, 1, groups x q, K]: each packed query keeps its token's row
+        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, q_len, mask.shape[-1]).reshape(
+            mask.shape[0], 1, groups * q_len, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 
 
 def mark_arena_static(*arena: torch.Tensor) -> None:
