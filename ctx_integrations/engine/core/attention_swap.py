@@ -59,10 +59,7 @@ def set_attention(model: torch.nn.Module, implementation: str) -> None:
 
 
 def _one_config(model: torch.nn.Module) -> bool:
-    """Whether every transformers model inside ``model`` reads ``model.config`` and that config has no sub-configs
-    (a multimodal model's towers have their own: those keep the full ``set_attn_implementation``)."""
-    config = model.config
-    if getattr(config, "sub_configs", None):
-        return False
-    return all(getattr(module, "config", config) is config for module in model.modules()
-               if hasattr(module, "set_attn_implementation"))
+    """Whether every transformers model inside ``model`` reads ``model.config`` (a multimodal model's towers read
+    configs of their own: those keep the full ``set_attn_implementation``)."""
+    models = (module for module in model.modules() if hasattr(module, "set_attn_implementation"))
+    return all(module.config is model.config for module in models)
