@@ -217,7 +217,7 @@ def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copie
     assert any(isinstance(query[2], torch.SymInt) or query[2] > groups for query, _, _ in shapes), shapes
 
 
-@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 2, 3])
 def test_grouped_attention_equals_sdpa_over_key_value_heads_repeated_for_their_query_heads(q_len):
     # The reference is the attention transformers computes eagerly with a mask: each key/value head repeated for
     # its query heads. Caught: query heads folded into the wrong key/value head (a head order of (group, kv head)),
@@ -234,6 +234,42 @@ def test_grouped_attention_equals_sdpa_over_key_value_heads_repeated_for_their_q
     out, weights = compiled_step.grouped_sdpa(torch.nn.Module(), query, key, value, mask, scaling=0.3)
     assert weights is None and out.shape == (batch, q_len, heads, dim)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["no mask", "a mask per head", "one query head per key/value head"])
+def test_what_grouped_attention_does_not_fold_is_transformers_sdpa(case):
+    # Caught: a mask per head folded as one shared by the heads, a model without grouping reshaped anyway, the
+    # fallback handed other tensors or another scale than its caller's.
+    torch.manual_seed(1)
+    batch, q_len, keys, dim = 2, 3, 24, 8
+    heads, kv_heads = (4, 4) if case == "one query head per key/value head" else (6, 2)
+    query, key, value = (torch.randn(batch, n, length, dim)
+                         for n, length in ((heads, q_len), (kv_heads, keys), (kv_heads, keys)))
+    mask = None if case == "no mask" else torch.rand(batch, heads if case == "a mask per head" else 1, q_len,
+                                                     keys) > 0.4
+    if mask is not None:
+        mask[..., 0] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, False  # what transformers' sdpa reads
+    groups = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
+    out, _ = compiled_step.grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [6, 2])  # folded, and handed to transformers' sdpa
+def test_grouped_attention_passes_on_the_dropout_and_options_transformers_gives_it(heads):
+    # Caught: the attention dropout (0 in inference, but the model's setting in training) dropped on the way to the
+    # kernel, or the model's other options (a soft cap, which SDPA cannot apply) dropped instead of refused.
+    query, key, value = torch.randn(1, heads, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // 2, False
+    out, _ = compiled_step.grouped_sdpa(module, query, key, value, mask, dropout=1.0)
+    assert not out.any()  # every attention weight dropped
+    with pytest.raises(ValueError, match="softcap"):
+        compiled_step.grouped_sdpa(module, query, key, value, mask, softcap=5.0)
 
 
 def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_of_a_model():

@@ -102,12 +102,14 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     transformers folds a one-token query's heads into their key/value head instead (``pack_gqa``); this does that
     under compile too, for any number of query tokens: the ``groups`` query heads of key/value head ``j`` become
     ``groups x q`` queries of head ``j``, each with its token's row of the mask (which is the same for every
-    head). Anything it does not cover (no mask, a mask per head, no grouping) goes to transformers' ``"sdpa"``.
+    head). Anything it does not cover (no mask, a mask per head, no grouping, a soft cap SDPA cannot apply) goes to
+    transformers' ``"sdpa"``.
     Written by hand: transformers packs only outside compile, and SDPA's own ``enable_gqa`` with a mask takes the
     math kernel on CUDA.
     """
     heads, kv_heads = query.shape[1], key.shape[1]
-    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or heads == kv_heads:
+    foldable = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    if not foldable or heads == kv_heads or kwargs.get("softcap") is not None:  # transformers' sdpa refuses a cap
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                dropout=dropout, **kwargs)
     batch, _, q_len, dim = query.shape
@@ -117,7 +119,8 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         mask = mask[:, :, None].expand(mask.shape[0], 1, groups, q_len, mask.shape[-1]).reshape(
             mask.shape[0], 1, groups * q_len, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask, scale=scaling)
+        query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask, dropout_p=dropout,
+        scale=scaling)
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
