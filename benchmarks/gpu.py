@@ -27,7 +27,7 @@ Sections (``--only a,b``), each against the strongest baseline a user would run,
   so this reads the OS page cache);
 - ``decode``: decode steps/s of N cached streams (1 + N documents, PCED's batch) with
   the pool's eager step vs its compiled step (``Engine(compile_mode=...)``: CUDA graphs on CUDA; its
-  one-off compile time is its own column);
+  one-off compile time is its own column); in the table also ``concat``'s one row;
 - ``peer``: plain transformers ``generate`` (greedy, the model's default SDPA attention, ``DynamicCache``)
   over the same concatenated prompt the engine's ``concat`` reads: TTFT, total, decode tokens/s;
 - ``bandwidth``: the device's memory bandwidth, measured by a large same-device copy, beside its datasheet
@@ -36,7 +36,9 @@ Sections (``--only a,b``), each against the strongest baseline a user would run,
   bandwidth; PCED warm vs ``concat`` at 64 x 2048 (TTFT, batch-1 ``concat`` decode and PCED's 65-row
   decode against the roofline); 16 and 32 concurrent PCED requests vs serial (the serial rate measured
   once over 8 requests); IPPD vs prefix-cached batching at 16 and 64 questions; PCED and ``concat`` at
-  8 x 2048 and the transformers peer there; APE prefill at 32k and 128k; the peer at 64 x 2048.
+  8 x 2048 and the transformers peer there; APE prefill at 32k and 128k; the peer at 64 x 2048; last, the
+  pool's compiled decode step (CUDA graphs) against its eager step on PCED's 65 rows and on ``concat``'s one
+  row at 8 x 2048 (the compiled step is an opt-in until these rows show it winning).
 
 ``--budget SECONDS`` runs the table (or the ``--only`` sections) within that much wall clock, counted
 from the process's start (``benchmarks/budget.py``): before each case, its estimated seconds (reference
@@ -252,7 +254,8 @@ class Corpus:
 # document ~12 ms (PCED warm TTFT 0.85 s at 64). One-off costs on CUDA: the first pooled forward compiles
 # FlexAttention and its block mask (the pced section took 152.5 s for 102 s of calls), each case ~10 s of
 # recompiles at new shapes, documents and setup (the ippd section: 37.5 s for 11 s of calls in 2 cases), APE's
-# flex kernel ~30 s, the static decode step ~25 s per batch shape (first call 22.8 s vs 0.42 s after). Other
+# flex kernel ~30 s, the compiled decode step ~90 s (the H200's 64-document decode case: 170.6 s against the eager
+# step's 78.1 s; 22.8 s for the exclusive path's static step before it). Other
 # models scale (MODEL_SCALE). The fit errs long: 20.5 s for concat's 18.4 s at 64 x 2048, 3.5 s for PCED's 3.0.
 REF_TOKEN_S = 4.0e-5
 REF_TOKEN_PAIR_S = 7.5e-10
@@ -263,7 +266,7 @@ REF_DOCUMENT_S = 0.012
 REF_FIRST_FORWARD_S = 45.0
 REF_CASE_S = 10.0
 REF_APE_COMPILE_S = 30.0
-REF_STATIC_COMPILE_S = 25.0
+REF_STATIC_COMPILE_S = 90.0
 REF_CPU_CASE_S = 1.0  # a dry-run case on CPU: documents, engine, gc (0.6-1.3 s each at tiny shapes, 2 busy cores)
 REF_PEER_DECODE_SLOWER = 2.5  # transformers generate decoded at 14.8 tok/s where the engine's concat did 37
 MODEL_SCALE = {"llama-3.1-8b": 1.0, "llama-3.2-1b": 0.4, "tiny": 0.5}  # 1B: 72 vs ~27 steps/s; tiny: host-bound
@@ -707,13 +710,14 @@ def plan_cache(bench: Bench) -> Plan:
     return [lambda: cache_case(bench)]
 
 
-def decode_case(bench: Bench, n: int) -> Case:
-    """The pool's decode step over 1 + N rows (PCED's batch: the amateur and one expert per document), eager and
-    compiled (what ``Engine(compile_mode="auto")`` runs: CUDA graphs per bucket on CUDA): steps/s of one PCED answer
-    after its prefill. The eager row is the engine's default; on the CPU (the dry run) only the eager step runs
-    (compiling there costs minutes for a tiny model)."""
+def decode_case(bench: Bench, n: int, mode: str = "pced") -> Case:
+    """The pool's decode step over 1 + N rows (PCED's batch: the amateur and one expert per document; ``concat``:
+    one row over the N documents), eager and compiled (what ``Engine(compile_mode="auto")`` runs: CUDA graphs per
+    bucket on CUDA): steps/s of one answer after its prefill. The eager row is the engine's default; on the CPU
+    (the dry run) only the eager step runs (compiling there costs minutes for a tiny model)."""
     s = bench.shapes
     steps = 4 * s.new_tokens
+    rows = n + 1 if mode == "pced" else 1
 
     def run() -> list[dict]:
         docs = bench.corpus.documents(n, s.doc_tokens, seed=100 + n)
@@ -728,7 +732,7 @@ def decode_case(bench: Bench, n: int) -> Case:
                 runner.step = step  # the same scheduler and caches, its decode step switched
                 times = []
                 for _ in range(1 + s.repeats):  # the first call pays the compile / graph capture
-                    answer = engine.generate(QUESTION, docs, mode="pced", max_new_tokens=steps)
+                    answer = engine.generate(QUESTION, docs, mode=mode, max_new_tokens=steps)
                     rate = (len(answer.token_ids) - 1) / max(answer.timings["total_s"] - answer.timings["ttft_s"],
                                                               1e-9)
                     times.append((answer.timings["total_s"], rate))
@@ -740,9 +744,12 @@ def decode_case(bench: Bench, n: int) -> Case:
             row["speedup"] = row["steps_per_s"] / out[0]["steps_per_s"]
         return out
 
-    calls = 2 * bench.calls() * (prefill_s(s.doc_tokens, n) + decode_s(steps, n + 1, s.doc_tokens))
+    columns = s.doc_tokens * (1 if mode == "pced" else n)
+    prefill = prefill_s(s.doc_tokens, n) if mode == "pced" else prefill_s(s.doc_tokens * n)
+    calls = 2 * bench.calls() * (prefill + decode_s(steps, rows, columns))
     compile_s = REF_STATIC_COMPILE_S if bench.device.type == "cuda" else 0.0
-    return Case("decode", {"documents": n, "doc_tokens": s.doc_tokens}, run, bench.prior(calls) + compile_s)
+    label = {"documents": n, "doc_tokens": s.doc_tokens, **({"answer_mode": mode} if mode != "pced" else {})}
+    return Case("decode", label, run, bench.prior(calls) + compile_s)
 
 
 def plan_decode(bench: Bench) -> Plan:
@@ -835,6 +842,8 @@ def plan_table(bench: Bench) -> Plan:
         lambda: peer_case(bench, fewest),
         *[lambda c=c: ape_case(bench, c) for c in s.table_ape_contexts],
         *[lambda n=n: peer_case(bench, n) for n in s.peer_docs if n != fewest],
+        lambda: decode_case(bench, most),
+        lambda: decode_case(bench, fewest, mode="concat"),
     ]
 
 
@@ -941,6 +950,19 @@ def summary(rows: list[dict], shapes: Shapes) -> list[dict[str, Any]]:
                     + (f", {rate:.1f} tok/s" if rate else ""), versus)
             else:
                 missing(name, why, r)
+        for docs, mode in ((max(shapes.pced_docs), "pced"), (min(shapes.peer_docs), "concat")):
+            label = {"answer_mode": mode} if mode != "pced" else {}
+            case, why = find("decode", documents=docs, **label)
+            if mode == "pced":  # PCED's case has no answer_mode: leave concat's out
+                case = {k: r for k, r in case.items() if "answer_mode" not in r}
+            shape = f"PCED, {docs + 1} rows" if mode == "pced" else f"concat, batch 1, {docs} x {shapes.doc_tokens}"
+            name, eager, compiled = f"compiled decode step, {shape}", case.get("eager step", {}), \
+                case.get("compiled step (CUDA graphs)", {})
+            if "steps_per_s" in compiled:
+                add(name, f"{compiled['steps_per_s']:.1f} steps/s", f"{compiled['speedup']:.2f}x the eager step "
+                    f"({eager.get('steps_per_s', 0):.1f} steps/s); first call {compiled['first_call_s']:.1f} s")
+            else:
+                missing(name, why if why is not None or not eager else "the eager step only: not on CUDA")
         case, why = find("bandwidth")
         r = case.get("", {})
         if "measured_gb_per_s" in r:

@@ -90,7 +90,8 @@ def _table_cases(shapes=gpu.DRY) -> list[tuple]:
     most, fewest = max(shapes.pced_docs), min(shapes.peer_docs)
     return [("bandwidth", None), ("pced", most), *[("scheduler", k) for k in shapes.table_concurrency],
             *[("ippd", q) for q in shapes.table_ippd_questions], ("pced", fewest), ("peer", fewest),
-            *[("ape", c) for c in shapes.table_ape_contexts], *[("peer", n) for n in shapes.peer_docs if n != fewest]]
+            *[("ape", c) for c in shapes.table_ape_contexts], *[("peer", n) for n in shapes.peer_docs if n != fewest],
+            ("decode", most), ("decode", fewest)]
 
 
 def _case_key(case: dict) -> tuple:
@@ -147,6 +148,12 @@ def test_the_budget_runs_the_table_in_order_writes_every_case_at_once_and_skips_
     assert "of the bandwidth limit" in summary["PCED decode, 5 rows x ~40 columns"]["versus"]
     assert {"2 concurrent PCED requests", "4 concurrent PCED requests", "IPPD, 2 questions", "IPPD, 4 questions",
             "transformers generate, 2 x 40", "transformers generate, 4 x 40", "memory bandwidth (cpu)"} <= set(summary)
+    # the compiled step's rows: on the CPU only the eager step runs, and the row says so
+    for row in ("compiled decode step, PCED, 5 rows", "compiled decode step, concat, batch 1, 2 x 40"):
+        assert (summary[row]["value"], summary[row]["versus"]) == ("-", "the eager step only: not on CUDA")
+    decode = [r for r in rows if r["section"] == "decode"]
+    assert [(r["documents"], r.get("answer_mode"), r["method"]) for r in decode] == [
+        (4, None, "eager step"), (2, "concat", "eager step")]
     assert summary["APE prefill, 80 tokens, cold (auto kernel)"]["value"] == "skipped"
     assert summary["APE prefill, 160 tokens, warm (flex)"]["versus"].startswith("over budget")
     peer = [r for r in rows if r["section"] == "peer"]
@@ -316,6 +323,13 @@ def test_the_summary_reads_the_headline_rows_with_their_ratios():
          "prefill_speedup_vs_concat": 10.0},
         {**model, "section": "peer", "documents": 8, "mode": "transformers generate", "ttft_s": 0.567, "total_s": 2.662,
          "decode_tokens_per_s": 14.8},
+        {**model, "section": "decode", "documents": 64, "method": "eager step", "steps_per_s": 41.3, "speedup": 1.0,
+         "first_call_s": 3.1},
+        {**model, "section": "decode", "documents": 64, "method": "compiled step (CUDA graphs)", "steps_per_s": 82.6,
+         "speedup": 2.0, "first_call_s": 95.2},
+        {**model, "section": "decode", "documents": 8, "answer_mode": "concat", "method": "eager step",
+         "steps_per_s": 46.1, "speedup": 1.0, "first_call_s": 1.2},
+        {**model, "section": "decode", "documents": 8, "answer_mode": "concat", "error": "RuntimeError('boom')"},
     ]
     table = {r["row"]: (r["value"], r["versus"]) for r in gpu.summary(rows, shapes)}
     assert table == {
@@ -330,6 +344,9 @@ def test_the_summary_reads_the_headline_rows_with_their_ratios():
         "APE prefill, 32k tokens, warm (flex)": ("0.190 s", "10.0x concat's prefill (1.900 s)"),
         "transformers generate, 8 x 2048": ("TTFT 0.567 s, total 2.662 s, 14.8 tok/s", ""),
         "memory bandwidth (NVIDIA H200)": ("4400 GB/s measured", "datasheet 4800 GB/s"),
+        "compiled decode step, PCED, 65 rows": ("82.6 steps/s", "2.00x the eager step (41.3 steps/s); first call "
+                                                                 "95.2 s"),
+        "compiled decode step, concat, batch 1, 8 x 2048": ("-", "error: RuntimeError('boom')"),
     }
 
 
