@@ -725,7 +725,7 @@ def decode_case(bench: Bench, n: int, mode: str = "pced") -> Case:
         engine.warm(docs)
         runner = engine.scheduler.runner
         default, out = runner.step, []
-        compiled = guarded_step(engine.loaded, resolve_compile_mode("auto", bench.device))
+        compiled = guarded_step(engine.loaded, resolve_compile_mode("auto", bench.device), runner.attention_kernel)
         methods = [("eager step", None)] + ([("compiled step (CUDA graphs)", compiled)] if compiled is not None else [])
         try:
             for method, step in methods:

@@ -66,9 +66,9 @@ def test_the_compiled_step_is_one_graph_per_bucket_that_never_breaks_nor_recompi
     buckets: list[tuple[int, int]] = []  # (slots, capacity) of every compiled step, in order
     step = engine.scheduler.runner.step.step
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         buckets.append((args[1].shape[0], args[7].shape[1]))
-        return step(*args)
+        return step(*args, **kwargs)
 
     engine.scheduler.runner.step.step = recording
     compiled = _answers(engine)
@@ -93,9 +93,9 @@ def test_buckets_after_the_first_two_reuse_a_symbolic_graph_instead_of_compiling
     buckets: set[tuple[int, int]] = set()
     step = engine.scheduler.runner.step.step
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         buckets.add((args[1].shape[0], args[7].shape[1]))
-        return step(*args)
+        return step(*args, **kwargs)
 
     engine.scheduler.runner.step.step = recording
     long_documents = [" ".join(f"word{i}" for i in range(300)) + " " + text for text in DOCS]
@@ -123,9 +123,9 @@ def test_steps_of_several_tokens_in_a_row_run_the_compiled_step_and_answer_as_th
     widths = []
     step = engine.scheduler.runner.step.step
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         widths.append(args[1].shape[1])
-        return step(*args)
+        return step(*args, **kwargs)
 
     engine.scheduler.runner.step.step = recording
     assert run(engine) == expected and all(len(ids) >= 6 for ids in expected)
@@ -138,7 +138,7 @@ def test_another_bucket_is_one_more_graph_and_a_failed_compile_falls_back_with_o
     engine.generate("Who?", DOCS, mode="pced", max_new_tokens=6)  # 4 slots: another bucket
     assert traced["stats"]["unique_graphs"] == 2 and not traced["graph_break"]
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("NoValidChoicesError: No choices to select")
 
     engine.scheduler.runner.step.step = broken  # what a compile failing on a GPU looks like from here
@@ -215,6 +215,44 @@ def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copie
     # IPPD's stacks of several tokens (a wider graph, its width symbolic)
     assert any(query[2] == groups for query, _, _ in shapes), shapes
     assert any(isinstance(query[2], torch.SymInt) or query[2] > groups for query, _, _ in shapes), shapes
+
+
+def test_on_the_flex_kernel_the_compiled_step_runs_flexattention_in_its_graph_over_the_arenas_own_heads(
+        monkeypatch):
+    # The pool's kernel on CUDA is FlexAttention (split-key decoding, tiles nobody sees skipped); its compiled step
+    # builds the block mask and calls the kernel inside its one graph, so CUDA graphs capture both. Caught: the
+    # compiled step on SDPA whatever the runner's kernel, the flex kernel's eager path traced inside the graph (a
+    # graph break here), keys repeated per query head.
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(runner_module, "compiled_decode_step",
+                        lambda mode: compiled_step.compiled_decode_step(mode, backend=recording))
+    torch._dynamo.reset()
+    counters.clear()
+    seed_model = dict(family="llama", seed=3, position_sensitive=True)
+    try:
+        eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode, attention_kernel="flex")
+                         for mode in (None, "default"))
+        assert [_answer_ids(engine, r) for r in REQUESTS] == [_answer_ids(eager, r) for r in REQUESTS]
+    finally:
+        torch._dynamo.reset()
+    config = engine.loaded.model.config
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = [node for graph in graphs for node in graph.graph.nodes
+             if node.op == "call_function" and ("flex_attention" in str(node.target) or node.target is sdpa)]
+    assert calls and all("flex_attention" in str(node.target) for node in calls)
+    shapes = [[argument.meta["example_value"].shape for argument in node.args[1:3]] for node in calls]
+    assert all(key[1] == value[1] == config.num_key_value_heads for key, value in shapes), shapes
+    assert not counters["graph_break"] and not engine.scheduler.runner.step.failed
+    assert config._attn_implementation == "sdpa"
+
+
+def _answer_ids(engine: Engine, request: dict) -> list[int]:
+    return engine.generate(**{**request, "max_new_tokens": 12}).token_ids
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 3])
@@ -334,7 +372,7 @@ def test_the_decode_step_is_compiled_once_per_mode_and_backend_with_a_raised_rec
         assert compiles == [(decode_step, {"dynamic": None, "backend": "inductor", "mode": "reduce-overhead"})]
         default_limit = torch._dynamo.config.recompile_limit
         args = (None, *range(6), *(torch.zeros(2) for _ in range(4)), [(torch.zeros(3), torch.zeros(3))])
-        assert step(*args) == (args, compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
+        assert step(*args) == ((*args, "eager"), compiled_step.RECOMPILE_LIMIT) and compiled_step.RECOMPILE_LIMIT == 64
         assert torch._dynamo.config.recompile_limit == default_limit  # only while the step runs
         compiled_step.compiled_decode_step("default", backend="eager")
         assert compiles[1] == (decode_step, {"dynamic": None, "backend": "eager"})  # a mode is inductor's option
@@ -348,20 +386,21 @@ def test_a_guarded_step_runs_the_compiled_step_until_it_fails_then_the_eager_one
     calls = []
     monkeypatch.setattr(rows, "decode_step", lambda *args: calls.append(("eager", args)) or "eager")
 
-    def compiled(*args):
-        calls.append(("compiled", args))
+    def compiled(*args, kernel):
+        calls.append(("compiled", args, kernel))
         if len(calls) > 1:
             raise RuntimeError("NoValidChoicesError: " + "x" * 300)
         return "compiled"
 
     raised_line = compiled.__code__.co_firstlineno + 3
 
-    guarded = compiled_step.GuardedStep(compiled, "max-autotune")
-    assert (guarded.step, guarded.mode, guarded.failed) == (compiled, "max-autotune", False)
-    assert guarded(1, 2) == "compiled" and calls == [("compiled", (1, 2))]
+    guarded = compiled_step.GuardedStep(compiled, "max-autotune", "flex")
+    assert (guarded.step, guarded.mode, guarded.kernel, guarded.failed) == (compiled, "max-autotune", "flex", False)
+    assert guarded(1, 2) == "compiled" and calls == [("compiled", (1, 2), "flex")]  # on the runner's kernel
     with pytest.warns(RuntimeWarning) as warned:
         assert guarded(3) == "eager"
-    assert calls[1:] == [("compiled", (3,)), ("eager", (3,))] and guarded.failed
+    # the fallback: the eager step over the boolean mask, whatever the kernel
+    assert calls[1:] == [("compiled", (3,), "flex"), ("eager", (3,))] and guarded.failed
     assert [str(w.message) for w in warned] == [
         "the compiled decode step (compile_mode='max-autotune') failed (RuntimeError: NoValidChoicesError: "
         + "x" * (200 - len("NoValidChoicesError: ")) + f", raised at {__file__}:{raised_line} in compiled); "
@@ -427,8 +466,8 @@ def test_a_step_thread_gets_the_state_cuda_graph_trees_look_up():
 
     assert _in_a_fresh_thread(another_threads_state) == {}  # each thread its own state
 
-    guarded = compiled_step.GuardedStep(lambda *args: _torch_2_11_lookup("tree_manager_containers") is not None,
-                                        "reduce-overhead")
+    guarded = compiled_step.GuardedStep(
+        lambda *args, **kwargs: _torch_2_11_lookup("tree_manager_containers") is not None, "reduce-overhead")
     assert _in_a_fresh_thread(lambda: guarded(1)) is True and not guarded.failed
 
 
@@ -502,7 +541,7 @@ def test_a_guarded_step_built_on_torch_2_11_runs_in_another_thread_and_leaves_it
         from ctx_integrations.engine.core import compiled_step
 
         assert "torch._inductor.cudagraph_trees" not in sys.modules
-        guarded = compiled_step.GuardedStep(lambda *args: "compiled", "reduce-overhead")
+        guarded = compiled_step.GuardedStep(lambda *args, **kwargs: "compiled", "reduce-overhead")
         assert "torch._inductor.cudagraph_trees" in sys.modules  # imported here, in the building thread
         seen = []
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ctx_integrations.engine.core import flex as flex_module
 from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, run_flex
 from ctx_integrations.engine.core.rows import visibility_block_mask
@@ -238,3 +239,23 @@ def test_a_model_step_under_a_failing_compile_gives_the_eager_logits(failing_com
     for a, b in zip(eager, fallen_back):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_inside_an_enclosing_compile_the_block_mask_and_the_kernel_are_the_plain_functions(monkeypatch, compiling):
+    # The pool's compiled step traces both into its own graph (and CUDA graphs capture them); outside it, CUDA
+    # builds them with compiles of their own, the kernel behind its fallbacks. Caught: a compile of its own or the
+    # kernel's fallbacks traced inside the step's graph, or the plain functions run outside it on CUDA.
+    calls = []
+    monkeypatch.setattr(flex_module, "_inside_compile", lambda: compiling)
+    monkeypatch.setattr(flex_module, "create_block_mask", lambda *args, **kwargs: calls.append("plain mask"))
+    monkeypatch.setattr(flex_module, "_compiled_block_mask",
+                        lambda: lambda *args, **kwargs: calls.append("compiled mask"))
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *args, **kwargs: calls.append("plain kernel") or "out")
+    monkeypatch.setattr(flex_module, "_compiled_flex",
+                        lambda: lambda *args, **kwargs: calls.append("compiled kernel") or "out")
+    monkeypatch.setattr(flex_module, "_use_compiled", lambda device: True)  # as on CUDA
+    flex_module.block_mask(lambda b, h, q, k: q >= k, 1, 4, 4, torch.device("cuda"))
+    query = torch.zeros(1, 2, 1, 4)
+    assert flex_module.run_flex(query, query, query, None, 1.0) == ("out", None)
+    assert calls == (["plain mask", "plain kernel"] if compiling else ["compiled mask", "compiled kernel"])

@@ -202,14 +202,16 @@ def test_ippd_block_mask_kernel_equals_the_boolean_mask():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pools_compiled_decode_step_answers_as_the_eager_step(dtype):
+@pytest.mark.parametrize(("dtype", "kernel"), [(torch.float32, "flex"), (torch.bfloat16, "flex"),
+                                               (torch.float32, "eager")])
+def test_the_pools_compiled_decode_step_answers_as_the_eager_step(dtype, kernel):
     # On CUDA the pool's decode step is compiled with mode="reduce-overhead" (CUDA graphs, one per bucket of slots and
     # capacity): a graph replaying stale inputs (the step's columns, the positions) or handing out its reused output
     # buffer would show as other answers than the eager step's. Two engines on two loads of the same weights (the
     # compile mode belongs to the model's scheduler); requests join and leave, so the arena moves between buckets.
-    eager = Engine(on_device(tiny(8), dtype), compile_mode=None)
-    compiled = Engine(on_device(tiny(8), dtype), compile_mode="reduce-overhead")
+    # The step's attention follows the kernel: FlexAttention in the graph ("flex", CUDA's default), grouped SDPA.
+    eager = Engine(on_device(tiny(8), dtype), compile_mode=None, attention_kernel=kernel)
+    compiled = Engine(on_device(tiny(8), dtype), compile_mode="reduce-overhead", attention_kernel=kernel)
     assert compiled.scheduler.runner.step is not None and eager.scheduler.runner.step is None
 
     async def answers(engine):

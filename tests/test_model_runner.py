@@ -205,8 +205,9 @@ def test_the_runner_compiles_its_step_only_when_asked_and_its_model_takes_a_bool
     assert ModelRunner(loaded, "eager").step is None
     assert ModelRunner(loaded, "eager", compile_mode=None).step is None
     step = ModelRunner(loaded, "eager", compile_mode="default").step
-    assert isinstance(step, GuardedStep) and (step.step, step.mode, step.failed) == (
-        "decode_step compiled with default", "default", False)
+    assert isinstance(step, GuardedStep) and (step.step, step.mode, step.kernel, step.failed) == (
+        "decode_step compiled with default", "default", "eager", False)
+    assert ModelRunner(loaded, "flex", compile_mode="default").step.kernel == "flex"  # the runner's kernel
     flex = tiny_loaded("llama", seed=5)
     flex.model.config._attn_implementation = "flex_attention"  # a model whose own attention takes no boolean mask
     assert ModelRunner(flex, "flex", compile_mode="default").step is None

@@ -7,7 +7,10 @@ of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacit
 ``torch.compile(mode="reduce-overhead")`` compiles it a few times (static, then once more the first time the
 slot count, the capacity or the step's width changes, made symbolic: :func:`compiled_decode_step`), captures
 it once per bucket as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of
-the bucket. On the CPU the compile costs minutes for seconds of gain, so the default there is the eager step;
+the bucket. Its attention follows the runner's kernel (:func:`step_attention`): on ``"flex"`` (CUDA's default)
+the block mask is built and FlexAttention called inside the step's graph, so the graph holds the split-key
+decoding kernel the eager step uses; on ``"eager"``, SDPA with each query head over its own key/value head
+(:func:`grouped_sdpa`). On the CPU the compile costs minutes for seconds of gain, so the default there is the eager step;
 the CPU tests run the step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and
 assert that it never breaks, never recompiles within a bucket, takes a few graphs across many buckets and
 writes in place only into static inputs (``tests/test_compiled_step.py``): the preconditions a GPU then only
@@ -43,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.config import check_compile_mode  # the command line offers the modes, torch-free
+from ctx_integrations.engine.core.flex import FLEX_ATTENTION
 
 # Shapes one compiled step may be specialised to before Dynamo stops compiling new ones (its default is 8):
 # every (slot bucket, capacity) pair the arena visits is one.
@@ -74,15 +78,26 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
     def step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
              questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,
              k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
-             layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+             layers: list[tuple[torch.Tensor, torch.Tensor]], kernel: str = "eager") -> torch.Tensor:
         mark_arena_static(k_pos, k_ctx, k_qid, documents, *(tensor for pair in layers for tensor in pair))
-        own_sdpa = getattr(model, "config", None) is not None and model.config._attn_implementation == "sdpa"
+        attention = step_attention(model, kernel)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                attention_swapped(model, GROUPED_SDPA) if own_sdpa else contextlib.nullcontext():
+                attention_swapped(model, attention) if attention else contextlib.nullcontext():
             return compiled(model, ids, positions, contexts, questions, rows, columns, k_pos, k_ctx, k_qid,
-                            documents, layers)
+                            documents, layers, "flex" if attention == FLEX_ATTENTION else "eager")
 
     return step
+
+
+def step_attention(model: torch.nn.Module, kernel: str) -> str | None:
+    """The attention the compiled step swaps in for a model whose own is transformers' SDPA: FlexAttention on the
+    ``"flex"`` kernel (the pool's on CUDA: a split-key decoding kernel, each query head over its own key/value head,
+    the tiles nobody sees skipped; compiled into the step's graph), :func:`grouped_sdpa` on ``"eager"``. ``None``
+    (the model's own attention over the boolean mask) for any other model: a soft-capped one's eager attention."""
+    config = getattr(model, "config", None)
+    if config is None or config._attn_implementation != "sdpa":
+        return None
+    return FLEX_ATTENTION if kernel == "flex" else GROUPED_SDPA
 
 
 GROUPED_SDPA = "ctx_grouped_sdpa"
@@ -173,19 +188,21 @@ def cudagraph_trees_in_this_thread() -> None:
 class GuardedStep:
     """A compiled step that falls back to the eager one for good, with one warning, the first time it fails."""
 
-    def __init__(self, step: Callable[..., torch.Tensor], mode: str):
+    def __init__(self, step: Callable[..., torch.Tensor], mode: str, kernel: str = "eager"):
         # imported in the building thread, not in the step's: see cudagraph_trees_in_this_thread
         from torch._inductor import cudagraph_trees  # noqa: F401
 
-        self.step, self.mode, self.failed = step, mode, False
+        self.step, self.mode, self.kernel, self.failed = step, mode, kernel, False
 
     def __call__(self, *args: object) -> torch.Tensor:
+        """The compiled step on the runner's attention kernel; after a failure, the eager step over the boolean mask
+        (the reference)."""
         from ctx_integrations.engine.core.rows import decode_step
 
         if not self.failed:
             try:
                 cudagraph_trees_in_this_thread()
-                return self.step(*args)
+                return self.step(*args, kernel=self.kernel)
             except Exception as error:  # noqa: BLE001 - compile errors come in many types; the request must not fail
                 self.failed = True
                 warnings.warn(f"the compiled decode step (compile_mode={self.mode!r}) failed ({type(error).__name__}: "

@@ -60,6 +60,13 @@ def _use_compiled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _inside_compile() -> bool:
+    """Whether this call is being traced by an enclosing ``torch.compile`` (the pool's compiled decode step): the
+    enclosing compile then builds the kernel and the block mask itself, and a kernel it cannot build fails that
+    compile, whose own fallback (``compiled_step.GuardedStep``) takes over."""
+    return torch.compiler.is_compiling()
+
+
 # Kernel options tried, in order, when the autotuned kernel cannot be built: Inductor raised "NoValidChoicesError:
 # No choices to select ... target: flex_attention" on an H200 (torch 2.11) for every prefill-shaped call (a query
 # of 39 to 120 tokens: bf16 with head dim 128 over 32k-131k keys, bf16 and fp32 with head dim 16), never for a
@@ -109,7 +116,9 @@ def run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_
         options["score_mod"] = score_mod
     if return_lse:
         options.update({"return_aux": AuxRequest(lse=True)} if AuxRequest is not None else {"return_lse": True})
-    if _use_compiled(query.device):
+    if _inside_compile():
+        result = flex_attention(query, key, value, **options)
+    elif _use_compiled(query.device):
         kind = _kernel_kind(query, key, return_lse, score_mod)
         if kind not in _FAILED_KERNELS:
             try:
@@ -216,7 +225,8 @@ def block_mask(mask_mod: Callable[..., torch.Tensor], batch: int | None, q_len: 
     reducing it to blocks; compiled (on CUDA) it fuses that away, so a 128k x 128k prefill mask is
     never materialised. On CPU the uncompiled reference runs (see the module doc).
     """
-    build = _compiled_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    compiled = torch.device(device).type == "cuda" and not _inside_compile()
+    build = _compiled_block_mask() if compiled else create_block_mask
     return build(mask_mod, batch, None, q_len, kv_len, device=device)
 
 

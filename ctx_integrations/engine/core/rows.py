@@ -519,11 +519,7 @@ class RowPool:
         keep = sorted({c for row in ends for c in row})
         keep_all = keep == list(range(ids.shape[1]))
         # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
-        if flex:
-            mask = windows(getattr(model, "config", None)).per_layer_type(
-                lambda window: visibility_block_mask(*layout, window=window))
-        else:
-            mask = step_mask(model, *layout)
+        mask = step_block_mask(model, *layout) if flex else step_mask(model, *layout)
         swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
         with attention_swapped(model, swap) if swap else nullcontext():
             out = model(**inputs, attention_mask=mask,
@@ -540,19 +536,30 @@ def step_mask(model: torch.nn.Module, positions: torch.Tensor, contexts: torch.T
     return windows(getattr(model, "config", None)).masks(full, positions, k_pos, positions != PAD_POSITION)
 
 
+def step_block_mask(model: torch.nn.Module, positions: torch.Tensor, contexts: torch.Tensor, questions: torch.Tensor,
+                    k_pos: torch.Tensor, k_ctx: torch.Tensor, k_qid: torch.Tensor) -> BlockMask | dict[str, BlockMask]:
+    """:func:`step_mask` as FlexAttention block masks (the flex kernel's, eager or compiled): one per layer type when
+    only some layers slide."""
+    layout = (positions, contexts, questions, k_pos, k_ctx, k_qid)
+    return windows(getattr(model, "config", None)).per_layer_type(
+        lambda window: visibility_block_mask(*layout, window=window))
+
+
 def decode_step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, contexts: torch.Tensor,
                 questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, k_pos: torch.Tensor,
                 k_ctx: torch.Tensor, k_qid: torch.Tensor, documents: torch.Tensor,
-                layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                layers: list[tuple[torch.Tensor, torch.Tensor]], kernel: str = "eager") -> torch.Tensor:
     """The step's tokens of every slot (``[slots, width]``: one each when decoding) through the model, as one pure
     function of tensors (what ``torch.compile`` and CUDA graphs capture): the step's metadata written at each
     slot's columns, the mask from the visibility rule (and a sliding-window model's window,
-    :mod:`~ctx_integrations.engine.core.windows`), the keys written in place, fp32 logits ``[slots, width, V]``.
+    :mod:`~ctx_integrations.engine.core.windows`; a boolean mask, or block masks with ``kernel="flex"``, whose
+    attention the caller swaps in), the keys written in place, fp32 logits ``[slots, width, V]``.
     Every shape is the arena's (and the step's width), fixed within a bucket of (slots, capacity), so a compiled
     step neither breaks its graph nor recompiles while requests come, go and decode within the bucket
     (``tests/test_compiled_step.py``)."""
     inputs = step_inputs(ids, positions, contexts, questions, rows, columns, k_pos, k_ctx, k_qid, documents, layers)
-    mask = step_mask(model, positions, contexts, questions, k_pos, k_ctx, k_qid)
+    layout = (positions, contexts, questions, k_pos, k_ctx, k_qid)
+    mask = step_block_mask(model, *layout) if kernel == "flex" else step_mask(model, *layout)
     return model(**inputs, attention_mask=mask).logits.float()
 
 

@@ -26,13 +26,14 @@ from ctx_integrations.engine.core.rows import GROW_COLUMNS, TIGHT_COLUMNS, RowPo
 from ctx_integrations.engine.core.step import ScheduledStep, StepForwards, StepLogits, StepOutput
 
 
-def guarded_step(loaded: LoadedModel, compile_mode: str | None) -> GuardedStep | None:
-    """The pool's decode step compiled with ``compile_mode`` (resolved: ``None`` or a torch mode), guarded by its
-    eager fallback; ``None`` without a mode, or for a model whose attention is not its own SDPA / eager (the step
-    passes it a boolean mask)."""
+def guarded_step(loaded: LoadedModel, compile_mode: str | None, attention_kernel: str = "eager"
+                 ) -> GuardedStep | None:
+    """The pool's decode step compiled with ``compile_mode`` (resolved: ``None`` or a torch mode) on
+    ``attention_kernel`` (resolved: ``"eager"`` or ``"flex"``), guarded by its eager fallback; ``None`` without a
+    mode, or for a model whose attention is not its own SDPA / eager (the fallback passes it a boolean mask)."""
     if compile_mode is None or loaded.model.config._attn_implementation not in ("sdpa", "eager"):
         return None
-    return GuardedStep(compiled_decode_step(compile_mode), compile_mode)
+    return GuardedStep(compiled_decode_step(compile_mode), compile_mode, attention_kernel)
 
 
 class ModelRunner:
@@ -48,7 +49,7 @@ class ModelRunner:
         self.pad_token = min(loaded.eos_token_ids) if loaded.eos_token_ids else 0
         self.pool: RowPool | None = None
         # the decode step of the running pool, compiled (CUDA graphs per bucket on a GPU); None: the eager forward
-        self.step = guarded_step(loaded, compile_mode)
+        self.step = guarded_step(loaded, compile_mode, attention_kernel)
 
     @property
     def loaded(self) -> LoadedModel:
