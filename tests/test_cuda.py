@@ -210,6 +210,9 @@ def test_the_pools_compiled_decode_step_answers_as_the_eager_step(dtype, kernel)
     # buffer would show as other answers than the eager step's. Two engines on two loads of the same weights (the
     # compile mode belongs to the model's scheduler); requests join and leave, so the arena moves between buckets.
     # The step's attention follows the kernel: FlexAttention in the graph ("flex", CUDA's default), grouped SDPA.
+    if DEVICE.type == "cpu" and kernel == "flex":
+        pytest.skip("Inductor's C++ code for the step's block mask does not compile on the CPU (torch 2.13: a '?:' "
+                    "over VecMask<int> and VecMask<float>); the step falls back to the eager one there")
     eager = Engine(on_device(tiny(8), dtype), compile_mode=None, attention_kernel=kernel)
     compiled = Engine(on_device(tiny(8), dtype), compile_mode="reduce-overhead", attention_kernel=kernel)
     assert compiled.scheduler.runner.step is not None and eager.scheduler.runner.step is None
