@@ -251,6 +251,19 @@ def test_on_the_flex_kernel_the_compiled_step_runs_flexattention_in_its_graph_ov
     assert config._attn_implementation == "sdpa"
 
 
+def test_the_compiled_steps_attention_is_chosen_by_the_runners_kernel_for_sdpa_models_only():
+    # Caught: a soft-capped model (its own eager attention) or a stand-in without a config given SDPA or
+    # FlexAttention, which would drop its cap; the kernel ignored.
+    from ctx_integrations.engine.core.flex import FLEX_ATTENTION
+
+    model = tiny_loaded("llama", seed=3).model
+    assert compiled_step.step_attention(model, "flex") == FLEX_ATTENTION
+    assert compiled_step.step_attention(model, "eager") == compiled_step.GROUPED_SDPA
+    model.config._attn_implementation = "eager"  # what a soft-capped model (Gemma 2) runs
+    assert compiled_step.step_attention(model, "flex") is None and compiled_step.step_attention(model, "eager") is None
+    assert compiled_step.step_attention(torch.nn.Linear(2, 2), "flex") is None
+
+
 def _answer_ids(engine: Engine, request: dict) -> list[int]:
     return engine.generate(**{**request, "max_new_tokens": 12}).token_ids
 

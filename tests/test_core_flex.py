@@ -245,17 +245,25 @@ def test_a_model_step_under_a_failing_compile_gives_the_eager_logits(failing_com
 def test_inside_an_enclosing_compile_the_block_mask_and_the_kernel_are_the_plain_functions(monkeypatch, compiling):
     # The pool's compiled step traces both into its own graph (and CUDA graphs capture them); outside it, CUDA
     # builds them with compiles of their own, the kernel behind its fallbacks. Caught: a compile of its own or the
-    # kernel's fallbacks traced inside the step's graph, or the plain functions run outside it on CUDA.
+    # kernel's fallbacks traced inside the step's graph, the plain functions run outside it on CUDA, either one
+    # handed other tensors, sizes or options than its caller's.
     calls = []
+
+    def recorder(name):
+        return lambda *args, **kwargs: calls.append((name, args, kwargs)) or "out"
+
     monkeypatch.setattr(flex_module, "_inside_compile", lambda: compiling)
-    monkeypatch.setattr(flex_module, "create_block_mask", lambda *args, **kwargs: calls.append("plain mask"))
-    monkeypatch.setattr(flex_module, "_compiled_block_mask",
-                        lambda: lambda *args, **kwargs: calls.append("compiled mask"))
-    monkeypatch.setattr(flex_module, "flex_attention", lambda *args, **kwargs: calls.append("plain kernel") or "out")
-    monkeypatch.setattr(flex_module, "_compiled_flex",
-                        lambda: lambda *args, **kwargs: calls.append("compiled kernel") or "out")
+    monkeypatch.setattr(flex_module, "create_block_mask", recorder("plain mask"))
+    monkeypatch.setattr(flex_module, "_compiled_block_mask", lambda: recorder("compiled mask"))
+    monkeypatch.setattr(flex_module, "flex_attention", recorder("plain kernel"))
+    monkeypatch.setattr(flex_module, "_compiled_flex", lambda: recorder("compiled kernel"))
     monkeypatch.setattr(flex_module, "_use_compiled", lambda device: True)  # as on CUDA
-    flex_module.block_mask(lambda b, h, q, k: q >= k, 1, 4, 4, torch.device("cuda"))
-    query = torch.zeros(1, 2, 1, 4)
-    assert flex_module.run_flex(query, query, query, None, 1.0) == ("out", None)
-    assert calls == (["plain mask", "plain kernel"] if compiling else ["compiled mask", "compiled kernel"])
+    mask_mod, cuda = (lambda b, h, q, k: q >= k), torch.device("cuda")
+    flex_module.block_mask(mask_mod, 3, 4, 5, cuda)
+    query, key, value = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)
+    assert flex_module.run_flex(query, key, value, "the block mask", 0.5) == ("out", None)
+    kind = "plain" if compiling else "compiled"
+    assert [name for name, _, _ in calls] == [f"{kind} mask", f"{kind} kernel"]
+    assert calls[0][1:] == ((mask_mod, 3, None, 4, 5), {"device": cuda})
+    assert calls[1][1][0] is query and calls[1][1][1] is key and calls[1][1][2] is value
+    assert calls[1][2] == {"block_mask": "the block mask", "scale": 0.5, "enable_gqa": True}

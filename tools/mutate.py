@@ -130,6 +130,10 @@ TARGETS = {
     # the compiled step's attention: each query head over its own key/value head, a packed query's row of the mask
     "grouped_sdpa": Target("ctx_integrations/engine/core/compiled_step.py", ("x_grouped_sdpa*",),
                            ("tests/test_compiled_step.py", "-k", "grouped_attention or own_key_value")),
+    # the compiled step's attention on the runner's kernel: FlexAttention, grouped SDPA or the model's own
+    "step_attention": Target("ctx_integrations/engine/core/compiled_step.py", ("x_step_attention*",),
+                             ("tests/test_compiled_step.py", "-k",
+                              "flex_kernel or own_key_value or chosen_by_the_runners_kernel")),
     # switching a model's attention per call: the full check once per model and name, then the shared config
     "attention_swap": Target("ctx_integrations/engine/core/attention_swap.py", ("*",),
                              ("tests/test_attention_swap.py",)),
@@ -138,7 +142,8 @@ TARGETS = {
                                ("x_cudagraph_trees_in_this_thread*", "xǁGuardedStepǁ*"),
                                ("tests/test_compiled_step.py", "-k", "thread or guarded or failures")),
     # a flex kernel that cannot be built: smaller tiles, then SDPA in query chunks, remembered per kernel kind
-    "flex_fallback": Target("ctx_integrations/engine/core/flex.py", ("x__kernel_kind*", "x__recover*", "x_run_flex*"),
+    "flex_fallback": Target("ctx_integrations/engine/core/flex.py", ("x__kernel_kind*", "x__recover*", "x_run_flex*",
+                                                                    "x_block_mask*"),
                             ("tests/test_core_flex.py", "-k", "not windowed")),
     # the batch-invariant CPU kernels: the GEMM height probe, the padding, the math attention's mask
     "batch_invariant": Target("ctx_integrations/engine/core/batch_invariant.py", ("*",),
