@@ -10,8 +10,8 @@ it once per bucket as a CUDA graph (as vLLM captures one per batch size) and rep
 the bucket. Its attention follows the runner's kernel (:func:`step_attention`): on ``"flex"`` (CUDA's default)
 the block mask is built and FlexAttention called inside the step's graph, so the graph holds the split-key
 decoding kernel the eager step uses; on ``"eager"``, SDPA with each query head over its own key/value head
-(:func:`grouped_sdpa`). On the CPU the compile costs minutes for seconds of gain, so the default there is the eager step;
-the CPU tests run the step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and
+(:func:`grouped_sdpa`). On the CPU the compile costs minutes for seconds of gain, so the default there is the
+eager step; the CPU tests run the step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and
 assert that it never breaks, never recompiles within a bucket, takes a few graphs across many buckets and
 writes in place only into static inputs (``tests/test_compiled_step.py``): the preconditions a GPU then only
 has to confirm.
