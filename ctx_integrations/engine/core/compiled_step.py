@@ -26,7 +26,7 @@ torch 2.11, ``benchmarks/gpu.py --budget``, docs/gpu-benchmark.md), the compiled
 ``concat``'s one row of 131k columns went the other way (17.9 vs 10.8 tokens/s), and the first compile cost
 ~90 s. The cause, found afterwards on the CPU: under compile transformers' SDPA attention copied every layer's
 slice of the arena once per query head of its key/value head (``repeat_kv``) at every step, so that step moved
-~8x the key/value bytes of the eager one; it now attends over the arena's own heads (:func:`grouped_sdpa`).
+~9x the key/value bytes of reading the arena once; it now attends over the arena's own heads (:func:`grouped_sdpa`).
 Until a GPU shows the compiled step winning on the pool's many-row shapes it stays an opt-in.
 """
 
