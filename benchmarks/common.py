@@ -9,6 +9,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,3 +102,19 @@ def write_results(name: str, rows: list[dict[str, Any]], settings: dict[str, Any
     partial.replace(path)
     print(f"wrote {path}")
     return path
+
+
+def run_in_checkout(path: Path, script: str, function: str, *args: int | float | str) -> Any:
+    """``function(*args)`` of ``script`` (a benchmark file of this checkout), run in a subprocess whose package and
+    tests are imported from the checkout at ``path`` (another commit's files: ``git worktree add DIR COMMIT``), one
+    torch thread; its JSON result. The function imports the package itself, so the baseline is measured by this
+    checkout's measurement code."""
+    code = (f"import json, runpy, sys, torch; torch.set_num_threads(1); sys.path.insert(0, {str(path)!r})\n"
+            f"namespace = runpy.run_path({script!r})\n"
+            f"print('RESULT ' + json.dumps(namespace[{function!r}](*{args!r})))\n")
+    env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(path))
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"the measurement in {path} failed:\n{done.stderr[-2000:]}")
+    return json.loads(line.removeprefix("RESULT "))

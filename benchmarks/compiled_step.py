@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,21 +70,8 @@ def measure(documents: int, new_tokens: int, repeats: int, backend: str) -> list
     return rows
 
 
-def _in_checkout(path: Path, documents: int, new_tokens: int, repeats: int, backend: str) -> list[dict[str, Any]]:
-    """:func:`measure` in a subprocess whose imports come from the checkout at ``path``."""
-    code = (f"import json, runpy, sys, torch; torch.set_num_threads(1); sys.path.insert(0, {str(path)!r})\n"
-            f"measure = runpy.run_path({__file__!r})['measure']\n"  # the measurement: this file's
-            f"print('RESULT ' + json.dumps(measure({documents}, {new_tokens}, {repeats}, {backend!r})))\n")
-    env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(path))
-    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"the measurement in {path} failed:\n{done.stderr[-2000:]}")
-    return json.loads(line.removeprefix("RESULT "))
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from benchmarks.common import print_table, write_results
+    from benchmarks.common import print_table, run_in_checkout, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=31, help="PCED's documents: its rows less one (default 31)")
@@ -108,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             continue
         case = (args.documents, args.new_tokens, args.repeats, args.backend)
         # this checkout in this process (one import less); another one in a process whose imports are its own
-        for row in measure(*case) if path == REPO else _in_checkout(path.resolve(), *case):
+        for row in measure(*case) if path == REPO else run_in_checkout(path.resolve(), __file__, "measure", *case):
             rows.append({"checkout": label, **row})
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows, ["checkout", "step", "documents", "new_tokens", "steps_per_s", "vs_eager", "first_call_s",

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -92,21 +89,8 @@ def measure(documents: int, tokens: int, new_tokens: int, repeats: int) -> dict[
             "ids_decoded_per_token": decoded[0] / max(generated, 1), "cache_misses": answer.cache_misses}
 
 
-def _in_checkout(path: Path, case: tuple[int, int], new_tokens: int, repeats: int) -> dict[str, Any]:
-    """:func:`measure` in a subprocess whose imports come from the checkout at ``path``."""
-    code = (f"import json, runpy, sys; sys.path.insert(0, {str(path)!r})\n"  # the package and tests: that checkout's
-            f"measure = runpy.run_path({__file__!r})['measure']\n"  # the measurement: this file's
-            f"print('RESULT ' + json.dumps(measure({case[0]}, {case[1]}, {new_tokens}, {repeats})))\n")
-    env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(path))
-    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"the measurement in {path} failed:\n{done.stderr[-2000:]}")
-    return json.loads(line.removeprefix("RESULT "))
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from benchmarks.common import print_table, write_results
+    from benchmarks.common import print_table, run_in_checkout, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", default="32,64", help="document counts, comma-separated (default 32,64)")
@@ -126,7 +110,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for label, path in (("this checkout", REPO), ("baseline", args.baseline)):
             if path is None:
                 continue
-            row = {"checkout": label, **_in_checkout(path.resolve(), case, args.new_tokens, args.repeats)}
+            row = {"checkout": label, **run_in_checkout(path.resolve(), __file__, "measure", *case, args.new_tokens,
+                                                        args.repeats)}
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.baseline is not None:

@@ -180,30 +180,32 @@ def test_the_compiled_step_writes_in_place_only_into_static_inputs_as_cuda_graph
         assert len(mutated) == 8 and mutated <= static, (mutated, static)
 
 
-def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copies_of_them(monkeypatch):
-    # Under torch.compile transformers' "sdpa" repeats each key/value head for its query heads whenever it gets a
-    # mask (repeat_kv): the compiled step copied every layer's slice of the arena `groups` times at every step and
-    # read the copies, 8x the key/value bytes on the Llama-3 8B shape (the H200 ran that step at 15 steps/s, ~2.5
-    # TB/s of copies, where the eager step ran at 41). Caught: the step's attention left to transformers' "sdpa"
-    # (keys with 4 heads below), or the grouped attention swapped in for good (the model's own after the step).
-    graphs = []
+@pytest.fixture
+def graphs(traced, monkeypatch) -> list[torch.fx.GraphModule]:
+    """The graphs Dynamo traces for the compiled steps of engines built now (run as traced, no code generated)."""
+    recorded: list[torch.fx.GraphModule] = []
 
     def recording(graph, example_inputs):
-        graphs.append(graph)
+        recorded.append(graph)
         return graph.forward
 
     monkeypatch.setattr(runner_module, "compiled_decode_step",
                         lambda mode: compiled_step.compiled_decode_step(mode, backend=recording))
-    torch._dynamo.reset()
+    return recorded
+
+
+def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copies_of_them(graphs):
+    # Under torch.compile transformers' "sdpa" repeats each key/value head for its query heads whenever it gets a
+    # mask (repeat_kv): the compiled step copied every layer's slice of the arena `groups` times at every step and
+    # read the copies, 9x the key/value bytes on the Llama-3 8B shape (the H200 ran that step at 15 steps/s, ~3.5
+    # TB/s, where the eager step ran at 41). Caught: the step's attention left to transformers' "sdpa" (keys with 4
+    # heads below), or the grouped attention swapped in for good (the model's own after the step).
     seed_model = dict(family="llama", seed=3, position_sensitive=True)
     questions = ["Who is the mayor?", "When is the fair?", "Where is Marrowgate?"]
-    try:
-        eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode) for mode in (None, "default"))
-        for run in (lambda e: [e.generate("Who is the mayor?", DOCS, mode="pced", max_new_tokens=8).token_ids],
-                    lambda e: [a.token_ids for a in e.generate_many(questions, DOCS, max_new_tokens=8)]):
-            assert run(engine) == run(eager)
-    finally:
-        torch._dynamo.reset()
+    eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode) for mode in (None, "default"))
+    for run in (lambda e: [e.generate("Who is the mayor?", DOCS, mode="pced", max_new_tokens=8).token_ids],
+                lambda e: [a.token_ids for a in e.generate_many(questions, DOCS, max_new_tokens=8)]):
+        assert run(engine) == run(eager)
     config = engine.loaded.model.config
     groups = config.num_attention_heads // config.num_key_value_heads
     calls = [node for graph in graphs for node in graph.graph.nodes
@@ -218,28 +220,15 @@ def test_the_compiled_step_attends_over_the_arenas_own_key_value_heads_not_copie
 
 
 def test_on_the_flex_kernel_the_compiled_step_runs_flexattention_in_its_graph_over_the_arenas_own_heads(
-        monkeypatch):
+        graphs, traced):
     # The pool's kernel on CUDA is FlexAttention (split-key decoding, tiles nobody sees skipped); its compiled step
     # builds the block mask and calls the kernel inside its one graph, so CUDA graphs capture both. Caught: the
     # compiled step on SDPA whatever the runner's kernel, the flex kernel's eager path traced inside the graph (a
     # graph break here), keys repeated per query head.
-    graphs = []
-
-    def recording(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    monkeypatch.setattr(runner_module, "compiled_decode_step",
-                        lambda mode: compiled_step.compiled_decode_step(mode, backend=recording))
-    torch._dynamo.reset()
-    counters.clear()
     seed_model = dict(family="llama", seed=3, position_sensitive=True)
-    try:
-        eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode, attention_kernel="flex")
-                         for mode in (None, "default"))
-        assert [_answer_ids(engine, r) for r in REQUESTS] == [_answer_ids(eager, r) for r in REQUESTS]
-    finally:
-        torch._dynamo.reset()
+    eager, engine = (Engine(tiny_loaded(**seed_model), compile_mode=mode, attention_kernel="flex")
+                     for mode in (None, "default"))
+    assert [_answer_ids(engine, r) for r in REQUESTS] == [_answer_ids(eager, r) for r in REQUESTS]
     config = engine.loaded.model.config
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = [node for graph in graphs for node in graph.graph.nodes
@@ -247,7 +236,7 @@ def test_on_the_flex_kernel_the_compiled_step_runs_flexattention_in_its_graph_ov
     assert calls and all("flex_attention" in str(node.target) for node in calls)
     shapes = [[argument.meta["example_value"].shape for argument in node.args[1:3]] for node in calls]
     assert all(key[1] == value[1] == config.num_key_value_heads for key, value in shapes), shapes
-    assert not counters["graph_break"] and not engine.scheduler.runner.step.failed
+    assert not traced["graph_break"] and not engine.scheduler.runner.step.failed
     assert config._attn_implementation == "sdpa"
 
 
