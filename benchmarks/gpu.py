@@ -748,7 +748,7 @@ def decode_case(bench: Bench, n: int, mode: str = "pced") -> Case:
     prefill = prefill_s(s.doc_tokens, n) if mode == "pced" else prefill_s(s.doc_tokens * n)
     calls = 2 * bench.calls() * (prefill + decode_s(steps, rows, columns))
     compile_s = REF_STATIC_COMPILE_S if bench.device.type == "cuda" else 0.0
-    label = {"documents": n, "doc_tokens": s.doc_tokens, **({"answer_mode": mode} if mode != "pced" else {})}
+    label = {"documents": n, "doc_tokens": s.doc_tokens, "answer_mode": mode}
     return Case("decode", label, run, bench.prior(calls) + compile_s)
 
 
@@ -951,10 +951,7 @@ def summary(rows: list[dict], shapes: Shapes) -> list[dict[str, Any]]:
             else:
                 missing(name, why, r)
         for docs, mode in ((max(shapes.pced_docs), "pced"), (min(shapes.peer_docs), "concat")):
-            label = {"answer_mode": mode} if mode != "pced" else {}
-            case, why = find("decode", documents=docs, **label)
-            if mode == "pced":  # PCED's case has no answer_mode: leave concat's out
-                case = {k: r for k, r in case.items() if "answer_mode" not in r}
+            case, why = find("decode", documents=docs, answer_mode=mode)
             shape = f"PCED, {docs + 1} rows" if mode == "pced" else f"concat, batch 1, {docs} x {shapes.doc_tokens}"
             name, eager, compiled = f"compiled decode step, {shape}", case.get("eager step", {}), \
                 case.get("compiled step (CUDA graphs)", {})

@@ -153,7 +153,7 @@ def test_the_budget_runs_the_table_in_order_writes_every_case_at_once_and_skips_
         assert (summary[row]["value"], summary[row]["versus"]) == ("-", "the eager step only: not on CUDA")
     decode = [r for r in rows if r["section"] == "decode"]
     assert [(r["documents"], r.get("answer_mode"), r["method"]) for r in decode] == [
-        (4, None, "eager step"), (2, "concat", "eager step")]
+        (4, "pced", "eager step"), (2, "concat", "eager step")]
     assert summary["APE prefill, 80 tokens, cold (auto kernel)"]["value"] == "skipped"
     assert summary["APE prefill, 160 tokens, warm (flex)"]["versus"].startswith("over budget")
     peer = [r for r in rows if r["section"] == "peer"]
@@ -323,10 +323,10 @@ def test_the_summary_reads_the_headline_rows_with_their_ratios():
          "prefill_speedup_vs_concat": 10.0},
         {**model, "section": "peer", "documents": 8, "mode": "transformers generate", "ttft_s": 0.567, "total_s": 2.662,
          "decode_tokens_per_s": 14.8},
-        {**model, "section": "decode", "documents": 64, "method": "eager step", "steps_per_s": 41.3, "speedup": 1.0,
-         "first_call_s": 3.1},
-        {**model, "section": "decode", "documents": 64, "method": "compiled step (CUDA graphs)", "steps_per_s": 82.6,
-         "speedup": 2.0, "first_call_s": 95.2},
+        {**model, "section": "decode", "documents": 64, "answer_mode": "pced", "method": "eager step",
+         "steps_per_s": 41.3, "speedup": 1.0, "first_call_s": 3.1},
+        {**model, "section": "decode", "documents": 64, "answer_mode": "pced", "method": "compiled step (CUDA graphs)",
+         "steps_per_s": 82.6, "speedup": 2.0, "first_call_s": 95.2},
         {**model, "section": "decode", "documents": 8, "answer_mode": "concat", "method": "eager step",
          "steps_per_s": 46.1, "speedup": 1.0, "first_call_s": 1.2},
         {**model, "section": "decode", "documents": 8, "answer_mode": "concat", "error": "RuntimeError('boom')"},
