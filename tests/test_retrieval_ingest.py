@@ -198,7 +198,8 @@ def test_passages_carry_stable_ids_and_metadata(corpus):
     assert [d.id for d in docs] == [passage_id(path, 0), passage_id(path, 1)]
     assert docs[1].metadata == {"source": str(path), "title": "notes", "chunk": 1}
     assert passage_id(path, 0) == passage_id(Path(str(path)), 0) != passage_id(corpus / "sub" / "notes.txt", 0)
-    assert passage_id(path, 0).startswith("notes-")
+    assert passage_id(path, 0).startswith("notes.txt-")
+    assert passage_id(corpus / "GFDL-1.3", 2).startswith("GFDL-1.3-") and passage_id(path, 2).endswith("#2")
 
 
 # -- syncing a store -------------------------------------------------------------------------------------------

@@ -154,13 +154,14 @@ def _last_fitting(text: str, start: int, ends: Sequence[int], first: int, count:
 
 
 def passage_id(path: Path, index: int) -> str:
-    """Stable id of passage ``index`` of the file at ``path``: readable stem, short hash of the path's bytes, index.
+    """Stable id of passage ``index`` of the file at ``path``: the file's name (its first 40 characters, whole: a
+    ``GFDL-1.3`` keeps its ``.3``, which a stem would drop as a suffix), a short hash of the path's bytes, the index.
 
     The hash is over the name's bytes, so two names that differ only in bytes that are not UTF-8 get two ids
     (a UTF-8 name hashes as it always did: its bytes are its UTF-8 encoding).
     """
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:8]
-    return f"{Path(display_path(path)).stem[:40]}-{digest}#{index}"
+    return f"{Path(display_path(path)).name[:40]}-{digest}#{index}"
 
 
 def file_passages(path: Path, count: TokenCounter, max_tokens: int = 512) -> list[Document]:
