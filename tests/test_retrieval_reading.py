@@ -69,6 +69,8 @@ def test_one_control_character_in_a_hundred_is_text_and_more_is_binary():
 def test_a_file_is_judged_by_its_content_not_its_name(tmp_path):
     (tmp_path / "LICENSE").write_text("MIT License\n\nPermission is hereby granted.")
     assert read_document(tmp_path / "LICENSE") == ("MIT License\n\nPermission is hereby granted.", "LICENSE")
+    (tmp_path / "GFDL-1.3").write_text("GNU Free Documentation License")
+    assert read_document(tmp_path / "GFDL-1.3")[1] == "GFDL-1.3"  # a version is part of the name, not a suffix
     (tmp_path / "paper").write_bytes(minimal_pdf(["A PDF without a suffix."], "Its title"))
     assert read_document(tmp_path / "paper") == ("A PDF without a suffix.", "Its title")
     (tmp_path / "notes.pdf").write_text("Plain text saved with the wrong suffix.")

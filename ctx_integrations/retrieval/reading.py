@@ -125,7 +125,10 @@ def _is_pdf(path: Path, head: bytes) -> bool:
 
 
 def _stem(path: Path) -> str:
-    return Path(display_path(path)).stem
+    """The file's name without a suffix that names a format (``notes.txt``: ``notes``); a suffix with no letter is
+    part of the name (``GFDL-1.3`` stays ``GFDL-1.3``, a version, not a format)."""
+    shown = Path(display_path(path))
+    return shown.stem if any(char.isalpha() for char in shown.suffix) else shown.name
 
 
 def _read_pdf(path: Path, raw: bytes) -> tuple[str, str]:
