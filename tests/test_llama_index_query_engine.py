@@ -22,6 +22,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from ctx_integrations import Document, Engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, MissingDependencyError, UnknownModeError
 from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, ExpertDecoderLLM, node_text
+from ctx_integrations.llama_index.convert import node_source
 from tests.helpers import loop_ticks, tiny_loaded
 from tests.llama_index_support import (
     QUESTION,
@@ -72,6 +73,12 @@ def test_query_matches_engine_and_carries_scores_trace_citations_timings(engine,
     assert [step["node_id"] for step in meta["trace"]] == [ids[step.document] for step in answer.trace]
     assert sum(meta["tokens_won"].values()) == len(answer.token_ids)
     assert meta["cited_nodes"] == sorted(meta["tokens_won"], key=lambda i: -meta["tokens_won"][i])
+    assert [c["id"] for c in meta["citations"]] == meta["cited_nodes"]
+    for cited in meta["citations"]:
+        item = sources[cited["index"]]
+        assert (cited["id"], cited["tokens_won"], cited["score"]) == (
+            item.node.node_id, meta["tokens_won"][item.node.node_id], item.score)
+        assert cited["source"] == f"{item.node.node_id}.txt"  # make_nodes' source
     assert {"ttft_s", "total_s", "tokens_per_s"} <= set(meta["timings"])
     assert meta["cache"]["hits"] + meta["cache"]["misses"] == 2
     assert query_engine.query(QUESTION).metadata["cache"] == {"hits": 2, "misses": 0}  # caches reused
@@ -319,3 +326,11 @@ def test_chroma_on_disk_on_the_embedded_default(embedded_engine, tmp_path):
     top = response.source_nodes[0]
     assert top.node.node_id == "vault" and "chroma_l2" in top.node.metadata["scores"]
     assert top.score == pytest.approx((top.node.metadata["scores"]["dense"] + 1) / 2)
+
+
+def test_a_citation_names_the_file_as_the_reader_recorded_it():
+    assert node_source(TextNode(text="x", metadata={"file_path": "/data/GFDL-1.3", "file_name": "GFDL-1.3"})) \
+        == "/data/GFDL-1.3"  # SimpleDirectoryReader's
+    assert node_source(TextNode(text="x", metadata={"source": "a.txt", "file_path": "/b"})) == "a.txt"
+    assert node_source(TextNode(text="x", metadata={"file_name": "c.md"})) == "c.md"
+    assert node_source(TextNode(text="x", metadata={"source": ""})) is None

@@ -57,21 +57,33 @@ def cited_node_ids(answer: Answer, nodes: Sequence[NodeWithScore]) -> list[str]:
     return [nodes[i].node.node_id for i, _ in answer.citation_counts().most_common()]
 
 
+# where LlamaIndex's readers put a node's file (ctx-experts ingest: "source"; SimpleDirectoryReader: "file_path")
+_SOURCE_KEYS = ("source", "file_path", "file_name", "url")
+
+
+def node_source(node: Any) -> str | None:
+    """The file or address a node came from, as its reader recorded it, or ``None``."""
+    return next((str(node.metadata[key]) for key in _SOURCE_KEYS if node.metadata.get(key)), None)
+
+
 def response_metadata(answer: Answer, nodes: Sequence[NodeWithScore], model_name: str) -> dict[str, Any]:
     """Everything needed to cite and time an answer, as ``Response.metadata``.
 
     ``trace`` has one entry per generated token (``node_id`` of the node that won it, or ``None`` for
     modes without per-token attribution); ``cited_nodes`` lists the ids of nodes that won tokens, most
-    first, and ``tokens_won`` how many each won.
+    first, and ``tokens_won`` how many each won; ``citations`` the same nodes as LangChain's chain cites its
+    documents: ``{"id", "index", "tokens_won", "score", "source"}`` (``source``: :func:`node_source`).
     """
     ids = [item.node.node_id for item in nodes]
     counts = answer.citation_counts()
+    citations = [{"id": ids[i], "index": i, "tokens_won": n, "score": nodes[i].score,
+                  "source": node_source(nodes[i].node)} for i, n in counts.most_common()]
     return {
         "mode": answer.mode, "model_name": model_name,
         "trace": [{"token_id": step.token_id, "node_id": None if step.document is None else ids[step.document],
                    "score": step.score} for step in answer.trace],
         "cited_nodes": cited_node_ids(answer, nodes),
-        "tokens_won": {ids[i]: n for i, n in counts.most_common()},
+        "tokens_won": {ids[i]: n for i, n in counts.most_common()}, "citations": citations,
         "timings": dict(answer.timings),
         "cache": {"hits": answer.cache_hits, "misses": answer.cache_misses},
         "finish_reason": answer.finish_reason, "options": dict(answer.options), "extra": dict(answer.extra),
