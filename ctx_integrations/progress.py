@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 EVERY_S = 10.0  # seconds between two plain lines while a step runs
@@ -31,6 +33,23 @@ def _is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+@contextmanager
+def terminal_only_bars(file: TextIO | None = None) -> Iterator[None]:
+    """transformers' (and the hub's) progress bars, its "Loading weights" bar among them, only when ``file``
+    (default stderr) is a terminal; restored as they were afterwards. Elsewhere (a log, CI, a notebook's
+    captured stderr) each bar is a pile of carriage-return lines that says nothing a user needs."""
+    from transformers.utils import logging as hf_logging
+
+    hide = hf_logging.is_progress_bar_enabled() and not _is_terminal(file if file is not None else sys.stderr)
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 class Progress:

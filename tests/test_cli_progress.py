@@ -16,7 +16,7 @@ import pytest
 
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.errors import InvalidOptionError
-from ctx_integrations.progress import Progress
+from ctx_integrations.progress import Progress, terminal_only_bars
 from tests.helpers import run_cli, tiny_loaded
 
 DOCS = [f"Passage {i}: the lighthouse keeper number {i} kept the lamp lit for {i + 3} winters." for i in range(5)]
@@ -164,3 +164,23 @@ def test_ingest_no_progress_prints_none(corpus, model_folder, tmp_path, capfd):
                    "--model", str(model_folder), "--no-progress") == 0
     out, err = capfd.readouterr()
     assert err == "" and "KV caches: 3 computed" in out
+
+
+def test_loading_a_model_shows_transformers_bars_only_on_a_terminal(model_folder, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from ctx_integrations.engine.core.model import load_model
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process (another test may have turned them off)
+    try:
+        load_model(str(model_folder), device="cpu")
+        assert "Loading weights" not in capfd.readouterr().err  # stderr is not a terminal here
+        assert hf_logging.is_progress_bar_enabled()  # restored for the caller's own bars
+        with terminal_only_bars(Stream(terminal=True)):
+            assert hf_logging.is_progress_bar_enabled()
+        with terminal_only_bars(Stream(terminal=False)):
+            assert not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

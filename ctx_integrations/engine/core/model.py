@@ -44,6 +44,7 @@ from ctx_integrations.errors import (
 from ctx_integrations.file_hashes import file_content_hash
 from ctx_integrations.model_catalog import CATALOG, verified_path
 from ctx_integrations.paths import cache_root
+from ctx_integrations.progress import terminal_only_bars
 
 if TYPE_CHECKING:
     from ctx_integrations.engine.core.structured import GrammarCompiler
@@ -354,9 +355,11 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
     dtype = dtype or default_dtype(device)
     source, name = _source(name_or_path, local_files_only)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust, local_files_only=local_files_only)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust,
-                                                     local_files_only=local_files_only)
+        with terminal_only_bars():
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust,
+                                                      local_files_only=local_files_only)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust,
+                                                         local_files_only=local_files_only)
     except (OSError, ValueError) as error:
         raise _load_error(name, error) from error
     if adapter is not None:
