@@ -127,3 +127,28 @@ def test_no_file_names_a_package_registry_host():
     offenders = [f"{name}:{number}: {line.strip()[:100]}" for name, number, line in tracked_lines()
                  if registry_hosts(line)]
     assert not offenders, offenders
+
+
+EXTRAS_LINE = re.compile(r"ctx-integrations\[([\w,\-]+)\]")
+
+
+def test_every_install_line_names_extras_that_exist():
+    """A ``pip install 'ctx-integrations[x]'`` in the docs or README installs what it says (a renamed or removed
+    extra would make pip warn and install nothing of it)."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {extra for doc in MARKDOWN for group in EXTRAS_LINE.findall(doc.read_text(encoding="utf-8"))
+             for extra in group.split(",")}
+    assert named and not named - extras, f"extras named in the docs that pyproject.toml lacks: {named - extras}"
+
+
+def test_readme_says_which_extra_structured_output_needs():
+    """Each README section on a framework that promises structured output names the extra it needs (xgrammar),
+    since the framework's own install line does not bring it."""
+    sections = re.split(r"^### ", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.M)
+    for title in ("LlamaIndex", "LangChain"):
+        section = next(s for s in sections if s.startswith(title))
+        assert "structured" in section.lower(), f"README's {title} section no longer mentions structured output"
+        assert re.search(r"ctx-integrations\[[\w,\-]*structured", section), \
+            f"README's {title} section promises structured output without the [structured] extra's install line"
