@@ -472,6 +472,8 @@ def _demo_large_set(engine: Any, args: argparse.Namespace) -> int:
                          seed=DEMO_LARGE_SEED)
     print(f"\n== Part 2: {len(examples)} questions, each over {args.large_passages} retrieved passages of "
           f"~{args.large_tokens} tokens (an invented world; seed {DEMO_LARGE_SEED}) ==")
+    # the counts below move with the dtype and threads (a greedy token at a near tie): say which ran them
+    print(f"({runtime_line(engine)}; README's counts name theirs)")
     started, computed, reused = time.perf_counter(), 0, 0
     for example in examples:
         warmed = engine.warm(list(example.documents))
@@ -480,7 +482,7 @@ def _demo_large_set(engine: Any, args: argparse.Namespace) -> int:
           "does once)")
     report = evaluate(engine, examples, systems=[System(m, m) for m in modes],
                       max_new_tokens=args.large_max_new_tokens, set_name="demo",
-                      progress=lambda line: print(f"  {line}"))
+                      progress=_with_questions(examples, lambda line: print(f"  {line}")))
     by_system = {row["system"]: row for row in report.rows}
     print(f"\n  {'mode':<10} {'correct':>8} {'TTFT s':>7} {'total s':>8} {'TTFT x':>7} {'total x':>8} "
           f"{'cite P':>7} {'cite R':>7}")
@@ -498,6 +500,24 @@ def _demo_large_set(engine: Any, args: argparse.Namespace) -> int:
           "x: speed-up over concat, the same passages read as one prompt; cite P/R: citation precision / recall "
           "against the passages that hold the answer, - where a mode has no per-token attribution)")
     return sum(r.get("cache_misses") or 0 for r in report.records)
+
+
+def _with_questions(examples: Sequence[Any], show: Callable[[str], None]) -> Callable[[str], None]:
+    """``show`` for evaluate's per-answer lines, with each question and its expected answer printed before its
+    first answer (so a reader sees why an answer scored 0)."""
+    by_id, shown = {example.id: example for example in examples}, set()
+
+    def progress(line: str) -> None:
+        example = by_id.get(line.split(" ", 1)[0])
+        if example is not None and example.id not in shown:
+            shown.add(example.id)
+            expected = " or ".join(repr(a) for a in example.answers) if example.answers else "none"
+            if example.kind == "unanswerable":
+                expected = "an abstention (the passages do not say)"
+            print(f"\n  {example.id} ({example.kind.replace('_', '-')}): {example.question}\n  expected: {expected}")
+        show(line)
+
+    return progress
 
 
 def _ratio_cell(value: float | None) -> str:

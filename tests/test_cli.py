@@ -10,9 +10,10 @@ import re
 import pytest
 
 import ctx_integrations  # noqa: F401  (registers every mode)
-from ctx_integrations.cli import load_demo_corpus
+from ctx_integrations.cli import DEMO_LARGE_SEED, load_demo_corpus
 from ctx_integrations.engine.core.machine import available_cores, default_threads, native_bf16
 from ctx_integrations.engine.core.registry import available_modes
+from ctx_integrations.evaluation import world_set
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,13 @@ def test_demo_part_two_reports_each_modes_accuracy_rate_over_several_questions(d
     part = out.split("== Part 2: ")[1]
     assert part.startswith(f"{LARGE_QUESTIONS} questions, each over {LARGE_PASSAGES} retrieved passages of ~256 tokens")
     assert f"KV caches: {LARGE_QUESTIONS * LARGE_PASSAGES} computed, 0 reused" in part
+    assert re.search(r"^\(model .+ on cpu: dtype float32 \(.+\); \d+ CPU threads? .+; README's counts name theirs\)$", part,
+                     flags=re.M)  # what the counts depend on
+    examples = world_set(LARGE_QUESTIONS, documents=LARGE_PASSAGES, document_tokens=256, seed=DEMO_LARGE_SEED)
+    for example in examples:  # each question and what would be right, before its first answer
+        header = f"  {example.id} ({example.kind.replace('_', '-')}): {example.question}\n  expected: "
+        assert header + repr(example.answers[0]) in part
+        assert part.index(header) < part.index(f"  {example.id} [concat]")
     modes = ("concat", "pced", "ape", "soft_nbce")
     answers = re.findall(r"^  (world-0-\d+) \[(\w+)\] em=([\d.]+) ", part, flags=re.M)
     assert [(q, m) for q, m, _ in answers] == [(f"world-0-{i:03d}", m) for i in range(LARGE_QUESTIONS) for m in modes]
