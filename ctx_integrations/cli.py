@@ -704,6 +704,7 @@ def run_ask(args: argparse.Namespace) -> int:
         _print_sources(retrieved[0])
         sys.stdout.flush()
     engine = store.open_engine(args.model, device=args.device, **engine_options(args))
+    _say_what_is_not_cached(engine, retrieved, args)
     settings = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, **options)
     if as_text:
         if args.stream:
@@ -727,6 +728,21 @@ def run_ask(args: argparse.Namespace) -> int:
         _print_sources(docs)
         _print_answer(answer, indent="")
     return 0
+
+
+def _say_what_is_not_cached(engine: Any, retrieved: Sequence[Sequence[Any]], args: argparse.Namespace) -> None:
+    """One line on stderr when passages retrieved have no KV cache for this model and settings (a store ingested
+    with another model, dtype or ``--disk-format``, or with ``--no-cache``): they are computed now and stored, so
+    a user who sees every question slow knows why, and that ``ingest`` computes them all at once."""
+    texts = {doc.text for docs in retrieved for doc in docs}
+    missing = sum(not engine.store.contains(engine.layout, text) for text in texts)
+    if missing:
+        model = f" --model {args.model}" if args.model else ""
+        print(f"note: {missing} of the {len(texts)} passages retrieved have no KV cache for {engine.loaded.name} "
+              f"with these settings (the store was ingested with another model, dtype or --disk-format, or "
+              f"without caches): they are computed now and stored for later questions; `ctx-experts ingest PATH "
+              f"--store {args.store}{model}` with the same settings computes them all at once",
+              file=sys.stderr)
 
 
 def _stream_answer(engine: Any, question: str, documents: list[Any], settings: dict[str, Any]) -> Any:

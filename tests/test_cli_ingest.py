@@ -105,7 +105,16 @@ def test_caches_ingested_with_the_engine_flags_are_the_ones_ask_reads(docs, tmp_
         return json.loads(capfd.readouterr().out)["cache"]["misses"]
 
     assert ask_misses("fp16") == 0  # what ingest computed
+    assert "note:" not in capfd.readouterr().err
     assert ask_misses("int8") == 1  # another format's folder: the test can tell the two apart
+
+    # ask with settings the store was not ingested with: said once, and what it computes is kept
+    assert run_cli("--disk-format", "bf16", "--dtype", "float32", "ask", question, "--store", str(store),
+                   "--mode", "pced", "--top-k", "1", "--max-new-tokens", "1") == 0
+    err = capfd.readouterr().err
+    assert err.count("note: 1 of the 1 passages retrieved have no KV cache") == 1, err
+    assert f"`ctx-experts ingest PATH --store {store}`" in err
+    assert ask_misses("bf16") == 0 and "note:" not in capfd.readouterr().err  # stored by the ask before
 
 
 # -- what is read, what is not, and why ----------------------------------------------------------------------
