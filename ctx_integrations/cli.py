@@ -233,15 +233,34 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 def check_model_name(name: str | None) -> None:
-    """Refuse a ``--model`` that is written as a local path (absolute, ``./``, ``../``, ``~``, or a ``.gguf`` file)
-    and does not exist, before torch is imported; other names (hub ids, aliases) are checked when the model loads."""
-    if name is None:
+    """Refuse, before torch is imported, a ``--model`` written as a local path (absolute, ``./``, ``../``, ``~``, or a
+    ``.gguf`` file) that does not exist, and a hub id that is not in the Hugging Face cache: the CLI, like the
+    adapters, never downloads weights (offline, transformers' retries took 77 s to fail), so it says at once how to
+    get them. Catalog aliases are checked against their pins when the model loads."""
+    from ctx_integrations.engine.core.defaults import EMBEDDED_MODEL_NAME
+    from ctx_integrations.model_catalog import CATALOG
+
+    if name is None or name == EMBEDDED_MODEL_NAME or name in CATALOG:
         return
     path = Path(name).expanduser()
     if (path.is_absolute() or name.startswith((".", "~")) or name.endswith(".gguf")) and not path.exists():
         raise ModelNotFoundError(f"--model {name}: no such file or folder. Give a local model folder with a "
                                  "config.json, a .gguf file, a hub id already in the Hugging Face cache, or an alias "
                                  "from `ctx-experts models list`")
+    if not path.exists() and not _in_hub_cache(name):
+        raise ModelNotFoundError(f"--model {name}: not a local folder or file, not an alias from `ctx-experts models "
+                                 f"list`, and not in the Hugging Face cache; ctx-experts never downloads weights. "
+                                 f"Download them first (`hf download {name}`; a gated model needs `hf auth login` "
+                                 "and its licence accepted on the hub), or give the model's local folder")
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of the hub id ``name`` with a ``config.json`` (its documented
+    folder layout, read from disk: huggingface_hub's own lookup imports its HTTP stack, ~1.2 s here)."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "snapshots"
+    return any(folder.glob("*/config.json"))
 
 
 def check_store(store: str) -> None:

@@ -100,6 +100,11 @@ HEAVY = ("torch", "transformers", "chromadb")
     (("serve", "--store", "{tmp}/no-store"), "no store at"),
     (("ask", "q?", "--store", "{tmp}", "--model", "{tmp}/no-model"), "--model {tmp}/no-model: no such file or folder"),
     (("ingest", "README.md", "--store", "{tmp}/s", "--model", "./no-model.gguf"), "no such file or folder"),
+    # a hub id never downloaded: at once, with how to get it (offline, transformers' retries took 77 s)
+    (("ask", "q?", "--store", "{tmp}", "--model", "no-such-org/no-such-model"),
+     "not in the Hugging Face cache; ctx-experts never downloads weights. Download them first (`hf download "
+     "no-such-org/no-such-model`"),
+    (("serve", "--store", "{tmp}", "--model", "no-such-model-name"), "not in the Hugging Face cache"),
     (("eval", "--set", "musique", "--data", "{tmp}/no.jsonl"), "MuSiQue file {tmp}/no.jsonl not found"),
     (("eval", "--data", "{tmp}/no.jsonl"), "--data is the MuSiQue file (--set musique) or the passages and questions "
                                            "files (--set nq), which --set world does not read"),
@@ -160,3 +165,22 @@ def test_top_level_help_is_a_description_the_commands_one_line_each_and_examples
     for example in examples:  # every example is a valid command line
         build_parser().parse_args(shlex.split(example)[1:])
     assert "--version" in text and "ctx-experts COMMAND --help" in text
+
+
+def test_a_hub_id_in_the_hugging_face_cache_passes_the_early_check(tmp_path, monkeypatch):
+    """The check that refuses a hub id never downloaded lets one through that the cache holds (its folder layout:
+    ``models--ORG--NAME/snapshots/REVISION/config.json``), and a folder without config.json is not taken for one."""
+    from huggingface_hub import constants
+
+    from ctx_integrations.cli import check_model_name
+    from ctx_integrations.errors import ModelNotFoundError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = tmp_path / "models--some-org--some-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    with pytest.raises(ModelNotFoundError, match="hf download some-org/some-model"):
+        check_model_name("some-org/some-model")  # a snapshot without its config.json
+    (snapshot / "config.json").write_text("{}")
+    check_model_name("some-org/some-model")
+    check_model_name("qwen2.5-coder-0.5b")  # an alias: checked against its pins when it loads
+    check_model_name(None)
