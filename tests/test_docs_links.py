@@ -152,3 +152,25 @@ def test_readme_says_which_extra_structured_output_needs():
         assert "structured" in section.lower(), f"README's {title} section no longer mentions structured output"
         assert re.search(r"ctx-integrations\[[\w,\-]*structured", section), \
             f"README's {title} section promises structured output without the [structured] extra's install line"
+
+
+def _numbers(text: str) -> set[float]:
+    return {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", text.replace(",", ""))}
+
+
+def test_every_number_in_readmes_measured_table_is_on_a_page_it_links():
+    """Docs cannot drift: each number a row of README's Measured table quotes (``77.1x``, ``0.220 s``, ``3/6``)
+    is written on one of the pages that row links to, where its measurement and command are. A README number
+    edited by hand, or a page re-measured without the README, fails here."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "](docs/" in line]
+    assert len(rows) >= 15, "README's Measured table lost its rows"
+    drifted = []
+    for row in rows:
+        what, headline = [cell.strip() for cell in row.strip("|").split("|")][:2]
+        pages = {ROOT / link for link in re.findall(r"\]\((docs/[\w.-]+\.md)", row)}
+        written = set().union(*(_numbers(page.read_text(encoding="utf-8")) for page in pages))
+        quoted = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?=x|/\d| s\b| tok/s| steps/s)|(?<=/)\d+", headline)
+        drifted += [f"{what[:40]}: {n}" for n in quoted if float(n) not in written]
+    assert not drifted, f"README quotes numbers its linked pages do not have: {drifted}"
