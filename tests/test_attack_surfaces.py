@@ -104,6 +104,20 @@ def test_every_documented_command_line_parses(capsys):
     assert not failures, "documented command lines that do not parse:\n" + "\n".join(failures)
 
 
+def test_every_flag_of_the_docs_flag_tables_is_a_flag_of_serve():
+    """The flag tables (docs/cli.md's engine flags, docs/serving.md's): each flag one that ``serve`` takes."""
+    import argparse
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    serve.format_help()  # a command's arguments are added when it is used
+    rows = [line for name in ("cli.md", "serving.md")
+            for line in (ROOT / "docs" / name).read_text(encoding="utf-8").splitlines() if line.startswith("| `--")]
+    flags = {flag for row in rows for flag in re.findall(r"`(--[a-z][a-z-]*)", row.split(" | ")[0])}
+    assert len(flags) > 15 and "--api-key" in flags
+    assert sorted(flags - set(serve._option_string_actions)) == []
+
+
 @pytest.mark.parametrize("argv", [["serve", "--host", "0.0.0.0"], ["serve", "--host=0.0.0.0", "--port", "9000"],
                                   ["--host-bytes", "1GiB", "serve", "--host", "0.0.0.0", "--host-format", "int8"]])
 def test_serve_listens_on_the_host_given(argv):
@@ -259,6 +273,7 @@ def test_a_block_replayed_is_one_block():
     blocks, rest = read_blocks(f"Q?\n{block}\n{block}\n\n{format_docs([VAULT])}\n{block}\nA:")
     assert [(b.id, b.text) for b in blocks] == [("records", OLD.page_content), ("vault", VAULT.page_content)]
     assert rest == "Q?\n\nA:"  # the repeats are taken out of the text with the first
+    assert read_blocks(f"  \n{block}\n\n{block}") == (blocks[:1], "  \n")  # the text before the first kept
     seen: set[str] = set()
     assert len(read_blocks(block, seen)[0]) == 1 and len(seen) == 1
     assert read_blocks(f"again: {block}", seen) == ([], "again: ")  # already returned for this prompt
@@ -319,3 +334,107 @@ def test_the_access_log_keeps_every_other_query_as_sent(query):
     from ctx_integrations.serve.access_log import redacted_query
 
     assert redacted_query(query) == query
+
+
+def test_the_access_log_redacts_by_the_name_before_the_first_equals_sign():
+    from ctx_integrations.serve.access_log import redacted_query
+
+    assert redacted_query(f"token=a={SECRET}") == "token=[redacted]"  # the value may hold "="
+    assert redacted_query("q=token=x&limit=2") == "q=token=x&limit=2"  # a value that names a secret is no name
+
+
+def _logged(caplog, app, scope: dict, level: int = logging.INFO) -> tuple[list[dict], list[logging.LogRecord]]:
+    """What ``AccessLogMiddleware(app)`` sent for ``scope`` and the access-log records it wrote (``app``'s error,
+    if it raised, is raised again with the records as its ``records``)."""
+    import asyncio
+
+    from ctx_integrations.serve.access_log import ACCESS_LOGGER, AccessLogMiddleware
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    with caplog.at_level(level, logger=ACCESS_LOGGER):
+        try:
+            asyncio.run(AccessLogMiddleware(app)(scope, receive, send))
+        except RuntimeError as error:
+            error.records = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+            raise
+        finally:
+            records = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+            caplog.clear()
+    return sent, records
+
+
+def _responding(status: int | None, fail: bool = False):
+    async def app(scope, receive, send):
+        if status is not None:
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+        if fail:
+            raise RuntimeError("boom")
+
+    return app
+
+
+def test_the_access_log_line_of_a_bare_scope_and_of_hostile_bytes(caplog, monkeypatch):
+    """A scope with only a type and a path (no client, method, version, raw path or query), and a raw path and
+    query with bytes that are not ASCII: one line each, the bytes escaped, never decoded into the log."""
+    import types
+
+    from ctx_integrations.serve import access_log
+
+    ticks = iter([0.0, 0.25, 10.0, 10.0001234, 20.0, 20.0])
+    monkeypatch.setattr(access_log, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    sent, (record,) = _logged(caplog, _responding(201), {"type": "http", "path": "/a b\n"})
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"ok"
+    assert record.getMessage() == '- - "- /a%20b%0A HTTP/1.1" 201 250.0ms'
+    assert (record.client_addr, record.method, record.path, record.http_version, record.status_code,
+            record.duration_ms) == ("-", "-", "/a%20b%0A", "1.1", 201, 250.0)
+    hostile = {"type": "http", "path": "/ignored", "raw_path": b"/caf\xc3\xa9", "query_string": b"q=\xff&key=\xfe",
+               "method": "GET", "http_version": "2", "client": ("10.0.0.1", 7)}
+    _, (record,) = _logged(caplog, _responding(200), hostile)
+    assert record.getMessage() == '10.0.0.1:7 - "GET /caf\\xc3\\xa9?q=\\xff&key=[redacted] HTTP/2" 200 0.1ms'
+    assert record.duration_ms == 0.123
+    _, (record,) = _logged(caplog, _responding(204), {"type": "http"})  # not even a path
+    assert record.getMessage() == '- - "-  HTTP/1.1" 204 0.0ms' and record.path == ""
+
+
+def test_the_access_log_status_of_a_failure_and_of_a_client_that_left(caplog):
+    scope = {"type": "http", "path": "/v1/answer", "method": "POST"}
+    with pytest.raises(RuntimeError, match="boom") as failed:
+        _logged(caplog, _responding(None, fail=True), scope)
+    assert [r.status_code for r in failed.value.records] == [500]  # failed before any response: 500
+    with pytest.raises(RuntimeError, match="boom") as failed:
+        _logged(caplog, _responding(200, fail=True), scope)
+    assert [r.status_code for r in failed.value.records] == [200]  # failed after its response started: as sent
+    assert [r.status_code for r in _logged(caplog, _responding(None), scope)[1]] == [499]  # no response at all
+
+
+@pytest.mark.parametrize(("scope", "level"), [({"type": "lifespan"}, logging.INFO),
+                                              ({"type": "http", "path": "/"}, logging.WARNING)])
+def test_the_access_log_passes_what_it_does_not_log_through_untouched(caplog, scope, level):
+    """Not HTTP (lifespan), or the logger off: the app gets the very scope, receive and send, and nothing is logged."""
+    import asyncio
+
+    from ctx_integrations.serve.access_log import ACCESS_LOGGER, AccessLogMiddleware
+
+    seen = []
+
+    async def app(*args):
+        seen.append(args)
+
+    async def receive():
+        return {}
+
+    async def send(message):
+        return None
+
+    with caplog.at_level(level, logger=ACCESS_LOGGER):
+        asyncio.run(AccessLogMiddleware(app)(scope, receive, send))
+    assert len(seen) == 1 and seen[0][0] is scope and seen[0][1] is receive and seen[0][2] is send
+    assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
