@@ -438,3 +438,26 @@ def test_the_access_log_passes_what_it_does_not_log_through_untouched(caplog, sc
         asyncio.run(AccessLogMiddleware(app)(scope, receive, send))
     assert len(seen) == 1 and seen[0][0] is scope and seen[0][1] is receive and seen[0][2] is send
     assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+def test_an_api_key_in_the_query_is_no_key_and_is_echoed_nowhere(caplog):
+    """``?api_key=`` is not how a key is sent (``Authorization: Bearer``): 401, in words that say how, with the key
+    in neither the answer nor the log."""
+    from ctx_integrations.errors import InvalidOptionError
+    from ctx_integrations.serve.access_log import ACCESS_LOGGER
+    from ctx_integrations.serve.app import create_app
+    from ctx_integrations.serve.auth import ApiKeyMiddleware
+    from tests.test_serve_openai_api import FakeBackend, send
+
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        response = send(create_app(backend=FakeBackend(), model_name="fake", api_key=SECRET), "GET",
+                        f"/v1/models?api_key={SECRET}")
+    assert response.status_code == 401 and SECRET not in response.text
+    assert response.json()["error"]["message"] == ("missing or invalid API key: send the server's key (--api-key, "
+                                                   "$CTX_API_KEY) as 'Authorization: Bearer KEY' (OpenAI clients: "
+                                                   "api_key=KEY)")
+    (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert record.path == "/v1/models?api_key=[redacted]" and record.status_code == 401
+    with pytest.raises(InvalidOptionError) as refused:
+        ApiKeyMiddleware(None, [])
+    assert str(refused.value) == "ApiKeyMiddleware needs at least one key"

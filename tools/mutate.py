@@ -218,7 +218,8 @@ TARGETS = {
     # the server's rules: which chat fields are refused, and whose requests carry the API key
     "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
                           ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),
-    "auth": Target("ctx_integrations/serve/auth.py", ("*",), ("tests/test_serve_openai_api.py", "-k", "api_key")),
+    "auth": Target("ctx_integrations/serve/auth.py", ("*",),
+                   ("tests/test_serve_openai_api.py", "tests/test_attack_surfaces.py", "-k", "api_key")),
     # the access log: one line per request, with the query's credentials redacted
     "access_log": Target("ctx_integrations/serve/access_log.py", ("*",),
                          ("tests/test_serve_openai_api.py", "tests/test_attack_surfaces.py", "-k", "access_log")),
