@@ -152,9 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line; each command's own arguments are added when it is used (:class:`_DeferredParser`).
 
     The top-level help is a description, the commands with one line each, the engine options and a few examples
-    (kept to 80 columns: the description and the epilog are printed as written)."""
+    (kept to 80 columns: the description and the epilog are printed as written).
+
+    No parser takes abbreviations (``allow_abbrev=False``): the top-level parser reads every option of the line,
+    the command's included, so with abbreviations ``serve --host X`` was refused as an ambiguous prefix of the
+    engine flags ``--host-bytes`` and ``--host-format``; and a prefix that works today would change meaning, or
+    stop parsing, the day a flag sharing it is added."""
     parser = argparse.ArgumentParser(prog="ctx-experts", usage="%(prog)s [-h] [--version] [engine options] COMMAND ...",
-                                     description=DESCRIPTION, epilog=EPILOG,
+                                     description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True,
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(parser)
     for command in _COMMANDS.values():
         sub = commands.add_parser(command.name, help=command.help, description=command.description or command.help,
+                                  allow_abbrev=False,
                                   configure=_with_engine_arguments(command.configure) if command.builds_engine
                                   else command.configure)
         sub.set_defaults(_run=command.run, _check=command.check)
@@ -186,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads is not None:
             import torch
 
-            torch.set_num_threads(max(1, args.threads))
+            torch.set_num_threads(args.threads)  # at least 1: --threads refuses less
         return int(args._run(args) or 0)
     except (CtxIntegrationsError, OSError, UnicodeError) as error:  # OSError: files, folders, servers
         _print_error(error)

@@ -83,7 +83,7 @@ def test_engine_options_pass_threads_and_disk_format_only_when_given():
 
     parse = build_parser().parse_args
     assert engine_options(parse(["ask", "q", "--store", "s"])) == {}
-    assert engine_options(parse(["--threads", "0", "--disk-format", "int8", "ask", "q", "--store", "s"])) == {
+    assert engine_options(parse(["--threads", "1", "--disk-format", "int8", "ask", "q", "--store", "s"])) == {
         "threads": 1, "disk_format": "int8"}
 
 

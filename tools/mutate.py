@@ -212,13 +212,17 @@ TARGETS = {
                           "(test_speculative_rows and not cancelled and not cannot_run) or tail_rule_reaches")),
     # the seal of format_docs blocks: only blocks this process wrote come back out of a prompt as documents
     "boundaries": Target("ctx_integrations/langchain/boundaries.py", ("*",),
-                         ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py", "-k",
-                          "seal or round_trips")),
+                         ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py",
+                          "tests/test_attack_surfaces.py", "-k", "seal or round_trips or replayed or pasted_twenty")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     # the server's rules: which chat fields are refused, and whose requests carry the API key
     "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
                           ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),
-    "auth": Target("ctx_integrations/serve/auth.py", ("*",), ("tests/test_serve_openai_api.py", "-k", "api_key")),
+    "auth": Target("ctx_integrations/serve/auth.py", ("*",),
+                   ("tests/test_serve_openai_api.py", "tests/test_attack_surfaces.py", "-k", "api_key")),
+    # the access log: one line per request, with the query's credentials redacted
+    "access_log": Target("ctx_integrations/serve/access_log.py", ("*",),
+                         ("tests/test_serve_openai_api.py", "tests/test_attack_surfaces.py", "-k", "access_log")),
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
     "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),

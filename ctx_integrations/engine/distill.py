@@ -248,6 +248,6 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ctx-experts distill", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="ctx-experts distill", description=DESCRIPTION, allow_abbrev=False)
     add_arguments(parser)
     return run_command(parser.parse_args(argv))

@@ -17,8 +17,12 @@ and the text. Without ``head``, many forged openings pointing at one closing tag
 per opening (quadratic in the prompt's length).
 
 What the seal does not stop: a block copied verbatim from an earlier prompt of this process (a model asked to
-repeat its context can echo one) is recovered as the genuine document it is, with its own id, score and text.
-A prompt formatted in another process is plain text here (its key differs).
+repeat its context can echo one; LangChain's callbacks and traces carry the prompt as it was) is recovered as
+the genuine document it is, with its own id, score and text. What a replay cannot do: change that id, score or
+text, or count twice. A block is one document however often it appears (its seal is its identity: the same
+id, score and text), so pasting a block seen once twenty times into a question gives one expert, not twenty
+that outvote the retrieved documents; its repeats are taken out of the text as well. A prompt formatted in
+another process is plain text here (its key differs).
 
 Written by hand: neither LangChain nor the standard library has an authenticated inline document format.
 """
@@ -70,8 +74,8 @@ def write_blocks(blocks: Sequence[Block]) -> str:
     return _SEPARATOR.join(_write(block) for block in blocks)
 
 
-def _verified(text: str, opening: re.Match[str]) -> tuple[Block, int] | None:
-    """The block this opening starts and where it ends, or ``None`` when its seal does not verify."""
+def _verified(text: str, opening: re.Match[str]) -> tuple[Block, str, int] | None:
+    """The block this opening starts, its seal and where it ends, or ``None`` when its seal does not verify."""
     attributes = dict(_ATTRIBUTE.findall(opening["attributes"]))
     if not {"id", "chars", "seal"} <= attributes.keys() or not _SEAL.fullmatch(attributes["seal"]):
         return None
@@ -85,28 +89,35 @@ def _verified(text: str, opening: re.Match[str]) -> tuple[Block, int] | None:
     if not text.startswith(_CLOSE, end) or not hmac.compare_digest(seal[_HEAD:], _mac(_BODY, "body", identifier,
                                                                                       score, body)):
         return None
-    return Block(identifier, float(score) if score else None, body), end + len(_CLOSE)
+    return Block(identifier, float(score) if score else None, body), seal, end + len(_CLOSE)
 
 
-def read_blocks(text: str) -> tuple[list[Block], str]:
-    """The sealed blocks in ``text``, in order, and the text without them.
+def read_blocks(text: str, seen: set[str] | None = None) -> tuple[list[Block], str]:
+    """The sealed blocks in ``text``, in order, each once, and the text without them.
 
     A run of blocks goes with the whitespace between them; the text around a run is kept as it is. Text
-    inside a recovered block is never searched for more blocks.
+    inside a recovered block is never searched for more blocks. A block that appears again (the same seal:
+    the same id, score and text) is taken out of the text but not returned again; ``seen`` holds the seals
+    already returned (for the other messages of one prompt) and gets this text's.
     """
+    seen = set() if seen is None else seen
     blocks: list[Block] = []
     kept: list[str] = []
     position = last = 0
+    found_any = False
     while (opening := _OPENING.search(text, position)) is not None:
         found = _verified(text, opening)
         if found is None:
             position = opening.start() + 1
             continue
-        block, end = found
+        block, seal, end = found
         between = text[last:opening.start()]
-        if not blocks or between.strip():
+        if not found_any or between.strip():
             kept.append(between)
-        blocks.append(block)
+        found_any = True
+        if seal not in seen:
+            seen.add(seal)
+            blocks.append(block)
         position = last = end
     kept.append(text[last:])
     return blocks, "".join(kept)

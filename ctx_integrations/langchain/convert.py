@@ -149,13 +149,16 @@ def split_formatted_documents(messages: Sequence[BaseMessage]) -> tuple[list[LCD
 
     Only blocks sealed by :func:`format_docs` in this process count; any other marker-like text is left in
     its message as plain text. Each document keeps its id and score (``metadata["score"]``); what is left of a
-    message (the prompt's instructions, the question) stays in the conversation.
+    message (the prompt's instructions, the question) stays in the conversation. A block repeated (in one
+    message or several: a replay) is one document, at its first place.
     """
     documents: list[LCDocument] = []
     rest: list[BaseMessage] = []
+    seen: set[str] = set()  # one document per sealed block, however often the prompt's messages repeat it
     for message in messages:
-        blocks, without = read_blocks(str(message.text))
-        if not blocks:
+        text = str(message.text)
+        blocks, without = read_blocks(text, seen)
+        if without == text:
             rest.append(message)
             continue
         documents += [LCDocument(page_content=block.text, id=block.id,

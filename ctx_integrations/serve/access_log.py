@@ -11,7 +11,12 @@ exception with 500. Each record also carries the values as attributes (``client_
 ``path``, ``status_code``, ``duration_ms``) for structured log handlers.
 
 The path is logged as the client sent it (percent-encoded, with its query string), so a request
-cannot write a line break or other control characters into the log.
+cannot write a line break or other control characters into the log. A query parameter whose name looks like
+a credential (``api_key``, ``key``, ``token``, ``access_token``, ``password``, ``secret``, ``auth``...: any
+name holding one of :data:`SECRET_NAME_PARTS`, in any case or percent-encoding) is logged with its value
+replaced by :data:`REDACTED`: a client that sends its key as ``?api_key=`` (some do, whatever the server
+asks for) must not find it in every log line it reaches. Only the value goes; the name, the other
+parameters and their order stay, so a line still says what was asked.
 
 Written by hand: Starlette and uvicorn offer no access log with durations; it is a ~20-line wrapper of ``send``.
 """
@@ -21,19 +26,38 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote_plus
 
 ACCESS_LOGGER = "ctx_integrations.serve.access"
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection"
+# a query parameter whose name (lower-cased, percent-decoded) holds one of these has its value redacted
+SECRET_NAME_PARTS = ("key", "token", "secret", "passw", "pwd", "auth", "credential", "signature", "session",
+                     "cookie", "jwt", "bearer")
+REDACTED = "[redacted]"
 
 logger = logging.getLogger(ACCESS_LOGGER)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a query parameter named ``name`` (as sent: percent-encoded) may carry a credential."""
+    plain = unquote_plus(name).lower()
+    return any(part in plain for part in SECRET_NAME_PARTS)
+
+
+def redacted_query(query: str) -> str:
+    """``query`` (``a=1&api_key=sk-...``) with the value of every parameter :func:`is_secret_name` redacted."""
+    pairs = []
+    for pair in query.split("&"):
+        name, equals, _ = pair.partition("=")
+        pairs.append(f"{name}={REDACTED}" if equals and is_secret_name(name) else pair)
+    return "&".join(pairs)
 
 
 def _target(scope: dict[str, Any]) -> str:
     raw = scope.get("raw_path")
     path = raw.decode("ascii", "backslashreplace") if raw else quote(scope.get("path", ""))
     query = scope.get("query_string", b"")
-    return f"{path}?{query.decode('ascii', 'backslashreplace')}" if query else path
+    return f"{path}?{redacted_query(query.decode('ascii', 'backslashreplace'))}" if query else path
 
 
 def _client(scope: dict[str, Any]) -> str:

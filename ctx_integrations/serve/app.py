@@ -302,8 +302,23 @@ def _engine_job(query: str, documents: list[dict[str, Any]], mode: str, options:
             "sampling": sampling.sampling_fields(), "timeout": sampling.timeout}
 
 
-def _finish_reason(answer: dict[str, Any]) -> str:
-    if answer.get("finish_reason") == "length":  # cut short, calls or not (OpenAI's rule)
+def _held_to_a_format(job: dict[str, Any]) -> bool:
+    """Whether the job's answer is held to a format it must complete: a ``response_format``, or a tool call the
+    model must make (``tool_choice`` ``required`` or a tool's name)."""
+    return bool(job.get("sampling", {}).get("structured")) or job.get("tool_choice") not in (None, "auto")
+
+
+def _finish_reason(answer: dict[str, Any], held: bool = False) -> str:
+    """OpenAI's ``finish_reason`` of an answer (the engine's is ``eos``, ``stop`` or ``length``).
+
+    ``length`` for an answer cut short, calls or not (OpenAI's rule), and, ``held`` (:func:`_held_to_a_format`),
+    for one that did not reach its format's end: a stop string cuts a JSON answer (``{"name": "Aurora"``) as
+    surely as ``max_tokens`` does, and ``length`` is what OpenAI's clients take for an incomplete structured
+    answer (``parse`` raises ``LengthFinishReasonError``), where ``stop`` says it is complete. The engine's own
+    reason stays in ``ctx.finish_reason``, as ``/v1/answer``, the engine and the adapters report it (a
+    structured answer is complete only at ``eos``)."""
+    reason = answer.get("finish_reason")
+    if reason == "length" or (held and reason != "eos"):
         return "length"
     return "tool_calls" if answer.get("tool_calls") else "stop"
 
@@ -429,9 +444,10 @@ async def _chat_job(server: ServerState, body: ChatCompletionRequest) -> dict[st
     return _engine_job(query, documents, body.ctx.mode, body.ctx.options, sampling)
 
 
-def _chat_chunks(completion_id: str, created: int, model_name: str,
-                 include_usage: bool) -> Callable[[dict[str, Any]], list[str]]:
-    """The SSE renderer of a streamed chat: one ``chat.completion.chunk`` per token, then the finish chunk.
+def _chat_chunks(completion_id: str, created: int, model_name: str, include_usage: bool,
+                 held: bool = False) -> Callable[[dict[str, Any]], list[str]]:
+    """The SSE renderer of a streamed chat: one ``chat.completion.chunk`` per token, then the finish chunk
+    (its ``finish_reason`` that of the whole answer, :func:`_finish_reason` with ``held``).
 
     The finish chunk carries the whole answer in ``ctx``, and ``usage`` unless the client asked for
     ``stream_options.include_usage``: then usage comes in OpenAI's extra last chunk (no choices), and
@@ -446,8 +462,8 @@ def _chat_chunks(completion_id: str, created: int, model_name: str,
             return [chunk([{"index": 0, "delta": {"content": event["token"]}, "finish_reason": None}])]
         answer = event["answer"]
         calls = [{"index": index, **call} for index, call in enumerate(_tool_calls(answer))]
-        finish = [{"index": 0, "delta": {"tool_calls": calls} if calls else {}, "finish_reason": _finish_reason(answer),
-                   "logprobs": _logprobs(answer)}]
+        finish = [{"index": 0, "delta": {"tool_calls": calls} if calls else {},
+                   "finish_reason": _finish_reason(answer, held), "logprobs": _logprobs(answer)}]
         if include_usage:
             return [chunk(finish, {"usage": None, "ctx": answer}), chunk([], {"usage": _usage(answer)})]
         return [chunk(finish, {"usage": _usage(answer), "ctx": answer})]
@@ -463,14 +479,15 @@ async def chat(request: Request, server: State) -> Any:
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        render = _chat_chunks(completion_id, created, model_name, include_usage)
+        render = _chat_chunks(completion_id, created, model_name, include_usage, _held_to_a_format(job))
         return await server.streamed("chat", request, job, render, [sse("[DONE]")])
 
     async def work() -> dict[str, Any]:
         answer = await server.backend.answer(job)
         server.metrics.observe_answer(answer)
         return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": _message(answer), "finish_reason": _finish_reason(answer),
+                "choices": [{"index": 0, "message": _message(answer),
+                             "finish_reason": _finish_reason(answer, _held_to_a_format(job)),
                              "logprobs": _logprobs(answer)}],
                 "usage": _usage(answer), "ctx": answer}
 

@@ -90,12 +90,17 @@ def byte_budget(text: str) -> int:
 
 
 def thread_count(text: str) -> int:
-    """``--threads N``: a count below 1 is read as 1 (torch needs one thread), as the flag always did."""
+    """``--threads N``: a whole number of threads, at least 1, as ``EngineConfig(threads=...)`` takes it.
+
+    A count below 1 is refused (an argparse error naming the flag, exit status 2): it was once read as 1, so
+    ``--threads -2`` ran on one thread with status 0 where the engine refuses the same value."""
     try:
         count = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
-    return max(1, count)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the thread count must be at least 1")
+    return count
 
 
 # -- fields ----------------------------------------------------------------------------------------------------
@@ -215,7 +220,7 @@ class EngineConfig:
                                     "flex or eager", Flag(choices=ATTENTION_KERNELS))
     threads: int | None = setting(None, "scheduler", partial(optional_whole_number, minimum=1),
                                   "torch CPU threads (default: torch's, capped at the physical cores this process may "
-                                  "use; 1 is faster on a CPU other jobs are busy with; 0 or less: 1)",
+                                  "use; at least 1; 1 is faster on a CPU other jobs are busy with)",
                                   Flag(thread_count, metavar="N"))
     compile_mode: str | None = setting(None, "scheduler", _compile_mode,
                                        "the decode step under torch.compile: none (eager; default), auto (CUDA "
