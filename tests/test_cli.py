@@ -57,8 +57,8 @@ def test_demo_part_two_reports_each_modes_accuracy_rate_over_several_questions(d
     part = out.split("== Part 2: ")[1]
     assert part.startswith(f"{LARGE_QUESTIONS} questions, each over {LARGE_PASSAGES} retrieved passages of ~256 tokens")
     assert f"KV caches: {LARGE_QUESTIONS * LARGE_PASSAGES} computed, 0 reused" in part
-    assert re.search(r"^\(model .+ on cpu: dtype float32 \(.+\); \d+ CPU threads? .+; README's counts name theirs\)$", part,
-                     flags=re.M)  # what the counts depend on
+    ran_with = r"^\(model .+ on cpu: dtype float32 \(.+\); \d+ CPU threads? .+; README's counts name theirs\)$"
+    assert re.search(ran_with, part, flags=re.M)  # what the counts depend on
     examples = world_set(LARGE_QUESTIONS, documents=LARGE_PASSAGES, document_tokens=256, seed=DEMO_LARGE_SEED)
     for example in examples:  # each question and what would be right, before its first answer
         header = f"  {example.id} ({example.kind.replace('_', '-')}): {example.question}\n  expected: "
