@@ -11,17 +11,20 @@ What the worker sends back is only that the format compiled (and how long it too
 ``CompiledGrammar.serialize_json`` grows with the square of an object's properties (300 required properties: 46 MB,
 2.9 s to write and 0.9 s to read back, against 29 ms to compile), so the engine builds the format itself once the
 worker has shown it compiles within the limit (xgrammar releases the GIL meanwhile; about as long again, and
-never past the limit the worker kept to). A worker is a plain ``python -c`` child over a socket pair, not a
-``multiprocessing`` one: spawn and forkserver re-run the caller's ``__main__`` in the child (a script without the
-``if __name__ == "__main__"`` guard would run twice), and fork copies a process whose other threads may hold locks.
-It imports xgrammar (and torch: seconds), so one worker per vocabulary stays warm, shared by every model of that
-vocabulary in the process, and a killed one is replaced at once, in the background.
+never past the limit the worker kept to). Workers are forked by a zygote, a plain ``python -c`` child that has
+imported xgrammar once (:mod:`~ctx_integrations.engine.core.compile_worker`), not by ``multiprocessing``: spawn and
+forkserver re-run the caller's ``__main__`` in the child (a script without the ``if __name__ == "__main__"``
+guard would run twice), and forking the engine's own process copies threads' locks. So a killed worker is replaced
+by a fork (milliseconds) instead of a new interpreter importing xgrammar and torch (seconds, paid once per
+vocabulary and process, in the background, when the first format is asked for); one idle worker stays warm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,23 +61,60 @@ def check_format_size(kind: str, text: str, max_bytes: int, field: str | None = 
             f"alternatives), or raise the limit, e.g. Engine(max_format_bytes={max(2 * max_bytes, size)})", field)
 
 
-class _Worker:
+class _Zygote:
+    """The process that forks workers (:func:`~ctx_integrations.engine.core.compile_worker.main`): started once per
+    vocabulary (it imports xgrammar and torch: seconds), in the background, and again only if it dies."""
+
     def __init__(self, tokenizer_info: str):
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))}
         with theirs:
             self.process = subprocess.Popen([sys.executable, "-c", _WORKER, str(theirs.fileno())],
                                             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        self.conn = Connection(ours.detach())
-        # sent from a thread of its own: the child reads it only once it has imported xgrammar (seconds)
+        self.control = ours
+        self.conn = Connection(os.dup(ours.fileno()))
+        # sent from a thread of its own: the zygote reads it only once it has imported xgrammar (seconds)
         threading.Thread(target=self._send_quietly, args=(tokenizer_info,), daemon=True).start()
         self.ready = False
+        self._lock = threading.Lock()
 
     def _send_quietly(self, message: object) -> None:
         try:
             self.conn.send(message)
-        except OSError:  # killed (or closed) before it read the vocabulary
+        except OSError:  # closed before it read the vocabulary
             pass
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, cancelled: Callable[[], bool]) -> Connection:
+        """A new worker's connection (the zygote forks it; it says ``("ready", pid)`` first)."""
+        with self._lock:  # one thread waits for the zygote to start; the others wait for that one
+            if not self.ready:
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S
+                while not self.conn.poll(_POLL_S):
+                    if cancelled():
+                        raise CompileCancelled()
+                    if not self.alive() or time.monotonic() > deadline:
+                        raise InvalidStructuredOutputError(
+                            f"the format compiler's process did not start within {STARTUP_TIMEOUT_S:g} s (exit code "
+                            f"{self.process.poll()}): retry, or check the machine's memory")
+                self.conn.recv()
+                self.ready = True
+            ours, theirs = socket.socketpair()
+            with theirs:
+                socket.send_fds(self.control, [b"w"], [theirs.fileno()])
+            return Connection(ours.detach())
+
+    def close(self) -> None:
+        self.control.close()  # the zygote reads EOF and exits; its workers read EOF when their sockets close
+        self.conn.close()
+
+
+class _Worker:
+    def __init__(self, zygote: _Zygote, cancelled: Callable[[], bool]):
+        self.conn = zygote.fork(cancelled)
+        self.pid: int | None = None
 
     def wait(self, seconds: float, cancelled: Callable[[], bool]) -> bool:
         """Whether a message arrived within ``seconds``; :class:`CompileCancelled` when ``cancelled()`` first."""
@@ -82,26 +122,30 @@ class _Worker:
         while not self.conn.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
             if cancelled():
                 raise CompileCancelled()
-            if self.process.poll() is not None and not self.conn.poll():
-                raise InvalidStructuredOutputError(
-                    f"the format compiler's process ended (exit code {self.process.returncode}) while compiling: "
-                    "the format is likely too large for this machine's memory; send a smaller one")
             if time.monotonic() >= deadline:
                 return False
         return True
 
+    def recv(self) -> tuple[str, object]:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            raise InvalidStructuredOutputError(
+                "the format compiler's process ended while compiling: the format is likely too large for this "
+                "machine's memory; send a smaller one") from None
+
     def start_up(self, cancelled: Callable[[], bool]) -> None:
-        if not self.ready:
+        if self.pid is None:
             if not self.wait(STARTUP_TIMEOUT_S, cancelled):
                 raise InvalidStructuredOutputError(f"the format compiler's process did not start within "
                                                    f"{STARTUP_TIMEOUT_S:g} s: retry, or check the machine's memory")
-            self.conn.recv()
-            self.ready = True
+            self.pid = int(self.recv()[1])  # type: ignore[call-overload]
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(5)
-        self.conn.close()
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.conn.close()  # a worker not started yet reads EOF first and exits
 
     def close(self) -> None:
         self.conn.close()  # the worker reads EOF and exits
@@ -121,18 +165,29 @@ class CompilePool:
         self._busy: set[_Worker] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._refill()
+        self._zygote = _Zygote(tokenizer_info)
+
+    def _zygote_now(self) -> _Zygote:
+        with self._lock:
+            if not self._zygote.alive():  # killed from outside, or out of memory: start another
+                self._zygote.close()
+                self._zygote = _Zygote(self._info)
+            return self._zygote
 
     def _refill(self) -> None:
+        """Fork a worker to keep warm, if none is (best effort: the next compile forks one otherwise)."""
         with self._lock:
-            if not self._closed and not self._idle:
-                self._idle.append(_Worker(self._info))
+            if self._closed or self._idle or not self._zygote.ready:
+                return
+        with contextlib.suppress(Exception):
+            worker = _Worker(self._zygote_now(), lambda: False)
+            self._give_back(worker)
 
-    def _take(self) -> _Worker:
+    def _take(self, cancelled: Callable[[], bool]) -> _Worker:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return _Worker(self._info)
+        return _Worker(self._zygote_now(), cancelled)
 
     def _give_back(self, worker: _Worker) -> None:
         with self._lock:
@@ -148,7 +203,7 @@ class CompilePool:
         as soon as ``cancelled()`` is true, ``InvalidStructuredOutputError`` for a format xgrammar refuses; the
         worker is killed in the first two cases. ``name``: the format's kind as the user gave it (for messages)."""
         name = name or kind
-        worker = self._take()
+        worker = self._take(cancelled)
         with self._lock:
             self._busy.add(worker)
         try:
@@ -160,7 +215,7 @@ class CompilePool:
                     f"--format-compile-timeout-s on the server); the compile was stopped: send a simpler format "
                     f"(fewer enum values, properties or alternatives), or raise the limit, e.g. "
                     f"Engine(format_compile_timeout_s={2 * timeout_s:g})", field)
-            status, value = worker.conn.recv()
+            status, value = worker.recv()
         except BaseException:
             worker.kill()
             self._refill()
@@ -176,7 +231,7 @@ class CompilePool:
     def workers(self) -> dict[str, list[int]]:
         """The process ids of the workers, ``{"idle": [...], "busy": [...]}`` (for tests and diagnostics)."""
         with self._lock:
-            return {"idle": [w.process.pid for w in self._idle], "busy": [w.process.pid for w in self._busy]}
+            return {"idle": [w.pid for w in self._idle if w.pid], "busy": [w.pid for w in self._busy if w.pid]}
 
     def close(self) -> None:
         with self._lock:
@@ -184,6 +239,7 @@ class CompilePool:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.close()
+        self._zygote.close()
 
 
 _POOLS: dict[str, CompilePool] = {}

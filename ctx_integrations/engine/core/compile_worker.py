@@ -1,12 +1,20 @@
-"""The process side of :mod:`~ctx_integrations.engine.core.compile_pool`: compiles formats with xgrammar, told what.
+"""The process side of :mod:`~ctx_integrations.engine.core.compile_pool`: a zygote that forks compile workers.
 
-Kept free of the rest of the library (xgrammar and the standard library only), so a worker loads nothing else.
+The zygote (``python -c``, :func:`main`) imports xgrammar and reads the vocabulary once, then forks a worker for
+each socket the engine's process passes it (``SCM_RIGHTS``); the worker (:func:`serve`) compiles what it is sent on
+that socket. The zygote never compiles (it runs no thread of its own: forking it is safe), so a worker killed in
+the middle of a compile is replaced by a fork, in milliseconds, instead of a new interpreter importing xgrammar
+and torch, in seconds. Kept free of the rest of the library (xgrammar and the standard library only).
 :func:`build` is also what the engine's own process runs to build a format.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import xgrammar
@@ -29,24 +37,41 @@ def build(compiler: Any, kind: str, text: str) -> Any:
 
 
 def main(fd: int) -> None:
-    """The worker's entry point (``python -c``): serve the socket ``fd``, whose first message is the vocabulary."""
-    from multiprocessing.connection import Connection
-
-    conn = Connection(fd)
+    """The zygote (``python -c``): the socket ``fd``'s first message is the vocabulary (xgrammar's
+    ``TokenizerInfo.serialize_json()``); it answers ``("ready", None)``, then forks one worker per file descriptor
+    passed to it, until the socket closes."""
+    control = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
     try:
-        tokenizer_info = conn.recv()
-    except (EOFError, OSError):  # the engine's process closed (or replaced) this worker before it started
+        info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
+    except (EOFError, OSError):  # the engine's process closed (or replaced) the zygote before it started
         return
-    serve(conn, tokenizer_info)
-
-
-def serve(conn: Any, tokenizer_info: str) -> None:
-    """Answer ``(kind, text)`` requests on ``conn`` until it closes: ``("ok", seconds)`` once the format has
-    compiled (the compiled format is not sent back; see ``compile_pool``), ``("error", message)`` for a format
-    xgrammar refuses. ``("ready", None)`` is sent first, once the vocabulary is loaded."""
-    info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info)
-    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the system
     conn.send(("ready", None))
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
+            return
+        if not message:
+            return
+        for channel in fds:
+            if os.fork() == 0:
+                try:
+                    control.close()
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    serve(Connection(channel), info)
+                finally:
+                    os._exit(0)
+            os.close(channel)
+
+
+def serve(conn: Any, info: Any) -> None:
+    """A worker: send ``("ready", pid)``, then answer ``(kind, text)`` requests on ``conn`` until it closes:
+    ``("ok", seconds)`` once the format has compiled (the compiled format is not sent back; see
+    ``compile_pool``), ``("error", message)`` for a format xgrammar refuses."""
+    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             kind, text = conn.recv()
