@@ -80,11 +80,14 @@ async def compiled_off_loop(compiling: Future, cancel: Callable[[], None] | None
     its error; the awaiting task cancelled, ``cancel`` (default: the future's own) stops the compile."""
     if compiling.done():
         return
+    waiter = asyncio.wrap_future(compiling)
     try:
-        await asyncio.wait({asyncio.wrap_future(compiling)})
+        await asyncio.wait({waiter})
     except BaseException:
         (cancel or compiling.cancel)()
         raise
+    if not waiter.cancelled():
+        waiter.exception()  # taken here (asyncio would log it as never retrieved); the reader raises it from compiling
 
 
 class AnswerHandle:
