@@ -114,11 +114,15 @@ def test_a_format_over_max_format_bytes_is_refused_before_it_compiles(engine, ki
             ask()
 
 
-def test_tools_over_max_format_bytes_are_refused_before_they_compile(engine, monkeypatch):
+@pytest.mark.parametrize(("values", "refused"), [(WORDS, "tool 'pick' parameters"), (WORDS[:150], "structural_tag")])
+def test_tools_over_max_format_bytes_are_refused_before_they_compile(engine, monkeypatch, values, refused):
+    """A tool's own schema over the limit is refused before xgrammar parses it; tools whose call format (the
+    structural tag, which holds every tool's grammar) is over it, before that compiles."""
     monkeypatch.setattr(type(engine.loaded.grammars), "_build", lambda *_: pytest.fail("the format was compiled"))
-    with pytest.raises(FormatTooLargeError, match=r"structural_tag format is .*\(max_format_bytes"):
-        engine.submit_chat(CHAT, tools=[_tool({"type": "object", "properties": {"a": {"enum": WORDS[:150]}}})],
+    with pytest.raises(FormatTooLargeError, match=rf"{refused} format is .*\(max_format_bytes") as caught:
+        engine.submit_chat(CHAT, tools=[_tool({"type": "object", "properties": {"a": {"enum": values}}})],
                            tool_choice="required", max_new_tokens=6)
+    assert caught.value.field == "tools"
 
 
 # -- the time limit, the cache ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ctx_integrations.documents import Document, prepare_documents, user_text
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.compile_pool import check_format_size
 from ctx_integrations.engine.core.config import EngineConfig
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
@@ -218,12 +219,13 @@ class Engine:
         handle = AnswerHandle(lambda: self._submit(request), pieces, request.request_id)
         return handle.start() if start else handle
 
-    def _format(self, sampling: SamplingParams, start: bool) -> tuple[Future | None, CompiledFormat | None]:
+    def _format(self, sampling: SamplingParams, start: bool,
+                field: str | None = None) -> tuple[Future | None, CompiledFormat | None]:
         """``sampling.structured`` compiling, and compiled when this call may wait for it: ``(None, format)``, or
         ``(future, None)`` when the compile goes on off this thread (a thread running an event loop never waits for
         it, and a request not started yet waits for it only when it is read); ``(None, None)`` without a format.
         A format over ``max_format_bytes`` is refused here (:class:`~ctx_integrations.errors.FormatTooLargeError`)."""
-        compiling = self._compiling(sampling)
+        compiling = self._compiling(sampling, field)
         if compiling is None:
             return None, None
         if compiling.done() or (start and not _in_event_loop()):
@@ -247,7 +249,11 @@ class Engine:
         quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError`` (default: the
         engine's ``request_timeout_s``). ``start=False``: queue it only when the handle is first read (a stream
         nobody iterates never runs). The documents are tokenised and keyed here, except on a thread that runs an
-        event loop, whose loop must not block: there the scheduler's loader thread does it.
+        event loop, whose loop must not block: there the scheduler's loader thread does it. A structured-output
+        format over ``max_format_bytes`` is refused here; it is compiled here too, except on such a thread or with
+        ``start=False``: then it compiles on its own thread (a worker process; cancelling the handle stops it), the
+        request is queued once it has compiled, and its error (e.g. past ``format_compile_timeout_s``) is raised
+        when the handle is read.
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
@@ -291,7 +297,9 @@ class Engine:
                 mode: str = "pced", **settings: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
-        The request is validated now and queued when iteration starts; leaving the loop early cancels it.
+        The request is validated now and queued when iteration starts; leaving the loop early cancels it. Its
+        structured-output format (over ``max_format_bytes``: refused now) compiles off this thread: a format xgrammar
+        refuses, or one past ``format_compile_timeout_s``, is raised by the first iteration.
         """
         _no_callback("astream", settings)
         return self.submit(query, documents, scores, mode, start=False, **settings).astream()
@@ -344,6 +352,7 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
+        self._check_call(mode, options, settings)  # refused before anything compiles
         grammar = self._grammar(settings)
         handles = self._many(questions, documents, scores, mode, settings, timeout, options, grammar=grammar)
         try:
@@ -400,13 +409,16 @@ class Engine:
         tools_asked = tool_request(tools, tool_choice, parallel_tool_calls, sampling)
         ids = conversation_ids(self.layout, messages, tools_asked.tools if tools_asked is not None else ())
         if tools_asked is not None:
+            for tool in tools_asked.tools:  # before xgrammar parses their schemas into the structural tag
+                check_format_size(f"tool {tool.name!r} parameters", tool.parameters, self.config.max_format_bytes,
+                                  "tools")
             sampling = tools_asked.sampling(sampling, self.layout.tool_format)
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
         pieces = Pieces()
-        compiling, grammar = self._format(sampling, start)
+        compiling, grammar = self._format(sampling, start, "tools" if tools_asked is not None else None)
         sampler = sampling.sampler(0, grammar) if compiling is None else TokenSampler()  # set once it compiled
         ctx = DecodeContext(self, "", [], sampler, sampling.stop_criteria(self.loaded.eos_token_ids),
                             _tee(pieces.push, _check_callback(on_token)), started=started)
@@ -498,14 +510,14 @@ class Engine:
         check_mode(mode, options)
         check_sampling(mode, sampling)
 
-    def _compiling(self, sampling: SamplingParams) -> Future | None:
+    def _compiling(self, sampling: SamplingParams, field: str | None = None) -> Future | None:
         """``sampling.structured`` compiling for this model on a thread of its own, bounded by ``max_format_bytes``
         (refused here, before anything compiles) and ``format_compile_timeout_s``
         (:meth:`GrammarCompiler.submit <ctx_integrations.engine.core.structured.GrammarCompiler.submit>`; a format
         compiled before is a done future), or ``None``."""
         if sampling.structured is None:
             return None
-        return self.loaded.grammars.submit(sampling.structured, max_bytes=self.config.max_format_bytes,
+        return self.loaded.grammars.submit(sampling.structured, field, max_bytes=self.config.max_format_bytes,
                                            timeout_s=self.config.format_compile_timeout_s)
 
     def _grammar(self, sampling: SamplingParams) -> CompiledFormat | None:
