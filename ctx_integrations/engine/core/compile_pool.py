@@ -89,7 +89,10 @@ class _Zygote:
 
     def fork(self, cancelled: Callable[[], bool]) -> Connection:
         """A new worker's connection (the zygote forks it; it says ``("ready", pid)`` first)."""
-        with self._lock:  # one thread waits for the zygote to start; the others wait for that one
+        while not self._lock.acquire(timeout=_POLL_S):  # one thread waits for the zygote to start, others for it
+            if cancelled():
+                raise CompileCancelled()
+        try:
             if not self.ready:
                 deadline = time.monotonic() + STARTUP_TIMEOUT_S
                 while not self.conn.poll(_POLL_S):
@@ -105,6 +108,8 @@ class _Zygote:
             with theirs:
                 socket.send_fds(self.control, [b"w"], [theirs.fileno()])
             return Connection(ours.detach())
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.control.close()  # the zygote reads EOF and exits; its workers read EOF when their sockets close
