@@ -333,11 +333,6 @@ class GrammarCompiler:
                 _, evicted = self._formats.popitem(last=False)
                 self._kept_bytes -= int(evicted.grammar.memory_size_bytes)
 
-    def cached(self, output: StructuredOutput) -> bool:
-        """Whether ``output`` is compiled already (asking for it again costs a lookup)."""
-        with self._lock:
-            return format_source(output) in self._formats
-
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
     """Set ``future`` unless it was cancelled meanwhile."""
