@@ -144,6 +144,18 @@ class InvalidStructuredOutputError(InvalidOptionError):
         self.field = field
 
 
+class FormatTooLargeError(InvalidStructuredOutputError):
+    """A structured-output format (schema, regex, grammar, choices, tools) over the engine's ``max_format_bytes``
+    (the server's ``--max-format-bytes``), refused before anything is compiled: send a smaller one or raise the
+    limit."""
+
+
+class FormatCompileTimeoutError(InvalidStructuredOutputError):
+    """A structured-output format that did not compile within the engine's ``format_compile_timeout_s`` (the
+    server's ``--format-compile-timeout-s``); the compile was stopped (its process killed): send a simpler format
+    or raise the limit."""
+
+
 class IncompleteStructuredOutputError(CtxIntegrationsError, ValueError):
     """A structured answer (a JSON value or a tool call) asked to be parsed was cut before it was complete: by
     ``max_tokens`` (``finish_reason == "length"``) or a stop string. Raised instead of parsing what is there

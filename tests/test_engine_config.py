@@ -67,6 +67,8 @@ FLAGS = {  # field: (the flag and its text, the setting's value); a field with a
     "max_batch_bytes": (["--max-batch-bytes", "2MiB"], 2 * 2**20),
     "max_queued_requests": (["--max-queued-requests", "7"], 7),
     "request_timeout_s": (["--request-timeout-s", "2.5"], 2.5),
+    "max_format_bytes": (["--max-format-bytes", "256KiB"], 256 * 2**10),
+    "format_compile_timeout_s": (["--format-compile-timeout-s", "30"], 30.0),
     "attention_kernel": (["--attention-kernel", "eager"], "eager"),
     "threads": (["--threads", "2"], 2),
     "compile_mode": (["--compile-mode", "auto"], "auto"),
@@ -254,6 +256,7 @@ def test_half_on_disk_is_still_disk_format_fp16_and_a_contradiction_is_refused()
 BAD_SETTINGS = [("disk_format", "int4"), ("memory_bytes", -1), ("disk_bytes", 1.5), ("host_bytes", "1"),
                 ("host_format", None), ("max_request_bytes", 0), ("max_batch_bytes", True),
                 ("max_queued_requests", 0), ("request_timeout_s", 0), ("request_timeout_s", float("nan")),
+                ("max_format_bytes", 0), ("format_compile_timeout_s", float("inf")),
                 ("attention_kernel", "fast"), ("threads", 0), ("compile_mode", "none"), ("batch_invariant", 1),
                 ("system_prompt", None), ("question_template", "no field"), ("context_template", "no field")]
 

@@ -7,6 +7,7 @@ all the work; the embedded model's answers are validated against their schemas a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -118,8 +119,10 @@ def test_a_format_the_compiler_refuses_fails_in_the_callers_thread(engine):
     broken = SamplingParams(structured=StructuredOutput(json={"type": "object", "properties": {"a": {"$ref": "#/no"}}}))
     with pytest.raises(InvalidStructuredOutputError, match="cannot be compiled"):
         engine.generate(QUESTION, DOCS, sampling=broken)
+    # an async stream's format compiles off the caller's thread (an event loop's): its refusal is the first piece's
+    stream = engine.astream(QUESTION, DOCS, sampling=SamplingParams(structured=StructuredOutput(grammar="root ::= (")))
     with pytest.raises(InvalidStructuredOutputError, match="cannot be compiled"):
-        engine.astream(QUESTION, DOCS, sampling=SamplingParams(structured=StructuredOutput(grammar="root ::= (")))
+        asyncio.run(anext(stream))
 
 
 def test_rapid_refuses_structured_output(engine):

@@ -20,7 +20,10 @@ scheduler (its rows are freed). Timeouts are the engine's own (``timeout=``, ``R
 A conversation is validated and tokenised on a worker thread (opening a stream, and inside
 ``achat``), so the event loop keeps answering (``/healthz``, other streams) while a long one is
 tokenised; a documents request is only checked on the loop (its documents are tokenised on the
-scheduler's loader thread). Every answer carries its prompt's token count (``prompt_tokens``, also in
+scheduler's loader thread). A structured-output format (``response_format``, or the call format ``tools`` ask
+for) compiles in a worker process, never on the loop, while the request is admitted (in flight, inside
+``max_in_flight``); cancelling the request kills its compile (:mod:`~ctx_integrations.engine.core.compile_pool`).
+Every answer carries its prompt's token count (``prompt_tokens``, also in
 ``timings``: ``prefix + documents + suffix`` as one concatenation, counted once when the request was
 prepared), so the server's ``usage`` is right on every path without tokenising again.
 """

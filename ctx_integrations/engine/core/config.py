@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from ctx_integrations.engine.core.compile_pool import DEFAULT_FORMAT_COMPILE_TIMEOUT_S, DEFAULT_MAX_FORMAT_BYTES
 from ctx_integrations.engine.core.layout import DEFAULT_CONTEXT_TEMPLATE, PCED_QUESTION_TEMPLATE, PCED_SYSTEM_PROMPT
 from ctx_integrations.engine.core.validation import (
     choice,
@@ -160,7 +161,12 @@ class EngineConfig:
     (:mod:`~ctx_integrations.engine.core.compiled_step`): ``None`` (the eager step, the reference; the default:
     on an H200 it decoded PCED's 65 rows 2.7x faster than the compiled step), ``"auto"`` (``"reduce-overhead"``,
     CUDA graphs per bucket of rows and columns, on CUDA; the eager step elsewhere) or a ``torch.compile`` mode.
-    ``batch_invariant`` (*shared*): on the CPU, run the pool's forwards with kernels whose
+    ``max_format_bytes``: the most UTF-8 bytes of one structured-output format (a JSON schema, regex, grammar, the
+    choices, a tool call's structural tag), checked before it is compiled
+    (:class:`~ctx_integrations.errors.FormatTooLargeError`); ``format_compile_timeout_s``: the seconds its compile
+    may take, after which it is stopped (:class:`~ctx_integrations.errors.FormatCompileTimeoutError`;
+    :mod:`~ctx_integrations.engine.core.compile_pool`). ``batch_invariant`` (*shared*): on the CPU, run the pool's
+    forwards with kernels whose
     rows round the same whatever the batch (:mod:`~ctx_integrations.engine.core.batch_invariant`: every GEMM
     in blocks of 16 rows, the math attention kernel, capacity in whole 512-column key blocks), so a
     request's logits are bit for bit those it gets alone in fp32 as in bf16, at 1.1-2.5x the time per token
@@ -228,6 +234,15 @@ class EngineConfig:
                                        "max-autotune-no-cudagraphs",
                                        Flag(choices=tuple("none" if m is None else m for m in COMPILE_MODES),
                                             metavar="MODE", value=lambda word: None if word == "none" else word))
+    max_format_bytes: int = setting(DEFAULT_MAX_FORMAT_BYTES, "scheduler", partial(whole_number, minimum=1),
+                                    "bytes of one structured-output format (JSON schema, regex, grammar, choices, "
+                                    "tools), checked before it is compiled (e.g. 256KiB; default 64KiB); a bigger "
+                                    "one is refused", Flag(byte_count, metavar="SIZE"))
+    format_compile_timeout_s: float = setting(DEFAULT_FORMAT_COMPILE_TIMEOUT_S, "scheduler",
+                                              partial(real_number, minimum=0, min_inclusive=False),
+                                              "seconds one structured-output format may take to compile; then the "
+                                              "compile is stopped and the request refused (default 10)",
+                                              Flag(float, metavar="SECONDS"))
     batch_invariant: bool = setting(False, "scheduler", flag,
                                     "on the CPU, logits bit for bit those of the request alone, whatever the batch "
                                     "(1.1-2.5x the time per token; default off)", Flag())

@@ -14,6 +14,8 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import CancelledError as CompileCancelledError
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,11 @@ from ctx_integrations.documents import Document, prepare_documents, user_text
 from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.chat import conversation_ids
+from ctx_integrations.engine.core.compile_pool import check_format_size
 from ctx_integrations.engine.core.config import EngineConfig
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
-from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream, Pieces
+from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream, Pieces, compiled_off_loop
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
 from ctx_integrations.engine.core.prepared import PreparedTexts
@@ -39,7 +42,8 @@ from ctx_integrations.engine.core.registry import (
 )
 from ctx_integrations.engine.core.requests import ChatRequest, ModeRequest, WarmRequest
 from ctx_integrations.engine.core.sampling import SamplingParams
-from ctx_integrations.engine.core.scheduler import Request, RequestHandle, scheduler_for
+from ctx_integrations.engine.core.scheduler import Request, RequestCancelledError, RequestHandle, scheduler_for
+from ctx_integrations.engine.core.structured import CompiledFormat
 from ctx_integrations.engine.core.tools import tool_request
 from ctx_integrations.errors import DocumentTooLongError, EmptyDocumentsError, InvalidOptionError, InvalidScoresError
 
@@ -107,6 +111,17 @@ def _in_event_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _compiled(compiling: Future) -> CompiledFormat:
+    """The format's compile result, waited for here (its error raised; interrupted: the compile stops too)."""
+    try:
+        return compiling.result()
+    except CompileCancelledError:
+        raise RequestCancelledError("the request was cancelled while its structured-output format compiled") from None
+    except BaseException:
+        compiling.cancel()
+        raise
 
 
 def _no_callback(method: str, settings: dict[str, Any]) -> None:
@@ -184,9 +199,38 @@ class Engine:
             raise InvalidOptionError("this engine was closed: build a new Engine to send more requests")
         return self.scheduler.submit(request, self.max_queued_requests)
 
-    def _handle(self, request: Request, pieces: Pieces, start: bool) -> AnswerHandle:
+    def _handle(self, request: Request, pieces: Pieces, start: bool, contexts: Sequence[DecodeContext] = (),
+                sampling: SamplingParams | None = None, compiling: Future | None = None) -> AnswerHandle:
+        """The request's handle; with ``compiling`` (its format, compiling on its own thread), the contexts get their
+        samplers from the compiled format when the request is queued (:class:`AnswerHandle`)."""
+        if compiling is None:
+            return self._handle_now(request, pieces, start)
+
+        def queue() -> RequestHandle:
+            grammar = _compiled(compiling)
+            for index, ctx in enumerate(contexts):
+                ctx.sampler = sampling.sampler(index, grammar)
+            return self._submit(request)
+
+        handle = AnswerHandle(queue, pieces, request.request_id, compiling=compiling)
+        return handle.start() if start else handle
+
+    def _handle_now(self, request: Request, pieces: Pieces, start: bool) -> AnswerHandle:
         handle = AnswerHandle(lambda: self._submit(request), pieces, request.request_id)
         return handle.start() if start else handle
+
+    def _format(self, sampling: SamplingParams, start: bool,
+                field: str | None = None) -> tuple[Future | None, CompiledFormat | None]:
+        """``sampling.structured`` compiling, and compiled when this call may wait for it: ``(None, format)``, or
+        ``(future, None)`` when the compile goes on off this thread (a thread running an event loop never waits for
+        it, and a request not started yet waits for it only when it is read); ``(None, None)`` without a format.
+        A format over ``max_format_bytes`` is refused here (:class:`~ctx_integrations.errors.FormatTooLargeError`)."""
+        compiling = self._compiling(sampling, field)
+        if compiling is None:
+            return None, None
+        if compiling.done() or (start and not _in_event_loop()):
+            return None, _compiled(compiling)
+        return compiling, None
 
     def submit(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
@@ -205,16 +249,23 @@ class Engine:
         quick). ``timeout``: seconds before the request is cancelled with ``RequestTimeoutError`` (default: the
         engine's ``request_timeout_s``). ``start=False``: queue it only when the handle is first read (a stream
         nobody iterates never runs). The documents are tokenised and keyed here, except on a thread that runs an
-        event loop, whose loop must not block: there the scheduler's loader thread does it.
+        event loop, whose loop must not block: there the scheduler's loader thread does it. A structured-output
+        format over ``max_format_bytes`` is refused here; it is compiled here too, except on such a thread or with
+        ``start=False``: then it compiles on its own thread (a worker process; cancelling the handle stops it), the
+        request is queued once it has compiled, and its error (e.g. past ``format_compile_timeout_s``) is raised
+        when the handle is read.
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
         self._check_call(mode, options, settings)
         pieces = Pieces()
-        ctx = self._context(query, prepare_documents(documents, scores), settings.sampler(0, self._grammar(settings)),
+        compiling, grammar = self._format(settings, start)
+        sampler = settings.sampler(0, grammar) if compiling is None else TokenSampler()  # set once it compiled
+        ctx = self._context(query, prepare_documents(documents, scores), sampler,
                             settings.stop_criteria(self.loaded.eos_token_ids),
                             _tee(pieces.push, _check_callback(on_token)), prepare=not _in_event_loop())
-        return self._handle(ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout)), pieces, start)
+        request = ModeRequest(self, [ctx], mode, options, timeout=self._timeout(timeout))
+        return self._handle(request, pieces, start, [ctx], settings, compiling)
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                  mode: str = "pced", **settings: Any) -> Answer:
@@ -228,9 +279,9 @@ class Engine:
     async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                         mode: str = "pced", **settings: Any) -> Answer:
         """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop (the documents
-        are tokenised on the scheduler's loader thread). Cancelling the awaiting task cancels the request (its
-        rows leave the batch at the next step)."""
-        return await self.submit(query, documents, scores, mode, **settings)
+        are tokenised on the scheduler's loader thread, a structured-output format compiled off it). Cancelling the
+        awaiting task cancels the request (its rows leave the batch at the next step; a compile stops)."""
+        return await self.submit(query, documents, scores, mode, start=False, **settings)
 
     def stream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
                mode: str = "pced", **settings: Any) -> Generator[str, None, Answer]:
@@ -246,14 +297,18 @@ class Engine:
                 mode: str = "pced", **settings: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
-        The request is validated now and queued when iteration starts; leaving the loop early cancels it.
+        The request is validated now and queued when iteration starts; leaving the loop early cancels it. Its
+        structured-output format (over ``max_format_bytes``: refused now) compiles off this thread: a format xgrammar
+        refuses, or one past ``format_compile_timeout_s``, is raised by the first iteration.
         """
         _no_callback("astream", settings)
         return self.submit(query, documents, scores, mode, start=False, **settings).astream()
 
     def _many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None, mode: str,
               sampling: SamplingParams, timeout: float | None, options: dict[str, Any],
-              prepare: bool = True) -> list[RequestHandle]:
+              prepare: bool = True, grammar: CompiledFormat | None = None) -> list[RequestHandle]:
+        """The questions' requests, queued; ``grammar``: ``sampling.structured`` compiled (by the caller, which may
+        wait for it: :meth:`_batch_format`)."""
         started = time.perf_counter()
         self._check_call(mode, options, sampling)
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence) or not questions:
@@ -268,7 +323,6 @@ class Engine:
             if scores is not None:
                 raise InvalidScoresError("with one document list per question, give the scores inside the documents")
             per_question = [prepare_documents(docs) for docs in per_question]
-        grammar = self._grammar(sampling)
         contexts = [self._context(q, list(docs), sampling.sampler(i, grammar),
                                   sampling.stop_criteria(self.loaded.eos_token_ids), None, started, prepare)
                     for i, (q, docs) in enumerate(zip(questions, per_question))]
@@ -298,7 +352,9 @@ class Engine:
         """
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handles = self._many(questions, documents, scores, mode, settings, timeout, options)
+        self._check_call(mode, options, settings)  # refused before anything compiles
+        grammar = self._grammar(settings)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options, grammar=grammar)
         try:
             return [answer for handle in handles for answer in handle.result()]
         except BaseException:  # one question failed: the others stop too instead of decoding for nobody
@@ -315,7 +371,14 @@ class Engine:
         """:meth:`generate_many` for async callers."""
         settings = SamplingParams.resolve(sampling, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, seed=seed, stop=stop)
-        handles = self._many(questions, documents, scores, mode, settings, timeout, options, prepare=False)
+        self._check_call(mode, options, settings)  # refused before anything compiles
+        compiling = self._compiling(settings)
+        grammar = None
+        if compiling is not None:  # compiled off the event loop; cancelling the task stops the compile
+            await compiled_off_loop(compiling)
+            grammar = _compiled(compiling)
+        handles = self._many(questions, documents, scores, mode, settings, timeout, options, prepare=False,
+                             grammar=grammar)
         try:
             return [answer for handle in handles for answer in await handle.wait()]
         except BaseException:
@@ -346,20 +409,24 @@ class Engine:
         tools_asked = tool_request(tools, tool_choice, parallel_tool_calls, sampling)
         ids = conversation_ids(self.layout, messages, tools_asked.tools if tools_asked is not None else ())
         if tools_asked is not None:
+            for tool in tools_asked.tools:  # before xgrammar parses their schemas into the structural tag
+                check_format_size(f"tool {tool.name!r} parameters", tool.parameters, self.config.max_format_bytes,
+                                  "tools")
             sampling = tools_asked.sampling(sampling, self.layout.tool_format)
         if len(ids) + sampling.max_tokens > self.loaded.max_positions:
             raise DocumentTooLongError(
                 f"the conversation has {len(ids)} tokens + max_new_tokens={sampling.max_tokens}, more than the "
                 f"model's window of {self.loaded.max_positions}: drop earlier turns or lower max_new_tokens")
         pieces = Pieces()
-        ctx = DecodeContext(self, "", [], sampling.sampler(0, self._grammar(sampling)),
-                            sampling.stop_criteria(self.loaded.eos_token_ids),
+        compiling, grammar = self._format(sampling, start, "tools" if tools_asked is not None else None)
+        sampler = sampling.sampler(0, grammar) if compiling is None else TokenSampler()  # set once it compiled
+        ctx = DecodeContext(self, "", [], sampler, sampling.stop_criteria(self.loaded.eos_token_ids),
                             _tee(pieces.push, _check_callback(on_token)), started=started)
         # the per-request KV budget binds a conversation as it binds documents (checked before anything is queued)
         ctx.check_streams(1, len(ids) + sampling.max_tokens, "the conversation",
                           "Drop earlier turns or lower max_new_tokens")
         request = ChatRequest(self, ctx, ids, timeout=self._timeout(timeout), tools=tools_asked)
-        return self._handle(request, pieces, start)
+        return self._handle(request, pieces, start, [ctx], sampling, compiling)
 
     def chat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> Answer:
         """Answer a conversation with no documents, blocking until the answer is done (``settings``:
@@ -370,9 +437,10 @@ class Engine:
         """:meth:`chat` for async callers (no thread per request; cancelling the task cancels the request).
 
         The conversation is templated and tokenised on a worker thread, so a long one never stalls the
-        event loop (and every other request an async server runs on it).
+        event loop (and every other request an async server runs on it); a structured-output format (tools
+        included) compiles off both, and stops when the task is cancelled.
         """
-        handle = await asyncio.to_thread(self.submit_chat, messages, **settings)
+        handle = await asyncio.to_thread(self.submit_chat, messages, start=False, **settings)
         return await handle
 
     def stream_chat(self, messages: Sequence[dict[str, Any]], **settings: Any) -> Generator[str, None, Answer]:
@@ -442,12 +510,21 @@ class Engine:
         check_mode(mode, options)
         check_sampling(mode, sampling)
 
-    def _grammar(self, sampling: SamplingParams) -> object | None:
-        """``sampling.structured`` compiled for this model (in the caller's thread: a bad format fails here), or
-        ``None``. xgrammar caches each compiled format, so a format asked for again costs a lookup."""
+    def _compiling(self, sampling: SamplingParams, field: str | None = None) -> Future | None:
+        """``sampling.structured`` compiling for this model on a thread of its own, bounded by ``max_format_bytes``
+        (refused here, before anything compiles) and ``format_compile_timeout_s``
+        (:meth:`GrammarCompiler.submit <ctx_integrations.engine.core.structured.GrammarCompiler.submit>`; a format
+        compiled before is a done future), or ``None``."""
         if sampling.structured is None:
             return None
-        return self.loaded.grammars.compile(sampling.structured)
+        return self.loaded.grammars.submit(sampling.structured, field, max_bytes=self.config.max_format_bytes,
+                                           timeout_s=self.config.format_compile_timeout_s)
+
+    def _grammar(self, sampling: SamplingParams) -> CompiledFormat | None:
+        """``sampling.structured`` compiled for this model, waited for in the caller's thread (a bad format fails
+        here), or ``None``; a format compiled before costs a lookup."""
+        compiling = self._compiling(sampling)
+        return None if compiling is None else _compiled(compiling)
 
     def _context(self, query: str, documents: list[Document], sampler: TokenSampler, stop: StopCriteria,
                  on_token: Callable[[str], None] | None, started: float | None = None,

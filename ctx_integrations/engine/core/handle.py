@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Generator
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
-from ctx_integrations.engine.core.scheduler import RequestHandle
+from ctx_integrations.engine.core.scheduler import RequestCancelledError, RequestHandle
 
 Waker = Callable[[], None]
 
@@ -73,6 +75,21 @@ class Pieces:
                 self._wakers.remove(wake)
 
 
+async def compiled_off_loop(compiling: Future, cancel: Callable[[], None] | None = None) -> None:
+    """Wait until ``compiling`` (a format's compile) is done, without blocking the event loop and without raising
+    its error; the awaiting task cancelled, ``cancel`` (default: the future's own) stops the compile."""
+    if compiling.done():
+        return
+    waiter = asyncio.wrap_future(compiling)
+    try:
+        await asyncio.wait({waiter})
+    except BaseException:
+        (cancel or compiling.cancel)()
+        raise
+    if not waiter.cancelled():
+        waiter.exception()  # taken here (asyncio would log it as never retrieved); the reader raises it from compiling
+
+
 class AnswerHandle:
     """One request's answer: :meth:`result` (blocking), ``await handle`` / :meth:`wait`, :meth:`stream` (a generator
     of text pieces that returns the :class:`~ctx_integrations.Answer`), :meth:`astream` (an async stream; then its
@@ -82,22 +99,52 @@ class AnswerHandle:
     (``Engine.submit``) or when the handle is first read (``Engine.astream``: when iteration starts, so a stream
     nobody reads never runs). ``pieces`` is the request's ``on_token`` sink; ``pick`` turns the request's result
     (its list of answers) into what the handle returns. ``request_id`` is the scheduler's id (``req-N``).
+
+    ``compiling``: the request's structured-output format while it compiles off the caller's thread (a future,
+    :meth:`GrammarCompiler.submit <ctx_integrations.engine.core.structured.GrammarCompiler.submit>`); the request
+    is queued once it is done (``queue`` reads its result), awaited without blocking an event loop, and
+    cancelling the handle (or the task awaiting it) meanwhile stops the compile.
     """
 
     def __init__(self, queue: Callable[[], RequestHandle], pieces: Pieces, request_id: str,
-                 pick: Callable[[Any], Any] = lambda answers: answers[0]):
+                 pick: Callable[[Any], Any] = lambda answers: answers[0], compiling: Future | None = None):
         self._queue, self._pieces, self._pick = queue, pieces, pick
         self._queued: RequestHandle | None = None
+        self._compiling = compiling
+        self._cancelled = False  # cancelled before it was queued: it never will be
         self._lock = threading.Lock()
         self.request_id = request_id
 
     def start(self) -> AnswerHandle:
-        """Queue the request now, if it is not queued yet (``Engine.submit`` does, unless ``start=False``)."""
+        """Queue the request now, if it is not queued yet (``Engine.submit`` does, unless ``start=False``); a
+        request whose format still compiles is queued when the compile is done."""
+        if self._compiling is not None and not self._compiling.done():
+            self._compiling.add_done_callback(self._start_compiled)
+            return self
         self._scheduled()
         return self
 
+    def _start_compiled(self, compiling: Future) -> None:
+        """Queue the request once its format compiled (on the compile's thread); a failed or cancelled compile, or a
+        refusal to queue, is raised to whoever reads the handle."""
+        if not compiling.cancelled() and compiling.exception() is None:
+            try:
+                self._scheduled()
+            except Exception:  # noqa: S110 (re-raised by the reader's own _scheduled: nothing queued)
+                pass
+
+    async def _compiled(self) -> None:
+        """Wait for the request's format to compile without blocking the loop; cancelled: the compile stops."""
+        if self._compiling is not None:
+            await compiled_off_loop(self._compiling, self.cancel)
+
     def _scheduled(self) -> RequestHandle:
+        if self._compiling is not None:
+            futures.wait([self._compiling])  # a sync reader waits here, outside the lock (cancel() takes it)
         with self._lock:
+            if self._queued is None and self._cancelled:
+                raise RequestCancelledError(f"request {self.request_id} was cancelled before it was queued (while "
+                                            "its structured-output format compiled)")
             if self._queued is None:
                 self._queued = self._queue()
                 self._queued.future.add_done_callback(lambda _: self._pieces.close())
@@ -108,9 +155,15 @@ class AnswerHandle:
         return self._queued is not None and self._queued.future.done()
 
     def cancel(self) -> None:
-        """Stop the request at the next step boundary and free its rows (a no-op once it is over)."""
-        if self._queued is not None:
-            self._queued.cancel()
+        """Stop the request at the next step boundary and free its rows (a no-op once it is over); a request whose
+        format is compiling is never queued, and its compile stops."""
+        with self._lock:
+            queued = self._queued
+            if queued is None and self._compiling is not None:
+                self._cancelled = True
+                self._compiling.cancel()
+        if queued is not None:
+            queued.cancel()
 
     def result(self) -> Any:
         """Block until the answer is done and return it; re-raises the request's error."""
@@ -118,6 +171,7 @@ class AnswerHandle:
 
     async def wait(self) -> Any:
         """Await the answer without blocking the event loop; cancelling the await cancels the request."""
+        await self._compiled()
         return self._pick(await self._scheduled().wait())
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -179,6 +233,8 @@ class AnswerStream(AsyncIterator[str]):
             self._answer._pieces.unlisten(self._wake)
 
     async def __anext__(self) -> str:
+        if self._event is None:
+            await self._answer._compiled()
         event = self._listen()
         while True:
             event.clear()  # before reading: a piece pushed after the read sets it again

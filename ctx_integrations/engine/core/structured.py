@@ -20,18 +20,31 @@ everything else works.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ctx_integrations.engine.core.compile_pool import (
+    DEFAULT_FORMAT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_FORMAT_BYTES,
+    CompileCancelled,
+    CompilePool,
+    check_format_size,
+    pool_for,
+)
 from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError, missing_dependency
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # JSON mode (json_object): any JSON object, with any keys and values
 _ANY_OBJECT = json.dumps({"type": "object"})
+DEFAULT_FORMAT_CACHE_BYTES = 512 * 1024 * 1024  # compiled formats kept per model, by xgrammar's memory_size_bytes
 
 
 def load_xgrammar() -> Any:
@@ -186,19 +199,54 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
 
 
 class GrammarCompiler:
-    """Compiles formats for one model's vocabulary (built once per model; xgrammar caches each compiled format).
+    """Compiles formats for one model's vocabulary (built once per model), within bounds, off the caller's thread.
+
+    :meth:`submit` is the contract: the format's size is checked in the caller's thread (over ``max_bytes``:
+    :class:`~ctx_integrations.errors.FormatTooLargeError`, before any compile), then it is compiled on a thread of
+    its own through a worker process that is killed past ``timeout_s``
+    (:class:`~ctx_integrations.errors.FormatCompileTimeoutError`) or when the returned future is cancelled
+    (:mod:`~ctx_integrations.engine.core.compile_pool`: why a process, and why the engine then builds the format
+    itself). Compiled formats are kept by content (the format's kind and text; least recently used first out past
+    ``cache_bytes`` of xgrammar's own accounting), so a format asked for again costs a dictionary lookup.
 
     ``stop_token_ids`` are the engine's end-of-sequence ids: the only tokens allowed once a format is complete.
-    Built lazily, so an engine that never asks for structured output never imports xgrammar.
+    Built lazily (xgrammar imported, the vocabulary read, the worker started on the first compile's thread), so
+    an engine that never asks for structured output never imports xgrammar, and the first format asked for never
+    holds the caller's thread (an event loop) for the seconds that takes.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]):
-        xgr = load_xgrammar()
-        self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=True)
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
+                 cache_bytes: int = DEFAULT_FORMAT_CACHE_BYTES):
+        if importlib.util.find_spec("xgrammar") is None:
+            raise missing_dependency("xgrammar", "structured")
+        self.vocab_size, self.stop_token_ids, self.cache_bytes = vocab_size, stop_token_ids, cache_bytes
+        self._tokenizer = tokenizer
+        self._lock, self._setup_lock = threading.Lock(), threading.Lock()
         self._masks: dict[bytes, torch.Tensor] = {}
+        self._formats: OrderedDict[tuple[str, str], CompiledFormat] = OrderedDict()
+        self._kept_bytes = 0
+        self._pool: CompilePool | None = None
+
+    def _setup(self) -> CompilePool:
+        with self._setup_lock:
+            if self._pool is None:
+                xgr = load_xgrammar()
+                self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.stop_token_ids))
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info, cache_enabled=False)  # cached here
+                self._pool = pool_for(self._tokenizer_info.serialize_json())
+            return self._pool
+
+    @property
+    def _info(self) -> Any:
+        """xgrammar's ``TokenizerInfo`` of the vocabulary (built on first use)."""
+        self._setup()
+        return self._tokenizer_info
+
+    @property
+    def pool(self) -> CompilePool:
+        """The worker processes (started on first use)."""
+        return self._setup()
 
     def _without_bytes(self, forbidden: bytes) -> torch.Tensor:
         """The packed bitmask of every token whose text holds none of ``forbidden`` (stop tokens always allowed)."""
@@ -210,36 +258,107 @@ class GrammarCompiler:
             self._masks[forbidden] = pack_bits(allowed[: self.vocab_size])
         return self._masks[forbidden]
 
-    def compile(self, output: StructuredOutput, field: str | None = None) -> CompiledFormat:
-        """The compiled format of ``output``; a format xgrammar refuses is an ``InvalidStructuredOutputError``.
+    def submit(self, output: StructuredOutput, field: str | None = None, *,
+               max_bytes: int = DEFAULT_MAX_FORMAT_BYTES,
+               timeout_s: float = DEFAULT_FORMAT_COMPILE_TIMEOUT_S) -> Future[CompiledFormat]:
+        """The compiled format of ``output``, as a future: done at once for a format compiled before, else set by
+        the compile's own thread (the format's error: ``InvalidStructuredOutputError`` or one of its subclasses).
+        Cancelling the future stops the compile (its worker process is killed). ``FormatTooLargeError`` is raised
+        here, in the caller's thread, before anything is compiled."""
+        key = format_source(output)
+        check_format_size(output.kind, key[1], max_bytes, field)
+        future: Future[CompiledFormat] = Future()
+        with self._lock:
+            compiled = self._formats.get(key)
+            if compiled is not None:
+                self._formats.move_to_end(key)
+                future.set_result(compiled)
+                return future
+        threading.Thread(target=self._build, args=(output, key, field, timeout_s, future), daemon=True,
+                         name="ctx-format-compile").start()
+        return future
+
+    def compile(self, output: StructuredOutput, field: str | None = None, **limits: Any) -> CompiledFormat:
+        """:meth:`submit`, waiting for the result in this thread (``limits``: its ``max_bytes``, ``timeout_s``).
 
         xgrammar's JSON strings let raw control characters (U+0000-U+001F, which JSON forbids unescaped) through,
         so JSON formats (compact: no token needs one) may use no token that holds one, and a structural tag (free
         text, and wrappers such as ``<tool_call>\\n``) none but tab, line feed and carriage return.
         """
-        compiler, allowed = self._compiler, None
+        future = self.submit(output, field, **limits)
         try:
-            if output.json is not None:
-                grammar = compiler.compile_json_schema(bounded_integers(output.json), any_whitespace=False,
-                                                       strict_mode=True)
-            elif output.json_object:
-                grammar = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
-            elif output.regex is not None:
-                grammar = compiler.compile_regex(output.regex)
-            elif output.choice is not None:
-                grammar = compiler.compile_grammar(_choice_grammar(output.choice))
-            elif output.grammar is not None:
-                grammar = compiler.compile_grammar(output.grammar)
-            else:
-                grammar = compiler.compile_structural_tag(output.structural_tag)
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise InvalidStructuredOutputError(f"the {output.kind} format cannot be compiled: {error}",
-                                               field) from None
-        if output.json is not None or output.json_object:
-            allowed = self._without_bytes(bytes(range(32)))
-        elif output.structural_tag is not None:
-            allowed = self._without_bytes(bytes(b for b in range(32) if b not in b"\t\n\r"))
-        return CompiledFormat(grammar, allowed)
+            return future.result()
+        except BaseException:  # KeyboardInterrupt while waiting: the compile stops too
+            future.cancel()
+            raise
+
+    def _build(self, output: StructuredOutput, key: tuple[str, str], field: str | None, timeout_s: float,
+               future: Future[CompiledFormat]) -> None:
+        from ctx_integrations.engine.core.compile_worker import build  # imports xgrammar
+
+        try:
+            kind, text = key
+            if kind == "json":
+                text = bounded_integers(text)
+            pool = self._setup()
+            pool.run(kind, text, timeout_s, future.cancelled, field, output.kind)
+            if future.cancelled():
+                return
+            try:
+                grammar = build(self._compiler, kind, text)
+            except (RuntimeError, ValueError, TypeError) as error:  # what the worker accepted: not expected
+                raise InvalidStructuredOutputError(f"the {output.kind} format cannot be compiled: {error}",
+                                                   field) from None
+            allowed = None
+            if kind in ("json", "json_object"):
+                allowed = self._without_bytes(bytes(range(32)))
+            elif kind == "structural_tag":
+                allowed = self._without_bytes(bytes(b for b in range(32) if b not in b"\t\n\r"))
+            compiled = CompiledFormat(grammar, allowed)
+            self._keep(key, compiled)
+            _settle(future, compiled)
+        except CompileCancelled:
+            pass
+        except BaseException as error:
+            _settle(future, error=error)
+
+    def _keep(self, key: tuple[str, str], compiled: CompiledFormat) -> None:
+        size = int(compiled.grammar.memory_size_bytes)
+        with self._lock:
+            if key in self._formats or size > self.cache_bytes:
+                return
+            self._formats[key] = compiled
+            self._kept_bytes += size
+            while self._kept_bytes > self.cache_bytes:
+                _, evicted = self._formats.popitem(last=False)
+                self._kept_bytes -= int(evicted.grammar.memory_size_bytes)
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set ``future`` unless it was cancelled meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def format_source(output: StructuredOutput) -> tuple[str, str]:
+    """What xgrammar compiles for ``output``: a kind of :data:`~ctx_integrations.engine.core.compile_worker.KINDS`
+    and its text (the JSON schema as given: its integers are bounded when it is compiled), the format's identity."""
+    if output.json is not None:
+        return "json", output.json
+    if output.json_object:
+        return "json_object", _ANY_OBJECT
+    if output.regex is not None:
+        return "regex", output.regex
+    if output.choice is not None:
+        return "grammar", _choice_grammar(output.choice)
+    if output.grammar is not None:
+        return "grammar", output.grammar
+    return "structural_tag", output.structural_tag
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
