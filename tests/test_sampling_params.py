@@ -27,6 +27,9 @@ def engine() -> Engine:
     (dict(top_p=0.0), "^top_p"),
     (dict(seed=-1), "^seed"),
     (dict(stop=[3]), "^stop"),
+    (dict(stop=("",)), "^stop strings must not be empty"),  # it would never match (issue 58)
+    (dict(stop=""), "^stop strings must not be empty"),
+    (dict(stop=["a", ""]), "^stop strings must not be empty"),
 ])
 def test_bad_settings_fail_where_they_are_written(bad, message):
     with pytest.raises(InvalidOptionError, match=message):
