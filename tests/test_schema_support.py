@@ -386,3 +386,115 @@ def test_the_docs_list_the_same_keywords_and_formats():
     assert re.findall(r"^- `([^`]+)`", refused, re.M) == list(REFUSED)
     assert re.findall(r"`([^`]+)`", formats) == [*ENFORCED_FORMATS, *FREE_FORMATS, "SecretStr", "bytes"]
     assert f"{MAX_SCHEMA_DEPTH} levels" in section
+
+
+DOCS = " (the keywords structured output enforces: docs/python.md#structured-output-what-a-json-schema-may-say)"
+BREAK = ", so an answer could break the schema: "
+# one schema per refusal, and its whole message: what, where, why, and what to do
+MESSAGES = [
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' at # cannot be enforced by the grammar" + BREAK
+     + "drop it and remove duplicates from the answer yourself (`uniqueItems: false` is accepted)"),
+    ({"properties": {"a": {"$id": "x"}}}, "'$id' at #/properties/a starts a new base for references, which the "
+     "grammar resolves from the root only" + BREAK + "drop it, or move the schema to $defs"),
+    ({"type": "integer", "anyOf": [INT]}, "'type' at # stands beside 'anyOf', and the grammar keeps only 'anyOf'"
+     + BREAK + "move it into the 'anyOf' schemas"),
+    ({"enum": ["a"], "maxLength": 1, "type": "string"}, "'maxLength' at # stands beside 'enum', and the grammar keeps "
+     "only the listed values" + BREAK + "list only the values that satisfy it"),
+    ({"const": "a", "minLength": 1, "type": "string"}, "'minLength' at # stands beside 'const', and the grammar keeps "
+     "only the listed values" + BREAK + "list only the values that satisfy it"),
+    ({"enum": ["a", 1], "type": "string"}, "'type' at # is not the type of every value 'enum' lists, and the grammar "
+     "keeps only the listed values" + BREAK + "list only values of that type"),
+    ({"const": 1, "type": "string"}, "'type' at # is not the type of every value 'const' lists, and the grammar keeps "
+     "only the listed values" + BREAK + "list only values of that type"),
+    ({"maxLength": 1}, "'maxLength' at # applies to strings, and without 'string' in the schema's type the grammar "
+     "drops it" + BREAK + 'add "type": "string"'),
+    ({"type": "string", "minimum": 1}, "'minimum' at # applies to numbers, and without 'number' in the schema's type "
+     "the grammar drops it" + BREAK + 'add "type": "number"'),
+    ({"type": "string", "pattern": "a", "maxLength": 2}, "'maxLength' at # stands beside 'pattern', and the grammar "
+     "keeps only one of pattern, format and length" + BREAK + "put both into one `pattern` (a length as `^.{0,20}$`)"),
+    ({"type": "string", "minLength": 2, "format": "date"}, "'minLength' at # stands beside 'format', and the grammar "
+     "keeps only one of pattern, format and length" + BREAK + "put both into one `pattern` (a length as `^.{0,20}$`)"),
+    ({"type": "string", "pattern": "a(?!b)"}, "'pattern' at # uses a lookahead or lookbehind, which the grammar drops"
+     + BREAK + "write the pattern without (?=, (?!, (?<= or (?<!"),
+    ({"type": "string", "format": "iri"}, "'format' at # is 'iri', a format the grammar does not check" + BREAK
+     + "use one of date-time, date, time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, uuid, "
+     "uri-template, json-pointer, relative-json-pointer, or a `pattern`"),
+    ({"properties": {}, "required": ["c"]}, "'required' at # names 'c', which `properties` does not declare, and the "
+     "grammar requires only declared properties" + BREAK + "declare 'c' in `properties`"),
+    ({"type": "object", "properties": {}, "propertyNames": {}}, "'propertyNames' at # stands beside `properties`, "
+     "whose names the grammar does not check against it" + BREAK + "drop it, and from `properties` any name it "
+     "refuses"),
+    ({"type": "array", "items": [INT]}, "'items' at # is a list (draft 7's tuples), which the grammar does not read"
+     + BREAK + "use `prefixItems` for the list and `items` for the rest"),
+    ({"allOf": [INT, INT, INT]}, "'allOf' at # holds 3 schemas, and the grammar reads exactly one" + BREAK
+     + "merge them into one schema"),
+    ({"oneOf": [INT, INT]}, "'oneOf' at # has branches one value could match twice, and the grammar matches any "
+     "branch" + BREAK + "use `anyOf`, or tell the branches apart by `type` or by a required property's `const`"),
+    ({"$ref": "https://x/y"}, "'$ref' at # is 'https://x/y', a reference outside this schema, which the grammar "
+     "cannot load" + BREAK + "copy the schema it names into $defs and refer to it as #/$defs/<name>"),
+    ({"$ref": "#/nope"}, "'$ref' at # is '#/nope', which points at nothing in this schema" + BREAK
+     + "name a schema it holds, such as #/$defs/<name>"),
+]
+
+
+@pytest.mark.parametrize("case", MESSAGES, ids=[message.split(" at ")[0] for _, message in MESSAGES])
+def test_each_refusal_says_what_where_why_and_what_to_do(case):
+    schema, message = case
+    with pytest.raises(UnsupportedSchemaError) as caught:
+        check_schema(schema)
+    assert str(caught.value) == "the JSON schema's " + message + DOCS
+
+
+def test_the_depth_refusal_says_what_to_do():
+    with pytest.raises(UnsupportedSchemaError) as caught:
+        check_schema("[" * (MAX_SCHEMA_DEPTH + 1))
+    assert str(caught.value) == (f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays: "
+                                 "flatten it, or name the repeated part in $defs and refer to it with $ref")
+    check_schema("[" * MAX_SCHEMA_DEPTH + "]" * (MAX_SCHEMA_DEPTH + 5) + "[" * MAX_SCHEMA_DEPTH)  # depth, not count
+
+
+def _chain(hops: int, target: dict) -> dict:
+    """A oneOf branch reached through ``hops`` local $refs."""
+    defs = {f"R{i}": {"$ref": f"#/$defs/R{i + 1}"} for i in range(hops - 1)}
+    return {"$defs": {**defs, f"R{hops - 1}": target}, "oneOf": [{"$ref": "#/$defs/R0"}, {"type": "string"}]}
+
+
+def test_refs_are_followed_and_resolved_exactly(compiler):
+    check_schema(_chain(8, INT))  # (the chain, $ref by $ref, to a schema with a type)
+    assert accepts(compiler, _chain(8, INT), "1") and not accepts(compiler, _chain(8, INT), "null")
+    with pytest.raises(UnsupportedSchemaError, match="'oneOf' at # has branches"):
+        check_schema(_chain(9, INT))  # longer chains are not followed: refused, never assumed apart
+    for ref in ("#/$defs/a~0b", "#/anyOf/0/items", "#/anyOf/0/items/maximum"):
+        schema = {"anyOf": [{"type": "array", "items": {"type": "integer", "maximum": 3}}],
+                  "$defs": {"a~b": INT, "B": {"$ref": ref}}}
+        check_schema(schema)
+    for ref in ("#/$defs/a~1b", "#/$defs/a~b~0", "#/anyOf/0/items/maximum/x", "#/anyOf/00x", "#/anyOf/-1"):
+        with pytest.raises(UnsupportedSchemaError, match="points at nothing"):
+            check_schema({"anyOf": [{"type": "array", "items": INT}], "$defs": {"a~b": INT, "B": {"$ref": ref}}})
+
+
+def test_oneof_is_refused_at_its_own_node_unless_its_branches_are_apart():
+    def refused(schema):
+        with pytest.raises(UnsupportedSchemaError) as caught:
+            check_schema(schema)
+        assert (caught.value.keyword, caught.value.path) == ("oneOf", "#"), str(caught.value)
+
+    refused({"oneOf": [INT, {"type": "string"}, {"type": "number"}]})  # the third overlaps the first
+    kind = {"type": "object", "required": ["k"]}
+    refused({"oneOf": [{**kind, "properties": {"k": {"const": "a"}}}, {**kind, "properties": {"k": True}}]})
+    refused({"oneOf": [{**kind, "properties": {"k": {"const": "a"}}}, {**kind, "properties": 5}]})
+    refused({"oneOf": [{**kind, "properties": {"k": {"enum": ["a", "b"]}}}, {**kind, "properties": {"k": {"enum": [
+        "c"]}}}, {**kind, "properties": {"k": {"const": "a"}}}]})  # the third repeats the first's value
+    refused({"oneOf": [{**kind, "properties": {"k": {"const": {"a": 1, "b": 2}}}},
+                       {**kind, "properties": {"k": {"const": {"b": 2, "a": 1}}}}]})  # the same object
+    by_ref = {"$defs": {"A": {"const": "a"}, "B": {"const": "b"}}, "oneOf": [
+        {**kind, "properties": {"k": {"$ref": "#/$defs/A"}}}, {**kind, "properties": {"k": {"$ref": "#/$defs/B"}}}]}
+    check_schema(by_ref)  # a discriminator whose values are $refs
+    check_schema({"oneOf": [{"$ref": "#/$defs/X"}, {"type": "string"}], "$defs": {"X": {"type": ["integer", "null"]}}})
+
+
+def test_enum_values_are_checked_against_every_type():
+    for values, kinds in (([[1]], "string"), ([{"a": 1}], "array"), (["a"], "object"), ([None], "boolean"),
+                          ([True], "integer"), ([1.5], "integer"), (["a"], "null")):
+        with pytest.raises(UnsupportedSchemaError, match="'type' at # is not the type of every value"):
+            check_schema({"enum": values, "type": kinds})

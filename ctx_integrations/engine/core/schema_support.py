@@ -195,7 +195,7 @@ def _check_node(node: Mapping, path: str, root: Any) -> None:
         raise _refuse("items", path, "is a list (draft 7's tuples), which the grammar does not read",
                       "use `prefixItems` for the list and `items` for the rest")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) != 1:
-        raise _refuse("allOf", path, "combines several schemas, of which the grammar keeps one",
+        raise _refuse("allOf", path, f"holds {len(node['allOf'])} schemas, and the grammar reads exactly one",
                       "merge them into one schema")
     if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], root):
         raise _refuse("oneOf", path, "has branches one value could match twice, and the grammar matches any branch",
@@ -279,7 +279,7 @@ def _check_objects(node: Mapping, path: str) -> None:
                       "requires only declared properties", f"declare {missing[0]!r} in `properties`")
     if "propertyNames" in node and "properties" in node:
         raise _refuse("propertyNames", path, "stands beside `properties`, whose names the grammar does not check "
-                      "against it", "drop the names it refuses from `properties`, and it")
+                      "against it", "drop it, and from `properties` any name it refuses")
 
 
 def _check_ref(ref: str, path: str, root: Any) -> None:
@@ -338,7 +338,7 @@ def _disjoint(branches: list, root: Any) -> bool:
             seen |= normal
         else:
             return True
-    common = set.intersection(*(set(_names(t.get("required"))) for t in targets)) if targets else set()
+    common = set.intersection(*(set(_names(t.get("required"))) for t in targets))  # (no targets: True above)
     return any(_tells_apart(name, targets, root) for name in sorted(common))
 
 
