@@ -451,6 +451,18 @@ def test_the_depth_refusal_says_what_to_do():
     assert str(caught.value) == (f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays: "
                                  "flatten it, or name the repeated part in $defs and refer to it with $ref")
     check_schema("[" * MAX_SCHEMA_DEPTH + "]" * (MAX_SCHEMA_DEPTH + 5) + "[" * MAX_SCHEMA_DEPTH)  # depth, not count
+    for text in ("[" * MAX_SCHEMA_DEPTH + "]" + "[[", "{" * MAX_SCHEMA_DEPTH + "}" + "{{", '["]", ' * 3 + "{" * 101):
+        with pytest.raises(UnsupportedSchemaError, match="deeper"):
+            check_schema(text)
+    with pytest.raises(UnsupportedSchemaError, match="deeper"):  # a deep value beside short ones is found too
+        check_schema({"items": _nested_lists(MAX_SCHEMA_DEPTH), "title": "t"})
+
+
+def _nested_lists(levels: int) -> list:
+    nested: list = []
+    for _ in range(levels - 1):
+        nested = [nested]
+    return nested
 
 
 def _chain(hops: int, target: dict) -> dict:

@@ -136,12 +136,12 @@ def _refuse(keyword: str, path: str, why: str, advice: str) -> UnsupportedSchema
 def _check_text_depth(text: str) -> None:
     depth = 0
     for token in _TOKENS.finditer(text):
-        bracket = token.group()
-        if bracket in "[{":
+        bracket = token.group()  # a bracket, or a whole string (whose brackets are text)
+        if bracket in ("[", "{"):
             depth += 1
             if depth > MAX_SCHEMA_DEPTH:
                 raise _too_deep()
-        elif bracket in "]}":
+        elif bracket in ("]", "}"):
             depth -= 1
 
 
@@ -185,7 +185,7 @@ def _check_node(node: Mapping, path: str, root: Any) -> None:
     constraints = [key for key in node if key in ENFORCED and key not in _CONTAINERS]
     for keyword in _COMBINED:
         if keyword in node:
-            _check_alone(node, keyword, [key for key in constraints if key != keyword], path)
+            _check_alone(keyword, [key for key in constraints if key != keyword], path)
     if "enum" in node or "const" in node:
         _check_listed(node, [key for key in constraints if key not in ("enum", "const", "type")], path)
     _check_kinds(node, constraints, path)
@@ -204,7 +204,7 @@ def _check_node(node: Mapping, path: str, root: Any) -> None:
         _check_ref(node["$ref"], path, root)
 
 
-def _check_alone(node: Mapping, keyword: str, others: list[str], path: str) -> None:
+def _check_alone(keyword: str, others: list[str], path: str) -> None:
     if others:
         raise _refuse(others[0], path, f"stands beside {keyword!r}, and the grammar keeps only {keyword!r}",
                       f"move it into the {keyword!r} schemas")
