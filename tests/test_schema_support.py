@@ -454,6 +454,9 @@ def test_the_depth_refusal_says_what_to_do():
     for text in ("[" * MAX_SCHEMA_DEPTH + "]" + "[[", "{" * MAX_SCHEMA_DEPTH + "}" + "{{", '["]", ' * 3 + "{" * 101):
         with pytest.raises(UnsupportedSchemaError, match="deeper"):
             check_schema(text)
+    wide = {"type": "object",
+            "properties": {f"p{i}": {"type": "array", "items": {}} for i in range(2 * MAX_SCHEMA_DEPTH)}}
+    check_schema(json.dumps(wide))  # wide is not deep: every bracket closes
     with pytest.raises(UnsupportedSchemaError, match="deeper"):  # a deep value beside short ones is found too
         check_schema({"items": _nested_lists(MAX_SCHEMA_DEPTH), "title": "t"})
 
