@@ -176,3 +176,14 @@ class NoToolCallError(CtxIntegrationsError, ValueError):
 class NoAllowedTokenError(NonFiniteScoresError):
     """Structured output: the mode's fused scores give every token the format allows next a score of ``-inf``
     (a mode whose rule keeps only a nucleus of the vocabulary, e.g. Soft-NBCE), so no valid token can be chosen."""
+
+
+class UnsupportedSchemaError(InvalidStructuredOutputError):
+    """A JSON schema that uses a keyword (or a combination of keywords) the grammar cannot enforce, or that nests
+    deeper than the limit: refused, as OpenAI's strict mode refuses one, because answers held to the rest of the
+    schema could break it. ``keyword`` names it (``"depth"`` for the nesting), ``path`` is where (``#/properties/x``);
+    the message says what to do. What is enforced: docs/python.md, ``engine/core/schema_support.py``."""
+
+    def __init__(self, message: str, keyword: str, path: str, field: str | None = None):
+        super().__init__(message, field)
+        self.keyword, self.path = keyword, path

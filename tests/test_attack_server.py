@@ -70,7 +70,7 @@ def _json_cases() -> list[tuple[str, str, object, int, str]]:
     for field, value in [("max_new_tokens", "5"), ("max_new_tokens", True), ("max_new_tokens", 5.5),
                          ("max_new_tokens", 0), ("max_new_tokens", 10**9), ("seed", "1"), ("seed", True),
                          ("temperature", "0.5"), ("temperature", True), ("temperature", -1), ("top_p", "1"),
-                         ("top_p", 0), ("stop", 5), ("stop", [1]), ("timeout", "1"), ("timeout", True),
+                         ("top_p", 0), ("stop", 5), ("stop", [1]), ("stop", [""]), ("timeout", "1"), ("timeout", True),
                          ("timeout", -1), ("stream", "true"), ("stream", 1), ("query", 5), ("query", None),
                          ("query", ["q"]), ("query", "   "), ("top_k", "2"), ("top_k", True)]:
         body = _with(ANSWER, **{field: value})
@@ -89,6 +89,7 @@ def _json_cases() -> list[tuple[str, str, object, int, str]]:
                                 ("messages", [{"role": "robot", "content": "hi"}], "messages.0.role"),
                                 ("messages", [{"role": "user", "content": 5}], "messages.0.content"),
                                 ("temperature", "1", "temperature"), ("stream", "yes", "stream"),
+                                ("stop", "", "stop"), ("stop", ["a", ""], "stop"),
                                 ("ctx", {"top_k": "2"}, "ctx.top_k"), ("ctx", {"mode": 1}, "ctx.mode")]:
         cases.append((f"type-chat-{field}-{json.dumps(value)[:16]}", "/v1/chat/completions",
                       _with(CHAT, **{field: value}), 422, param))

@@ -81,6 +81,50 @@ def test_missing_embedded_wheel_names_the_pip_command(monkeypatch):
         model_module.embedded_gguf_path()
 
 
+# what safetensors 0.8's save_file raises when the disk is full (its Rust io::Error, Debug-printed)
+DISK_FULL = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+
+
+@pytest.mark.parametrize("failure", ["safetensors", "oserror", "other_safetensors"])
+def test_a_full_disk_while_converting_the_embedded_model_is_typed_and_leaves_nothing(tmp_path, monkeypatch, failure):
+    """Issue 58: a raw ``SafetensorError`` traceback from ``save_file`` on first use; the conversion is written to a
+    hidden folder and renamed, so nothing half-written may stay either."""
+    import errno
+
+    import safetensors.torch
+    import transformers
+    from safetensors import SafetensorError
+
+    loaded = tiny_loaded("llama")
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path))  # not the shared models folder
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: loaded.tokenizer)
+    written = []
+
+    def full(state, path, metadata=None):
+        path.write_bytes(b"\0" * 1000)  # half a file, then the disk is full
+        written.append(path)
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError(DISK_FULL if failure == "safetensors" else "Error while serializing: a header too large")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ModelLoadError) as caught:
+        model_module.converted_gguf_dir(model_module.embedded_gguf_path(), content_hash="0" * 64)
+    message, models = str(caught.value), tmp_path / "models"
+    if failure == "other_safetensors":
+        assert message.startswith(f"could not write the converted model of {model_module.embedded_gguf_path().name} "
+                                  f"to {models} (Error while serializing: a header too large)")
+    else:
+        needed = sum(p.numel() * p.element_size() for p in loaded.model.state_dict().values()) / 2**20
+        assert message.startswith(f"no space left on the disk of {models} to convert "
+                                  f"{model_module.embedded_gguf_path().name} on first use: it needs about "
+                                  f"{needed:,.0f} MiB there (")
+        assert "MiB free now). Free space there, or set CTX_CACHE_DIR to a folder on a larger disk" in message
+    assert message.endswith("nothing half-written was kept")
+    assert written and not written[0].exists() and list(models.iterdir()) == []
+
+
 def test_unknown_model_path_is_a_typed_error(tmp_path):
     with pytest.raises(ModelLoadError):
         model_module.load_model(str(tmp_path / "missing.gguf"))

@@ -21,7 +21,7 @@ from ctx_integrations import Engine
 from ctx_integrations.engine.core import disk as disk_module
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.disk import DiskTier, checksum
-from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning
+from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning, InvalidOptionError
 from tests.helpers import tiny_loaded
 
 DOC = "Marrowgate has three bridges over the river Ast; the oldest was built in 1621."
@@ -211,6 +211,18 @@ def test_cache_dir_that_is_a_file_is_a_typed_error(tmp_path):
     blocker.write_text("a file")
     with pytest.raises(CacheStoreError, match="is a file"):
         Engine(tiny_loaded("llama"), cache_dir=blocker)
+
+
+@pytest.mark.parametrize("cache_dir", [5, b"kv", "", ["kv"]])
+def test_cache_dir_that_is_no_path_is_a_typed_error(cache_dir, monkeypatch):
+    """Issue 58: ``Engine(loaded, cache_dir=5)`` was ``Path(5)``'s bare TypeError; ``""`` the current folder."""
+    with pytest.raises(InvalidOptionError, match=r"^cache_dir must be a folder path \(a str or os.PathLike\) or None"):
+        Engine(tiny_loaded("llama"), cache_dir=cache_dir)
+    from ctx_integrations.engine.core import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(InvalidOptionError, match="^cache_dir must be"):
+        Engine.from_pretrained(cache_dir=cache_dir)
 
 
 def test_cache_dir_that_cannot_be_created_is_a_typed_error(tmp_path, monkeypatch):

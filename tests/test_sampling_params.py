@@ -27,6 +27,9 @@ def engine() -> Engine:
     (dict(top_p=0.0), "^top_p"),
     (dict(seed=-1), "^seed"),
     (dict(stop=[3]), "^stop"),
+    (dict(stop=("",)), "^stop strings must not be empty"),  # it would never match (issue 58)
+    (dict(stop=""), "^stop strings must not be empty"),
+    (dict(stop=["a", ""]), "^stop strings must not be empty"),
 ])
 def test_bad_settings_fail_where_they_are_written(bad, message):
     with pytest.raises(InvalidOptionError, match=message):
@@ -85,3 +88,18 @@ def test_stop_strings_reach_the_answer(engine):
     assert stop and stop in full
     stopped = engine.generate(QUESTION, DOCS[:1], sampling=SamplingParams(max_tokens=16, stop=stop), mode="concat")
     assert stopped.text == full[:full.index(stop)]
+
+
+def test_an_empty_stop_string_is_refused_by_the_adapters_too():
+    """Issue 58: ``stop=("",)`` was accepted and never matched; every adapter builds its SamplingParams."""
+    pytest.importorskip("llama_index.core")
+    pytest.importorskip("langchain_core")
+    from ctx_integrations.langchain import ContextOfExpertsRunnable
+    from ctx_integrations.llama_index import ExpertDecoderLLM
+
+    with pytest.raises(InvalidOptionError, match="^stop strings must not be empty"):
+        ExpertDecoderLLM(stop=[""])
+    with pytest.raises(InvalidOptionError, match="^stop strings must not be empty"):
+        ExpertDecoderLLM().sampling_params({"stop": ["a", ""]})
+    with pytest.raises(InvalidOptionError, match="^stop strings must not be empty"):
+        ContextOfExpertsRunnable(stop=[""])._settings(None)

@@ -214,6 +214,10 @@ TARGETS = {
     "boundaries": Target("ctx_integrations/langchain/boundaries.py", ("*",),
                          ("tests/test_attack_langchain.py", "tests/test_langchain_lcel_rag.py",
                           "tests/test_attack_surfaces.py", "-k", "seal or round_trips or replayed or pasted_twenty")),
+    # structured output's JSON-schema check: the keyword table, the walk, the nesting limit, the local $ref's target
+    "schema_support": Target("ctx_integrations/engine/core/schema_support.py", ("*",),
+                             ("tests/test_schema_support.py", "tests/test_attack_schema.py", "-k",
+                              "not server and not answered_validly and not before_any_answer and not docs")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     # the server's rules: which chat fields are refused, and whose requests carry the API key
     "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),

@@ -78,6 +78,12 @@ def _option_value(value: Any) -> Any:
                               {"kind": type(value).__name__})
 
 
+def _no_empty_stop(stop: Any) -> Any:
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise ValueError("a stop string must not be empty (it would never match): leave it out")
+    return stop
+
+
 ModeOptions = dict[Annotated[str, AfterValidator(_option_name)], Annotated[Any, AfterValidator(_option_value)]]
 
 
@@ -174,7 +180,7 @@ class Sampling(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: Annotated[list[str], AfterValidator(_no_empty_stop)] = Field(default_factory=list)
     token_top_k: int = Field(default=0, ge=-1, le=1_000_000, description="0 or -1: every token")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
@@ -416,7 +422,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=10.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_no_empty_stop)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)

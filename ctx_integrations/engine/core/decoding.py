@@ -241,17 +241,18 @@ def read_logprobs(values: Sequence[float], top: int) -> tuple[float, tuple[tuple
 
 
 def as_stop_strings(value: Sequence[str] | str | None) -> tuple[str, ...]:
-    """A stop string, a list of them or None, as a tuple of strings (anything else: ``InvalidOptionError``)."""
-    if isinstance(value, str):
-        return (value,)
+    """A stop string, a list of them or None, as a tuple of strings (anything else, an empty string included:
+    ``InvalidOptionError``)."""
     if value is None:
         return ()
     try:
-        strings = tuple(value)
+        strings = (value,) if isinstance(value, str) else tuple(value)
     except TypeError:
         raise InvalidOptionError(f"stop must be a string or a list of strings, got {value!r}") from None
     if not all(isinstance(s, str) for s in strings):
         raise InvalidOptionError(f"stop must be a string or a list of strings, got {strings!r}")
+    if not all(strings):  # "" would be accepted and never match: the answer would run on to max_tokens
+        raise InvalidOptionError(f"stop strings must not be empty, got {strings!r}: leave the empty one out")
     return strings
 
 

@@ -92,6 +92,17 @@ def _check_callback(on_token: Any) -> Callable[[str], None] | None:
     return on_token
 
 
+def _cache_folder(cache_dir: Any) -> Path | None:
+    """``Engine(cache_dir=...)`` as a folder (``None``: memory only); anything but a non-empty path is refused, because
+    ``Path(5)`` is a bare ``TypeError`` and ``Path("")`` the current folder."""
+    if cache_dir is None:
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)) or not str(os.fspath(cache_dir)).strip():
+        raise InvalidOptionError(f"cache_dir must be a folder path (a str or os.PathLike) or None for memory only, got "
+                                 f"{cache_dir!r:.80}")
+    return Path(cache_dir)
+
+
 def _tee(first: Callable[[str], None], second: Callable[[str], None] | None) -> Callable[[str], None]:
     """``first`` then ``second`` on each piece (the handle's buffer, then the caller's own ``on_token``)."""
     if second is None:
@@ -153,13 +164,14 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
                  cache_dir: str | os.PathLike | None = None, **settings: Any):
         self.config = config = EngineConfig.resolve(config, settings)
+        folder = _cache_folder(cache_dir)
         self.loaded = loaded
         self.layout = PromptLayout(loaded.tokenizer, config.system_prompt, config.question_template,
                                    config.context_template)
         self.layout.prefix_ids  # fail early on a model without a usable chat template  # noqa: B018
         self.layout.context_ids("")  # builds the user-text tokenizer copy now (~0.5 s), not in a first caller's
         # thread (an async caller's would hold its event loop): documents are tokenised where requests are made
-        self.store = KVCacheStore(loaded, Path(cache_dir) if cache_dir is not None else None,
+        self.store = KVCacheStore(loaded, folder,
                                   disk_format=config.disk_format, memory_bytes=config.memory_bytes,
                                   disk_bytes=config.disk_bytes, host_bytes=config.host_bytes,
                                   host_format=config.host_format)
@@ -183,6 +195,7 @@ class Engine:
         ``config``, ``cache_dir`` and ``settings``: as for :class:`Engine`, checked before the model loads.
         """
         config = EngineConfig.resolve(config, settings)
+        _cache_folder(cache_dir)
         return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter,
                               trust_remote_code=trust_remote_code), config, cache_dir=cache_dir)
 

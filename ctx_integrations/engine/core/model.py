@@ -16,6 +16,7 @@ custom code is a :class:`~ctx_integrations.errors.TrustRemoteCodeError` naming t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -178,7 +179,9 @@ def check_gguf_file(gguf_file: Path) -> None:
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
-    """Dequantise a GGUF file once and store it as a plain safetensors folder (atomically)."""
+    """Dequantise a GGUF file once and store it as a plain safetensors folder (atomically: written to a hidden
+    folder beside ``target`` and renamed, so a failed write leaves nothing). A full disk is a ``ModelLoadError``
+    saying how much space is needed, where, and what to do (safetensors' own error is no ``OSError``)."""
     _require_gguf_support()
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,12 +189,13 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32,
                                                  trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, trust_remote_code=False)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    staging = None
     try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
         config = model.config
         if hasattr(config, "quantization_config"):
@@ -203,9 +207,28 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
             os.replace(staging, target)
         except OSError:  # another process converted it first
             shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as error:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(error):
+            needed = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+            free = shutil.disk_usage(next(p for p in (target.parent, *target.parents) if p.exists())).free
+            raise ModelLoadError(f"no space left on the disk of {target.parent} to convert {gguf_file.name} on first "
+                                 f"use: it needs about {needed / 2**20:,.0f} MiB there ({free / 2**20:,.0f} MiB free "
+                                 "now). Free space there, or set CTX_CACHE_DIR to a folder on a larger disk; nothing "
+                                 "half-written was kept") from error
+        if type(error).__name__ == "SafetensorError":  # safetensors' own error type, not an OSError
+            raise ModelLoadError(f"could not write the converted model of {gguf_file.name} to {target.parent} "
+                                 f"({error}); nothing half-written was kept") from error
         raise
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the disk (or the user's quota) is full: an OSError, or safetensors' error, whose
+    message carries the OS error (``IoError(Os { code: 28, kind: StorageFull, ... })``)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(error).__name__ == "SafetensorError" and ("StorageFull" in str(error) or "QuotaExceeded" in str(error))
 
 
 def converted_gguf_dir(gguf_file: Path, content_hash: str | None = None) -> Path:

@@ -10,10 +10,11 @@ with ``finish_reason == "length"`` and the text cut short).
 
 JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between tokens, so a small model cannot
 spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
-every answer is valid against the schema). An integer the schema leaves unbounded is held to JSON's interoperable range,
-±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's included, takes exactly; otherwise a model,
-a small one especially, can write digits until ``max_tokens`` and the answer is cut): still valid against the
-schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
+every answer is valid against the schema; a keyword the grammar cannot enforce is refused by name,
+:mod:`~ctx_integrations.engine.core.schema_support`). An integer the schema leaves unbounded is held to JSON's
+interoperable range, ±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's included, takes
+exactly; otherwise a model, a small one especially, can write digits until ``max_tokens`` and the answer is
+cut): still valid against the schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
 without it, asking for structured output raises :class:`~ctx_integrations.errors.MissingDependencyError` and
 everything else works.
 """
@@ -39,6 +40,7 @@ from ctx_integrations.engine.core.compile_pool import (
     check_format_size,
     pool_for,
 )
+from ctx_integrations.engine.core.schema_support import check_schema
 from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError, missing_dependency
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -60,6 +62,7 @@ def _schema_text(schema: Any) -> str:
     """A JSON schema given as a dict, a JSON string or a pydantic model class, as JSON text (its key order kept)."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
+    check_schema(schema)  # refuses what xgrammar would drop silently, and schemas too deep for recursive code
     if isinstance(schema, str):
         try:
             parsed = json.loads(schema)
