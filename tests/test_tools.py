@@ -14,7 +14,7 @@ from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.structured import StructuredOutput
 from ctx_integrations.engine.core.tools import HERMES, ToolCallFormat, as_tools, probe_format, tool_request
-from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError
+from ctx_integrations.errors import IncompleteStructuredOutputError, InvalidOptionError, InvalidStructuredOutputError
 from tests.helpers import embedded_tokenizer, tiny_loaded
 
 WEATHER = {"type": "function", "function": {
@@ -184,3 +184,145 @@ def test_unbounded_integer_arguments_are_held_to_the_interoperable_range(engine)
     answer = engine.chat(MESSAGES, tools=[add], tool_choice="add", max_new_tokens=80)
     assert answer.finish_reason == "eos" and [call.name for call in answer.tool_calls] == ["add"]
     assert all(abs(value) <= 2**53 - 1 for value in answer.tool_calls[0].arguments.values())
+
+
+# -- the calls small models write on their own (tool_choice="auto"), and calls cut by the budget --------------------
+LICENCE = {"type": "function", "function": {"name": "licence_facts", "parameters": {
+    "type": "object", "properties": {"spdx_id": {"type": "string"}}, "required": ["spdx_id"]}}}
+OFFERED = as_tools([LICENCE, ADD])
+
+
+@pytest.mark.parametrize("text, content", [
+    ('```json\n{"name": "licence_facts", "arguments": {"spdx_id": "Apache-2.0"}}\n```', ""),  # the 0.5B model's
+    ('```\n{"name": "licence_facts", "arguments": {"spdx_id": "Apache-2.0"}}```', ""),
+    ('Let me look. {"name": "licence_facts", "arguments": {"spdx_id": "Apache-2.0"}} Done.', "Let me look.  Done."),
+    ('{"name": "licence_facts", "parameters": {"spdx_id": "Apache-2.0"}}', ""),  # Llama 3.1's key
+    ('{"name": "licence_facts", "arguments": "{\\"spdx_id\\": \\"Apache-2.0\\"}"}', ""),  # arguments as JSON text
+    ('{"type": "function", "function": {"name": "licence_facts", "arguments": {"spdx_id": "Apache-2.0"}}}', ""),
+    ('<tool_call>\n{"name": "licence_facts", "arguments": {"spdx_id": "Apache-2.0"}}', ""),  # its end left out
+])
+def test_calls_written_as_json_or_markup_are_read(text, content):
+    read = HERMES.read(text, OFFERED)
+    assert read.text == content and [(c.name, c.arguments) for c in read.calls] == [
+        ("licence_facts", {"spdx_id": "Apache-2.0"})] and read.cut is None
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "Bob", "arguments": {"spdx_id": "MIT"}}',  # names no offered tool
+    '```json\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n```',  # arguments invalid for the tool
+    '{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}',  # a property the schema does not declare
+    '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "rm", "arguments": {}}]',  # a list: all or none
+    '{"name": "add", "arguments": [1, 2]}', '{"arguments": {"a": 1, "b": 2}}', '["add", 1]', 'a [1] and {"b": 2}',
+    '```json\n{"name": "licence_facts", "arguments": {"spdx_id": "MIT"}}',  # a fence never closed
+])
+def test_text_that_only_looks_like_a_call_stays_text(text):
+    read = HERMES.read(text, OFFERED, cut=True)
+    assert (read.text, read.calls, read.cut) == (text, [], None)
+
+
+def test_json_lists_and_parallel_calls():
+    text = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "parameters": {"a": 3, "b": 4}}]'
+    assert [c.arguments for c in HERMES.read(text, OFFERED).calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    one = HERMES.read(text + ' {"name": "add", "arguments": {"a": 5, "b": 6}}', OFFERED, parallel=False)
+    assert one.text == "" and [c.arguments for c in one.calls] == [{"a": 1, "b": 2}]  # the others dropped, not text
+    assert [c.name for c in HERMES.read('{"name": "rm", "arguments": {}}').calls] == ["rm"]  # no tools: any name
+
+
+def test_a_cut_call_is_kept_apart_from_text_and_calls():
+    cut = HERMES.read('Checking. <tool_call>\n{"name": "licence_facts", "arguments": {"spdx_id": "12345', OFFERED,
+                      cut=True)
+    assert cut.text == "Checking." and cut.calls == []
+    assert (cut.cut.name, cut.cut.arguments) == ("licence_facts", '{"spdx_id": "12345')
+    assert cut.cut.openai()["function"] == {"name": "licence_facts", "arguments": '{"spdx_id": "12345'}
+    assert cut.cut.to_dict()["arguments"] == '{"spdx_id": "12345' and cut.cut.id.startswith("call_")
+    early = HERMES.read('<tool_call>\n{"name": "lic', OFFERED, cut=True)  # the one tool its name can be
+    assert (early.text, early.cut.name, early.cut.arguments) == ("", "licence_facts", "")
+    fenced = HERMES.read('```json\n{"name": "add", "arguments": {"a": 1', OFFERED, cut=True)
+    assert (fenced.text, fenced.cut.name, fenced.cut.arguments) == ("", "add", '{"a": 1')
+    assert HERMES.read('```json\n{"name": "add", "arguments": {"a": 1', OFFERED).cut is None  # ended on its own
+
+
+def test_a_forced_answer_is_calls_only_so_its_cut_tail_is_the_cut_call():
+    assert HERMES.read("<tool_", OFFERED, "required", cut=True).cut.name == ""  # two tools: not known yet
+    assert HERMES.read("<tool_", OFFERED, OFFERED[1], cut=True).cut.name == "add"  # the named tool
+    assert HERMES.read("<tool_", OFFERED, "auto", cut=True).text == "<tool_"  # auto: text it may be
+    whole = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool'  # cut inside its end
+    read = HERMES.read(whole, OFFERED, "required", cut=True)
+    assert (read.text, [c.arguments for c in read.calls], read.cut) == ("", [{"a": 1, "b": 2}], None)
+    after = HERMES.read(whole + '>\n<tool_call>\n{"name": "add", "argu', OFFERED, "required", cut=True)
+    assert [c.arguments for c in after.calls] == [{"a": 1, "b": 2}] and after.cut is None  # dropped: a repeat
+
+
+def test_cut_json_that_names_no_tool_stays_text():
+    for text in ('Here is {"name": "Bob", "age": 3', 'Here is {"name": "Bo'):
+        assert HERMES.read(text, OFFERED, cut=True).text == text
+    assert HERMES.read('Here is {"name": ', OFFERED, cut=True).text == "Here is"  # may be a call: never shown
+
+
+def test_the_stream_filter_holds_back_json_a_call_may_be():
+    from ctx_integrations import ToolCallFilter
+
+    calls = ToolCallFilter(HERMES)
+    assert calls.push("Sure: ") == "Sure: " and calls.push("`") == "" and calls.push('``json\n{"name"') == ""
+    assert calls.rest("Sure:") == ""
+    plain = ToolCallFilter(HERMES)
+    assert plain.push("a [") == "a " and plain.push("1] b") == ""
+    assert plain.rest("a [1] b") == "[1] b"  # not a call: the rest comes with the answer
+
+
+def test_unbounded_strings_and_arrays_are_bounded_where_xgrammar_compiles_them(monkeypatch):
+    from ctx_integrations.engine.core.structured import (
+        DEFAULT_MAX_ITEMS,
+        DEFAULT_MAX_LENGTH,
+        SchemaBounds,
+        bounded_integers,
+        narrowed_schema,
+    )
+
+    schema = {"type": "object", "properties": {
+        "s": {"type": "string"}, "given": {"type": "string", "maxLength": 500}, "long": {"type": "string",
+                                                                                      "minLength": 300},
+        "tags": {"type": "array", "items": {"type": ["string", "null"]}}, "few": {"type": "array", "maxItems": 2},
+        "many": {"type": "array", "minItems": 40}, "id": {"type": "string", "pattern": "^[a-z]+$"},
+        "when": {"type": "string", "format": "date"}, "pick": {"type": "string", "enum": ["a"]},
+        "fixed": {"type": "string", "const": "x"}, "n": {"type": "integer"}},
+        "default": {"s": {"type": "string"}}}
+    out = json.loads(narrowed_schema(json.dumps(schema), SchemaBounds()))
+    props = out["properties"]
+    assert props["s"]["maxLength"] == DEFAULT_MAX_LENGTH == 128 and props["given"]["maxLength"] == 500
+    assert props["long"]["maxLength"] == 300 and props["tags"]["maxItems"] == DEFAULT_MAX_ITEMS == 32
+    assert props["tags"]["items"]["maxLength"] == 128 and props["few"]["maxItems"] == 2
+    assert props["many"]["maxItems"] == 40 and props["n"]["maximum"] == 2**53 - 1
+    assert all("maxLength" not in props[key] for key in ("id", "when", "pick", "fixed"))
+    assert out["default"] == schema["default"]  # JSON data, not a schema
+    off = json.loads(narrowed_schema(json.dumps(schema), SchemaBounds(max_length=0, max_items=0)))["properties"]
+    assert "maxLength" not in off["s"] and "maxItems" not in off["tags"] and off["n"]["minimum"] == -(2**53) + 1
+    monkeypatch.setenv("CTX_SCHEMA_MAX_LENGTH", "7")
+    monkeypatch.setenv("CTX_SCHEMA_MAX_ITEMS", "0")
+    env = json.loads(bounded_integers(json.dumps(schema)))["properties"]  # GrammarCompiler.compile's name for it
+    assert env["s"]["maxLength"] == 7 and "maxItems" not in env["tags"]
+    assert StructuredOutput(json=schema).schema() == schema  # what the user's schema reports is never narrowed
+
+
+@pytest.mark.parametrize("variable, value", [("CTX_SCHEMA_MAX_LENGTH", "-1"), ("CTX_SCHEMA_MAX_ITEMS", "many")])
+def test_a_bad_bound_setting_is_refused_by_name(monkeypatch, variable, value):
+    from ctx_integrations.engine.core.structured import SchemaBounds
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(InvalidOptionError, match=f"\\${variable} must be a whole number"):
+        SchemaBounds.from_environment()
+    with pytest.raises(InvalidOptionError, match="max_items must be a whole number"):
+        SchemaBounds(max_items=True)
+
+
+def test_an_unbounded_string_argument_is_held_to_the_bound(engine, monkeypatch):
+    monkeypatch.setenv("CTX_SCHEMA_MAX_LENGTH", "6")
+    answer = engine.chat(MESSAGES, tools=[LICENCE], tool_choice="licence_facts", max_new_tokens=96)
+    assert answer.finish_reason == "eos" and [c.name for c in answer.tool_calls] == ["licence_facts"]
+    assert len(answer.tool_calls[0].arguments["spdx_id"]) <= 6 and answer.cut_tool_call is None
+    cut = engine.chat(MESSAGES, tools=[LICENCE], tool_choice="required", max_new_tokens=5)
+    assert cut.finish_reason == "length" and cut.tool_calls == [] and cut.text == ""
+    assert cut.cut_tool_call is not None and cut.to_dict()["cut_tool_call"]["id"] == cut.cut_tool_call.id
+    with pytest.raises(IncompleteStructuredOutputError, match="raise max_tokens"):
+        cut.refuse_cut_tool_call()
+    answer.refuse_cut_tool_call()  # a complete call: nothing to refuse

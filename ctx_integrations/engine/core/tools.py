@@ -246,49 +246,50 @@ class ToolCallFormat:
         return CallsRead("".join(kept).strip(), calls, None if calls else cut_call)
 
     def _next_call(self, text: str, at: int, tools: Mapping[str, Tool]) -> tuple[int, int, list[ToolCall]] | None:
-        """The first span from ``at`` that holds calls: (start, end, its calls), or ``None``."""
+        """The first span from ``at`` that holds calls: (start, end, its calls), or ``None``. JSON that is not calls
+        is passed over whole (a list is calls all or none; a call inside other JSON is that JSON's data)."""
         while (start := _next_opening(text, at, self.begin)) is not None:
-            read = self._calls_at(text, start, tools)
-            if read is not None:
-                return (start, *read)
-            at = start + 1
+            end, calls = self._calls_at(text, start, tools)
+            if calls:
+                return start, end, calls
+            at = max(end, start + 1)
         return None
 
-    def _calls_at(self, text: str, start: int, tools: Mapping[str, Tool]) -> tuple[int, list[ToolCall]] | None:
-        """The calls of the span that opens at ``start`` and where it ends: the template's markup (``begin`` JSON
-        ``end``; a lone ``end`` missing at the end of the answer is let through), a fence, or bare JSON."""
+    def _calls_at(self, text: str, start: int, tools: Mapping[str, Tool]) -> tuple[int, list[ToolCall]]:
+        """The calls of the span that opens at ``start`` and where it ends (``[]`` and the end of the JSON there, if
+        any, when it holds none): the template's markup (``begin`` JSON ``end``; an ``end`` left out, or cut, is
+        let through), a closed fence around JSON, or bare JSON."""
         if self.begin and text.startswith(self.begin, start):
-            body = start + len(self.begin)
-            value, end = _json_at(text, body)
+            value, end = _json_at(text, start + len(self.begin))
             calls = _calls_of(value, self, tools)
-            if not calls:
-                return None
-            if text.startswith(self.end, end) or (text[end:] and self.end.startswith(text[end:])):
+            if calls and (text.startswith(self.end, end) or (text[end:] and self.end.startswith(text[end:]))):
                 end = min(len(text), end + len(self.end))  # its end, or the part of it written before a cut
             return end, calls
         fence = _FENCE.match(text, start)
         if fence is not None:
             value, end = _json_at(text, fence.end())
             closing = _FENCE_END.match(text, end)
-            calls = _calls_of(value, self, tools) if closing is not None else []
-            return (closing.end(), calls) if calls else None
+            return (closing.end(), _calls_of(value, self, tools)) if closing is not None else (end, [])
         value, end = _json_at(text, start)
-        calls = _calls_of(value, self, tools)
-        return (end, calls) if calls else None
+        return end, _calls_of(value, self, tools)
 
     def _cut_opening(self, rest: str, tools: Mapping[str, Tool]) -> int | None:
         """Where an unfinished call starts in ``rest`` (the text after the last complete call), or ``None``:
         the template's opening, or JSON (bare or fenced) that starts as a call of an offered tool, ``{"name": "``
-        and a tool's name or the start of one (JSON that names something else stays text)."""
-        openings = [rest.find(self.begin)] if self.begin else []
+        and a tool's name or the start of one; either one whose JSON does not end (JSON that ends, or names
+        something else, stays text)."""
+        openings = []
+        if self.begin and (at := rest.find(self.begin)) >= 0 and _json_at(rest, at + len(self.begin))[0] is None:
+            openings.append(at)
         for match in _CUT_JSON.finditer(rest):
             named = _NAME_VALUE.match(rest, match.end() - 1)
             written = rest[match.end():].strip()
-            if (not written or (named is not None and (named.group(1) in tools if named.group(2) else
-                                                       any(name.startswith(named.group(1)) for name in tools)))):
+            unfinished = _json_at(rest, rest.index("{", match.start()))[0] is None
+            if unfinished and (not written or (named is not None and (
+                    named.group(1) in tools if named.group(2) else
+                    any(name.startswith(named.group(1)) for name in tools)))):
                 openings.append(match.start())
                 break
-        openings = [at for at in openings if at >= 0]
         return min(openings) if openings else None
 
 
@@ -457,7 +458,10 @@ class ToolCallFilter:
 
     def rest(self, content: str) -> str:
         """What of the answer's final text (its calls taken out) was not passed on yet."""
-        sent = self.seen[:self.sent].strip()
+        sent = self.seen[:self.sent]
+        if content.startswith(sent):  # the blank the text went on with was sent already: not twice
+            return content[len(sent):]
+        sent = sent.strip()  # the final text is stripped
         return content[len(sent):] if content.startswith(sent) else ""
 
 
