@@ -323,6 +323,6 @@ def test_an_unbounded_string_argument_is_held_to_the_bound(engine, monkeypatch):
     cut = engine.chat(MESSAGES, tools=[LICENCE], tool_choice="required", max_new_tokens=5)
     assert cut.finish_reason == "length" and cut.tool_calls == [] and cut.text == ""
     assert cut.cut_tool_call is not None and cut.to_dict()["cut_tool_call"]["id"] == cut.cut_tool_call.id
-    with pytest.raises(IncompleteStructuredOutputError, match="raise max_tokens"):
+    with pytest.raises(IncompleteStructuredOutputError, match="raise max_new_tokens"):
         cut.refuse_cut_tool_call()
     answer.refuse_cut_tool_call()  # a complete call: nothing to refuse

@@ -63,8 +63,8 @@ class Answer:
             return
         raise IncompleteStructuredOutputError(
             f"the call of tool {cut.name or '(name not written yet)'!r} was cut before it was complete "
-            f"(finish_reason {self.finish_reason!r}): raise max_tokens / max_new_tokens, or bound the tool's strings "
-            f"and arrays (maxLength, maxItems in its schema; $CTX_SCHEMA_MAX_LENGTH, $CTX_SCHEMA_MAX_ITEMS); its "
+            f"(finish_reason {self.finish_reason!r}): raise max_new_tokens (LangChain's max_tokens), or bound the "
+            f"tool's strings and arrays (maxLength, maxItems; $CTX_SCHEMA_MAX_LENGTH, $CTX_SCHEMA_MAX_ITEMS); its "
             f"arguments read {cut.arguments[:200]!r}", cut.arguments)
 
     def citation_counts(self) -> Counter[int]:
