@@ -326,3 +326,42 @@ def test_an_unbounded_string_argument_is_held_to_the_bound(engine, monkeypatch):
     with pytest.raises(IncompleteStructuredOutputError, match="raise max_new_tokens"):
         cut.refuse_cut_tool_call()
     answer.refuse_cut_tool_call()  # a complete call: nothing to refuse
+
+
+def test_the_shapes_of_a_call_and_a_cut_call():
+    from ctx_integrations.engine.core.tools import CutToolCall, ToolCall
+
+    call = ToolCall("add", {"city": "Zürich"}, id="call_x")
+    assert call.openai() == {"id": "call_x", "type": "function",
+                             "function": {"name": "add", "arguments": '{"city": "Zürich"}'}}
+    assert call.to_dict() == {"id": "call_x", "name": "add", "arguments": {"city": "Zürich"}}
+    cut = CutToolCall("add", '{"a": 1', id="call_y")
+    assert cut.openai() == {"id": "call_y", "type": "function", "function": {"name": "add", "arguments": '{"a": 1'}}
+    assert cut.to_dict() == {"id": "call_y", "name": "add", "arguments": '{"a": 1'}
+    assert HERMES.call_text("add", {"city": "Zürich"}) == (
+        "<tool_call>\n", '{"name": "add", "arguments": {"city": "Zürich"}}', "\n</tool_call>")
+
+
+def test_a_cut_calls_name_is_the_one_its_text_can_be():
+    both = as_tools([ADD, {"type": "function", "function": {"name": "add_more"}}])
+    assert HERMES.read('<tool_call>\n{"name": "add", "arguments": {"a": 1', both, cut=True).cut.name == "add"
+    assert HERMES.read('<tool_call>\n{"name": "add', both, cut=True).cut.name == ""  # add or add_more
+    one = as_tools([LICENCE])
+    assert HERMES.read("<tool_", one, "required", cut=True).cut.name == "licence_facts"  # the only tool
+    bare = ToolCallFormat("", "", "name", "parameters", native=True)
+    assert bare.read('{"name": "add", "parameters": {"a": 1', OFFERED, cut=True).cut.arguments == '{"a": 1'
+
+
+def test_the_stream_filter_of_a_bare_format_and_its_first_opening():
+    from ctx_integrations import ToolCallFilter
+
+    bare = ToolCallFilter(ToolCallFormat("", "", "name", "parameters", native=True))
+    assert bare.marker == '{"name"' and bare.markers == ('{"name"', "```", "{", "[")
+    twice = ToolCallFilter(HERMES)
+    assert twice.push("a { b { c") == "a " and twice.push(" d") == ""  # held from the first opening on
+    assert twice.rest("a { b { c d") == "{ b { c d"
+    spaced = ToolCallFilter(HERMES)
+    assert spaced.push("Hi ") == "Hi " and spaced.rest("Hi") == ""  # the final text is stripped
+    assert ToolCallFilter(HERMES).rest("other") == "other"  # nothing sent yet: all of it
+    other = ToolCallFilter(HERMES)
+    assert other.push("abc") == "abc" and other.rest("xyz") == ""  # never text the client did not get the start of
