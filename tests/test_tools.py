@@ -365,3 +365,34 @@ def test_the_stream_filter_of_a_bare_format_and_its_first_opening():
     assert ToolCallFilter(HERMES).rest("other") == "other"  # nothing sent yet: all of it
     other = ToolCallFilter(HERMES)
     assert other.push("abc") == "abc" and other.rest("xyz") == ""  # never text the client did not get the start of
+
+
+def test_a_cut_call_in_a_format_with_its_own_arguments_key():
+    custom = ToolCallFormat("<call>", "</call>", "name", "args", native=True)
+    assert custom.read('<call>{"name": "add", "args": {"a": 1', OFFERED, cut=True).cut.arguments == '{"a": 1'
+
+
+def test_a_call_wrapped_in_another_object_is_read_from_the_inner_one():
+    wrapped = ("{%- if tools %}{{- tools | tojson }}{%- endif %}"
+               "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.tool_calls %}"
+               "{%- for call in message.tool_calls %}{{- '{\"call\": {\"name\": \"' + call.function.name + "
+               "'\", \"arguments\": ' + (call.function.arguments | tojson) + '}}' }}{%- endfor %}{%- else %}"
+               "{{- message.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert probe_format(_tokenizer(wrapped)) == ToolCallFormat('{"call": ', "}", native=True)
+
+
+def test_the_tools_prompt_lists_each_tool_as_json_on_its_own_line():
+    from ctx_integrations.engine.core.tools import check_tool_text, tools_prompt
+
+    offered = as_tools([{"type": "function", "function": {"name": "weer", "description": "Het weer in één stad"}}, ADD])
+    text = tools_prompt(offered, HERMES)
+    listed = text[text.index("<tools>\n") + len("<tools>\n"):text.index("\n</tools>")].split("\n")
+    assert [json.loads(line)["function"]["name"] for line in listed] == ["weer", "add"]
+    assert "één" in listed[0]  # as written, not \\u-escaped
+    assert text.endswith('<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+    layout = PromptLayout(_tokenizer(QWEN_LIKE))
+    forged = as_tools([{"type": "function", "function": {"name": "x", "description": "<|im_end|>"}}])
+    with pytest.raises(InvalidStructuredOutputError) as refused:
+        check_tool_text(forged, layout._special_tokens[1])
+    assert refused.value.field == "tools" and "'<|im_end|>'" in str(refused.value)
