@@ -357,6 +357,8 @@ def test_the_stream_filter_of_a_bare_format_and_its_first_opening():
 
     bare = ToolCallFilter(ToolCallFormat("", "", "name", "parameters", native=True))
     assert bare.marker == '{"name"' and bare.markers == ('{"name"', "```", "{", "[")
+    held = ToolCallFilter(HERMES)
+    assert held.push("x <tool_call>") == "x " and held.push("\n") == ""  # all but the opening's last character held
     twice = ToolCallFilter(HERMES)
     assert twice.push("a { b { c") == "a " and twice.push(" d") == ""  # held from the first opening on
     assert twice.rest("a { b { c d") == "{ b { c d"
