@@ -398,3 +398,12 @@ def test_the_tools_prompt_lists_each_tool_as_json_on_its_own_line():
     with pytest.raises(InvalidStructuredOutputError) as refused:
         check_tool_text(forged, layout._special_tokens[1])
     assert refused.value.field == "tools" and "'<|im_end|>'" in str(refused.value)
+
+
+def test_a_template_that_writes_calls_without_json_gets_the_hermes_format():
+    pythonic = ("{%- if tools %}{{- tools | tojson }}{%- endif %}{%- for message in messages %}"
+                "{{- '<|im_start|>' + message.role + '\\n' }}{%- for call in message.tool_calls or [] %}"
+                "{{- '[' + call.function.name + '(x=1)]' }}{%- endfor %}{{- message.content }}"
+                "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert probe_format(_tokenizer(pythonic)) == HERMES  # Llama 3.2's pythonic calls: not a JSON object
