@@ -407,3 +407,39 @@ def test_a_template_that_writes_calls_without_json_gets_the_hermes_format():
                 "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
                 "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     assert probe_format(_tokenizer(pythonic)) == HERMES  # Llama 3.2's pythonic calls: not a JSON object
+
+
+@pytest.mark.parametrize("text, content, arguments", [
+    ('A <tool_call>\nnot json B <tool_call>\n{"name": "add", "arguments": {"a": 1', "A", '{"a": 1'),  # from the first
+    ('{"x": 1} <tool_call>\n{"name": "add", "arguments": {"a": 1', '{"x": 1}', '{"a": 1'),
+    ('See {"a": 1} then {"name": "add", "arguments": {"a": 1', 'See {"a": 1} then', '{"a": 1'),
+    ('{"name": "add", "arguments": {"a": 1}', "", '{"a": 1}'),  # its arguments whole, the call not
+    ('Then {"name": "lic', "Then", ""),  # the start of a tool's name
+])
+def test_where_a_cut_call_starts(text, content, arguments):
+    read = HERMES.read(text, OFFERED, cut=True)
+    assert (read.text, read.cut.arguments if read.cut else None) == (content, arguments)
+
+
+def test_a_complete_name_that_only_begins_a_tools_name_is_not_a_cut_call():
+    text = 'x {"name": "ad", "arguments": {"a": 1'
+    assert HERMES.read(text, OFFERED, cut=True).text == text
+
+
+def test_the_structural_tag_of_each_choice():
+    tools = as_tools(TOOLS)
+    required = json.loads(HERMES.structured(tools, "required").structural_tag)["format"]
+    assert (required["type"], required["separator"], required["at_least_one"], required["stop_after_first"]) == (
+        "tags_with_separator", "\n", True, False)
+    assert [tag["type"] for tag in required["tags"]] == ["tag", "tag"]
+    assert required["tags"][1]["begin"] == '<tool_call>\n{"name": "add", "arguments": '
+    assert required["tags"][1]["end"] == "}\n</tool_call>"
+    auto = json.loads(HERMES.structured(tools, "auto", parallel=False).structural_tag)["format"]
+    assert (auto["type"], auto["triggers"], auto["stop_after_first"]) == ("triggered_tags", ["<tool_call>\n"], True)
+    named = json.loads(HERMES.structured(tools, tools[1]).structural_tag)["format"]
+    assert named["type"] == "tag" and named["begin"].endswith('"add", "arguments": ')
+    broken = as_tools([{"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}}}])
+    with pytest.raises(InvalidStructuredOutputError, match="tool 'bad': its parameters schema cannot be") as error:
+        HERMES.structured(broken, "required")
+    assert error.value.field == "tools"
