@@ -443,3 +443,23 @@ def test_the_structural_tag_of_each_choice():
     with pytest.raises(InvalidStructuredOutputError, match="tool 'bad': its parameters schema cannot be") as error:
         HERMES.structured(broken, "required")
     assert error.value.field == "tools"
+
+
+def test_tool_choice_in_each_shape_and_its_refusals_name_the_tools():
+    from ctx_integrations.engine.core.tools import tool_choice
+
+    tools = as_tools(TOOLS)
+    assert tool_choice(None, tools) == "auto" and tool_choice({"name": "add"}, tools) is tools[1]
+    assert tool_choice({"type": "function", "function": {"name": "add"}}, tools) is tools[1]
+    with pytest.raises(InvalidOptionError, match=r"\(get_weather, add\), got 'rm'"):
+        tool_choice("rm", tools)
+    with pytest.raises(InvalidOptionError, match=r"\(none given\), got 'rm'"):
+        tool_choice("rm", ())
+    with pytest.raises(InvalidOptionError, match="^tool_choice='required' needs at least one tool$"):
+        tool_choice("required", ())
+    asked = tool_request(TOOLS, "required")
+    assert asked.parallel is True and asked.choice == "required"
+    tag = json.loads(asked.sampling(SamplingParams(), HERMES).structured.structural_tag)["format"]
+    assert tag["stop_after_first"] is False
+    single = tool_request(TOOLS, "required", parallel=False).sampling(SamplingParams(), HERMES)
+    assert json.loads(single.structured.structural_tag)["format"]["stop_after_first"] is True
