@@ -219,6 +219,10 @@ TARGETS = {
                              ("tests/test_schema_support.py", "tests/test_attack_schema.py", "-k",
                               "not server and not answered_validly and not before_any_answer and not docs")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
+    # tool calling: the call format read from the template, the structural tag, the calls (markup, bare or fenced
+    # JSON) and a cut call read back, the stream filter (tiny-model tests; the embedded model's one is left out)
+    "tools": Target("ctx_integrations/engine/core/tools.py", ("*",),
+                    ("tests/test_tools.py", "-k", "not embedded_model")),
     # the server's rules: which chat fields are refused, and whose requests carry the API key
     "unsupported": Target("ctx_integrations/serve/unsupported.py", ("*",),
                           ("tests/test_serve_openai_api.py", "-k", "refus or not_implement or ask_for_nothing")),

@@ -317,6 +317,7 @@ class ChatContextOfExperts(BaseChatModel):
         return {"response_metadata": metadata, "usage_metadata": usage_metadata(request.input_tokens(answer), answer)}
 
     def _message(self, request: _Request, answer: Answer) -> AIMessage:
+        answer.refuse_cut_tool_call()  # a call cut by max_tokens is an IncompleteStructuredOutputError, never text
         return AIMessage(content=answer.text, tool_calls=_langchain_calls(answer), **self._metadata(request, answer))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -328,6 +329,7 @@ class ChatContextOfExperts(BaseChatModel):
     def _last_chunk(self, request: _Request, answer: Answer, calls: ToolCallFilter | None) -> ChatGenerationChunk:
         """A chunk carrying the metadata once (chunks merge by concatenating their metadata), and with tools the
         text after the calls and the calls themselves (as tool-call chunks, so the merged message has them)."""
+        answer.refuse_cut_tool_call()  # at the stream's end
         text, chunks = "", []
         if calls is not None:
             text = calls.rest(answer.text)

@@ -70,6 +70,16 @@ def structured_runnable(model: Any, schema: Any, *, method: str = "json_schema",
     parser = RunnableLambda(complete) | parser
     if not include_raw:
         return llm | parser
+    if method == "function_calling":  # the chat model raises on a call max_tokens cut: here it is the parsing_error
+        llm = llm.with_fallbacks([RunnableLambda(_cut_call_message)],
+                                 exceptions_to_handle=(IncompleteStructuredOutputError,))
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
     unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
     return RunnableMap(raw=llm) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
+
+
+def _cut_call_message(_: Any) -> AIMessage:
+    """The raw message of a call ``max_tokens`` cut (the chat model raised instead of returning it): no calls and
+    ``finish_reason="length"``, so ``include_raw=True`` reports the cut as its ``parsing_error``, as for the other
+    methods."""
+    return AIMessage(content="", response_metadata={"finish_reason": "length"})

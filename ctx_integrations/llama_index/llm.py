@@ -137,13 +137,8 @@ class _Request:
                "model": self.engine.loaded.name, "timings": dict(answer.timings),
                "finish_reason": answer.finish_reason}
         if self.tools.get("tools") and answer.finish_reason != "eos":
-            raw["tool_call_cut"] = self._call_cut(answer)
+            raw["tool_call_cut"] = answer.cut_tool_call is not None  # the engine read the cut call apart
         return raw
-
-    def _call_cut(self, answer: Answer) -> bool:
-        """Whether the answer stopped inside a tool call: one was required, or its opening was written."""
-        forced = self.tools.get("tool_choice") not in (None, "auto", "none")
-        return forced or ToolCallFilter.for_engine(self.engine).marker in answer.text
 
 
 class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):

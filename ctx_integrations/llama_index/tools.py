@@ -64,7 +64,10 @@ def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 def answer_message(answer: Answer) -> ChatMessage:
     """The assistant's message for ``answer``: its text, then one :class:`ToolCallBlock` per call it made; the
     calls in OpenAI's shape in ``additional_kwargs["tool_calls"]`` too, where LlamaIndex's streaming programs and
-    chat memories look for them."""
+    chat memories look for them. A call ``max_new_tokens`` cut is an
+    :class:`~ctx_integrations.errors.IncompleteStructuredOutputError` (so ``FunctionAgent`` never takes it for
+    its final answer)."""
+    answer.refuse_cut_tool_call()
     if not answer.tool_calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=answer.text)
     blocks: list[Any] = [TextBlock(text=answer.text)]

@@ -324,10 +324,18 @@ def _finish_reason(answer: dict[str, Any], held: bool = False) -> str:
 
 
 def _tool_calls(answer: dict[str, Any]) -> list[dict[str, Any]]:
-    """The answer's tool calls in OpenAI's shape (arguments as JSON text)."""
-    return [{"id": call["id"], "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
-            for call in answer.get("tool_calls") or []]
+    """The answer's tool calls in OpenAI's shape (arguments as JSON text), then the call ``max_tokens`` cut, if any,
+    as OpenAI answers one: an entry whose ``arguments`` are the text as far as written (not valid JSON), with
+    ``finish_reason="length"``. Why: its markup never reaches ``content``, and a client that iterates
+    ``tool_calls`` and checks ``finish_reason`` (as for OpenAI) sees the cut instead of a call-less prose answer."""
+    calls = [{"id": call["id"], "type": "function",
+              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+             for call in answer.get("tool_calls") or []]
+    cut = answer.get("cut_tool_call")
+    if cut:
+        calls.append({"id": cut["id"], "type": "function",
+                      "function": {"name": cut["name"], "arguments": cut["arguments"]}})
+    return calls
 
 
 def _message(answer: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any
 from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, SentenceCitation, answer_citations
 from ctx_integrations.engine.core.decoding import TraceStep
-from ctx_integrations.engine.core.tools import ToolCall
+from ctx_integrations.engine.core.tools import CutToolCall, ToolCall
+from ctx_integrations.errors import IncompleteStructuredOutputError
 
 
 @dataclass
@@ -29,7 +30,8 @@ class Answer:
     mode that can attribute tokens could not for this answer, ``extra["attribution"] == "unavailable"``
     and ``extra["attribution_note"]`` says why and what to pass instead (APE on the flex kernel).
     ``tool_calls``: the tools a chat answer called (``Engine.chat(tools=...)``), each valid against its schema;
-    ``text`` is then the answer without them.
+    ``text`` is then the answer without them. ``cut_tool_call``: the call ``max_tokens`` or a stop string cut
+    before it was complete (``finish_reason`` is then not ``"eos"``), kept out of ``tool_calls`` and ``text``.
     """
 
     text: str
@@ -46,9 +48,24 @@ class Answer:
     extra: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_tokens: int = 0  # the prompt as one concatenation (prefix + documents + question), or the conversation
+    cut_tool_call: CutToolCall | None = None
 
     def __str__(self) -> str:
         return self.text
+
+    def refuse_cut_tool_call(self) -> None:
+        """Raise :class:`~ctx_integrations.errors.IncompleteStructuredOutputError` when the answer ends in a call
+        ``max_tokens`` or a stop string cut (:attr:`cut_tool_call`); its ``text`` is the cut arguments. How the
+        in-process front ends (LangChain, LlamaIndex) report it, so an agent never takes a cut call for the model's
+        final answer nor runs it."""
+        cut = self.cut_tool_call
+        if cut is None:
+            return
+        raise IncompleteStructuredOutputError(
+            f"the call of tool {cut.name or '(name not written yet)'!r} was cut before it was complete "
+            f"(finish_reason {self.finish_reason!r}): raise max_new_tokens (LangChain's max_tokens), or bound the "
+            f"tool's strings and arrays (maxLength, maxItems; $CTX_SCHEMA_MAX_LENGTH, $CTX_SCHEMA_MAX_ITEMS); its "
+            f"arguments read {cut.arguments[:200]!r}", cut.arguments)
 
     def citation_counts(self) -> Counter[int]:
         """How many generated tokens each document won."""
@@ -67,6 +84,7 @@ class Answer:
                                                        "hits_by_tier": dict(self.cache_hits_by_tier)},
             "finish_reason": self.finish_reason, "options": dict(self.options), "extra": dict(self.extra),
             "tool_calls": [call.to_dict() for call in self.tool_calls],
+            "cut_tool_call": self.cut_tool_call.to_dict() if self.cut_tool_call is not None else None,
             "prompt_tokens": self.prompt_tokens,
             "documents": [{**d.to_dict(), "tokens_won": counts.get(i, 0)} for i, d in enumerate(self.documents)],
         }

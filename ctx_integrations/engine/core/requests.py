@@ -98,8 +98,10 @@ class ChatRequest(Request):
 
     def finish(self, job: Job) -> list[Answer]:
         answer = answer_of(self.ctx, job.results()[0], CHAT_MODE, {}, len(self.ids))
-        if self.tools is not None:  # the calls, read back from the text in the model's call format
-            answer.text, answer.tool_calls = self.owner.layout.tool_format.parse(answer.text, self.tools.tools)
+        if self.tools is not None:  # the calls, read back from the text (the model's call format, or JSON)
+            read = self.owner.layout.tool_format.read(answer.text, self.tools.tools, self.tools.choice,
+                                                      self.tools.parallel, cut=answer.finish_reason != "eos")
+            answer.text, answer.tool_calls, answer.cut_tool_call = read.text, read.calls, read.cut
         return [answer]
 
 

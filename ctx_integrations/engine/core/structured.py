@@ -11,10 +11,12 @@ with ``finish_reason == "length"`` and the text cut short).
 JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between tokens, so a small model cannot
 spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
 every answer is valid against the schema; a keyword the grammar cannot enforce is refused by name,
-:mod:`~ctx_integrations.engine.core.schema_support`). An integer the schema leaves unbounded is held to JSON's
-interoperable range, ±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's included, takes
-exactly; otherwise a model, a small one especially, can write digits until ``max_tokens`` and the answer is
-cut): still valid against the schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
+:mod:`~ctx_integrations.engine.core.schema_support`). What the schema leaves unbounded is bounded
+(:func:`narrowed_schema`; otherwise a model, a small one especially, can write digits or items until ``max_tokens`` and the answer is cut):
+an integer to JSON's interoperable range, ±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's
+included, takes exactly), a string to 128 characters and an array to 32 items (:class:`SchemaBounds`; overridden
+by ``$CTX_SCHEMA_MAX_LENGTH`` / ``$CTX_SCHEMA_MAX_ITEMS``, 0 for none, or by the schema's own ``maxLength`` /
+``maxItems``): still valid against the schema. xgrammar is optional (``pip install 'ctx-integrations[structured]'``);
 without it, asking for structured output raises :class:`~ctx_integrations.errors.MissingDependencyError` and
 everything else works.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -82,12 +85,63 @@ def _schema_text(schema: Any) -> str:
 INTEROPERABLE_INTEGERS = (-(2**53) + 1, 2**53 - 1)  # RFC 8259 section 6
 # keys whose values are JSON data, not schemas: an integer schema inside them is not to be bounded
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+# the default bounds of a string's length and an array's items the schema leaves unbounded (0: none)
+DEFAULT_MAX_LENGTH, DEFAULT_MAX_ITEMS = 128, 32
+MAX_LENGTH_ENV, MAX_ITEMS_ENV = "CTX_SCHEMA_MAX_LENGTH", "CTX_SCHEMA_MAX_ITEMS"
 
 
-def bounded_integers(schema_text: str) -> str:
-    """``schema_text`` with every ``integer`` the schema leaves unbounded below or above held to JSON's interoperable
-    range (:data:`INTEROPERABLE_INTEGERS`); bounds it gives are kept. What xgrammar compiles, never what
-    :meth:`StructuredOutput.schema` returns: a narrowing, so every answer is still valid against the schema as given."""
+@dataclass(frozen=True)
+class SchemaBounds:
+    """The bounds :func:`narrowed_schema` gives what a schema leaves unbounded: ``max_length`` characters per
+    string, ``max_items`` items per array (``0``: that kind stays unbounded).
+
+    Why: a small model held to a schema can fill an unbounded string (``"1234567890..."``) or array until
+    ``max_tokens`` and the answer is cut; a bound makes it close the value. :meth:`from_environment` reads the
+    override, ``$CTX_SCHEMA_MAX_LENGTH`` and ``$CTX_SCHEMA_MAX_ITEMS`` (the server's and every process's setting).
+    """
+
+    max_length: int = DEFAULT_MAX_LENGTH
+    max_items: int = DEFAULT_MAX_ITEMS
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "max_items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidOptionError(f"SchemaBounds.{name} must be a whole number >= 0 (0: unbounded), "
+                                         f"got {value!r}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> SchemaBounds:
+        """The default bounds, less what ``$CTX_SCHEMA_MAX_LENGTH`` / ``$CTX_SCHEMA_MAX_ITEMS`` set (read at each
+        compile, so a process can change them; a value that is not a whole number >= 0 is refused, naming it)."""
+        values = {}
+        for name, variable, default in (("max_length", MAX_LENGTH_ENV, DEFAULT_MAX_LENGTH),
+                                        ("max_items", MAX_ITEMS_ENV, DEFAULT_MAX_ITEMS)):
+            text = environ.get(variable, "").strip()
+            if not text:
+                values[name] = default
+                continue
+            try:
+                values[name] = int(text)
+            except ValueError:
+                values[name] = -1
+            if values[name] < 0:
+                raise InvalidOptionError(f"${variable} must be a whole number >= 0 (0: unbounded), got {text!r}")
+        return cls(**values)
+
+
+def narrowed_schema(schema_text: str, bounds: SchemaBounds | None = None) -> str:
+    """``schema_text`` with what it leaves unbounded bounded: every ``integer`` held to JSON's interoperable range
+    (:data:`INTEROPERABLE_INTEGERS`) below and above, every ``string`` to ``bounds.max_length`` characters
+    (``maxLength``), every ``array`` to ``bounds.max_items`` items (``maxItems``); ``bounds``: default
+    :meth:`SchemaBounds.from_environment`. Bounds the schema gives are kept (a ``pattern``, ``format``, ``enum`` or
+    ``const`` string is left as it is: its own rule bounds it).
+
+    What xgrammar compiles, never what :meth:`StructuredOutput.schema` returns or a tool reports: a narrowing, so
+    every answer is still valid against the schema as given. (xgrammar writes a string with ``maxLength`` without
+    escape sequences: a bounded string holds no ``"``, ``\\`` or line break; ``max_length=0`` lifts the bound.)
+    """
+    bounds = SchemaBounds.from_environment() if bounds is None else bounds
 
     def bound(node: Any) -> Any:
         if isinstance(node, list):
@@ -96,14 +150,25 @@ def bounded_integers(schema_text: str) -> str:
             return node
         out = {key: value if key in _DATA_KEYS else bound(value) for key, value in node.items()}
         kinds = out.get("type")
-        if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "integer" in kinds:
             if "minimum" not in out and "exclusiveMinimum" not in out:
                 out["minimum"] = INTEROPERABLE_INTEGERS[0]
             if "maximum" not in out and "exclusiveMaximum" not in out:
                 out["maximum"] = INTEROPERABLE_INTEGERS[1]
+        if ("string" in kinds and bounds.max_length and "maxLength" not in out
+                and not _FIXED_STRING_KEYS.intersection(out)):
+            out["maxLength"] = max(bounds.max_length, out.get("minLength", 0))
+        if "array" in kinds and bounds.max_items and "maxItems" not in out:
+            out["maxItems"] = max(bounds.max_items, out.get("minItems", 0))
         return out
 
     return json.dumps(bound(json.loads(schema_text)), ensure_ascii=False)
+
+
+# strings whose own rule bounds them (or that xgrammar compiles by their rule, not their length)
+_FIXED_STRING_KEYS = frozenset({"pattern", "format", "enum", "const"})
+bounded_integers = narrowed_schema  # its older name (GrammarCompiler.compile's): the one narrowing, bounds included
 
 
 @dataclass(frozen=True)
