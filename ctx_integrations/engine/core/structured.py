@@ -12,7 +12,8 @@ JSON comes out compact (``{"a": 1, "b": [2, 3]}``: no free whitespace between to
 spend its budget on blank lines, and no property the schema does not declare (xgrammar's strict mode):
 every answer is valid against the schema; a keyword the grammar cannot enforce is refused by name,
 :mod:`~ctx_integrations.engine.core.schema_support`). What the schema leaves unbounded is bounded
-(:func:`narrowed_schema`; otherwise a model, a small one especially, can write digits or items until ``max_tokens`` and the answer is cut):
+(:func:`narrowed_schema`; otherwise a model, a small one especially, can write digits or items until
+``max_tokens`` and the answer is cut):
 an integer to JSON's interoperable range, ±(2**53 - 1) (RFC 8259 section 6: what every JSON reader, JavaScript's
 included, takes exactly), a string to 128 characters and an array to 32 items (:class:`SchemaBounds`; overridden
 by ``$CTX_SCHEMA_MAX_LENGTH`` / ``$CTX_SCHEMA_MAX_ITEMS``, 0 for none, or by the schema's own ``maxLength`` /
