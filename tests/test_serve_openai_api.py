@@ -251,6 +251,25 @@ def test_stream_options_include_usage_sends_openais_usage_chunk_once():
     assert all(c["choices"] for c in plain) and plain[-1]["usage"]["total_tokens"] == 5
 
 
+def test_the_whole_answer_comes_back_in_ctx_only_when_the_request_sent_ctx():
+    """Bug caught: every chat completion carried the whole Answer (its per-token trace: ~4 KB for 40 tokens) in
+    ``ctx``, streamed or not, though an OpenAI client asked for none; a request that sends ``ctx`` keeps it."""
+    from tests.serve_support import sse_events
+
+    app = create_app(backend=FakeBackend(), model_name="fake")
+    for extra, asked in (({}, False), ({"ctx": {"store": False}}, True)):
+        reply = send(app, "POST", "/v1/chat/completions", json={**CHAT, **extra}).json()
+        assert ("ctx" in reply) is asked and reply["choices"][0]["message"]["content"]
+        if asked:
+            assert reply["ctx"]["text"] == reply["choices"][0]["message"]["content"] and "trace" in reply["ctx"]
+        for usage in ({}, {"stream_options": {"include_usage": True}}):
+            body = {**CHAT, **extra, **usage, "stream": True}
+            events = sse_events(send(app, "POST", "/v1/chat/completions", json=body).text.splitlines())
+            chunks = [json.loads(data) for _, data in events if data != "[DONE]"]
+            assert [("ctx" in c) for c in chunks] == [False] * (len(chunks) - 1 - bool(usage)) + [asked] + \
+                [False] * bool(usage)
+
+
 # -- served model names -------------------------------------------------------------------------------------
 def _engine_named(name: str) -> SimpleNamespace:
     return SimpleNamespace(loaded=SimpleNamespace(name=name))

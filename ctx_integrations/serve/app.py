@@ -453,13 +453,13 @@ async def _chat_job(server: ServerState, body: ChatCompletionRequest) -> dict[st
 
 
 def _chat_chunks(completion_id: str, created: int, model_name: str, include_usage: bool,
-                 held: bool = False) -> Callable[[dict[str, Any]], list[str]]:
+                 held: bool = False, with_ctx: bool = False) -> Callable[[dict[str, Any]], list[str]]:
     """The SSE renderer of a streamed chat: one ``chat.completion.chunk`` per token, then the finish chunk
     (its ``finish_reason`` that of the whole answer, :func:`_finish_reason` with ``held``).
 
-    The finish chunk carries the whole answer in ``ctx``, and ``usage`` unless the client asked for
-    ``stream_options.include_usage``: then usage comes in OpenAI's extra last chunk (no choices), and
-    only there, so clients that add up the usage of every chunk count it once.
+    The finish chunk carries ``usage`` unless the client asked for ``stream_options.include_usage``: then usage
+    comes in OpenAI's extra last chunk (no choices), and only there, so clients that add up the usage of every
+    chunk count it once; and the whole answer in ``ctx`` when the request sent ``ctx`` (:func:`_answer_extra`).
     """
     def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
         return sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -473,10 +473,18 @@ def _chat_chunks(completion_id: str, created: int, model_name: str, include_usag
         finish = [{"index": 0, "delta": {"tool_calls": calls} if calls else {},
                    "finish_reason": _finish_reason(answer, held), "logprobs": _logprobs(answer)}]
         if include_usage:
-            return [chunk(finish, {"usage": None, "ctx": answer}), chunk([], {"usage": _usage(answer)})]
-        return [chunk(finish, {"usage": _usage(answer), "ctx": answer})]
+            return [chunk(finish, {"usage": None, **_answer_extra(answer, with_ctx)}),
+                    chunk([], {"usage": _usage(answer)})]
+        return [chunk(finish, {"usage": _usage(answer), **_answer_extra(answer, with_ctx)})]
 
     return render
+
+
+def _answer_extra(answer: dict[str, Any], asked: bool) -> dict[str, Any]:
+    """``{"ctx": answer}`` (the whole Answer: per-token trace, documents, timings) for a request that sent the
+    extension field ``ctx`` (``{"ctx": {"store": false}}`` asks for it on a plain chat), else nothing: an OpenAI
+    client that asked for none gets no per-token trace (~100 bytes a token) in every reply."""
+    return {"ctx": answer} if asked else {}
 
 
 @router.post("/v1/chat/completions", response_model=None, openapi_extra=_body_doc(ChatCompletionRequest))
@@ -487,7 +495,8 @@ async def chat(request: Request, server: State) -> Any:
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        render = _chat_chunks(completion_id, created, model_name, include_usage, _held_to_a_format(job))
+        render = _chat_chunks(completion_id, created, model_name, include_usage, _held_to_a_format(job),
+                              with_ctx=body.ctx is not None)
         return await server.streamed("chat", request, job, render, [sse("[DONE]")])
 
     async def work() -> dict[str, Any]:
@@ -497,7 +506,7 @@ async def chat(request: Request, server: State) -> Any:
                 "choices": [{"index": 0, "message": _message(answer),
                              "finish_reason": _finish_reason(answer, _held_to_a_format(job)),
                              "logprobs": _logprobs(answer)}],
-                "usage": _usage(answer), "ctx": answer}
+                "usage": _usage(answer), **_answer_extra(answer, body.ctx is not None)}
 
     return await server.answered("chat", request, work)
 
