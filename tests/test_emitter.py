@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ctx_integrations.engine.core.decoding import Emitter, IncrementalText, StopCriteria, TraceStep
-from ctx_integrations.errors import NonFiniteScoresError
+from ctx_integrations.errors import InvalidOptionError, NonFiniteScoresError
 
 VOCAB = {1: b" a", 2: b" b", 3: b"\xc3", 4: b"\xa9", 5: b" ST", 6: b"OP", 7: b"x", 8: b"\xe6\x9d", 9: b"\xb1"}
 SPECIAL = {0: b"<|end|>"}
@@ -63,7 +63,7 @@ def test_incremental_text_decodes_a_window_of_the_last_ids_only():
 
 
 def test_the_first_stop_string_is_found_looking_only_where_a_new_one_could_end():
-    stop = StopCriteria(frozenset(), 50, ("STOP", "", "top", "xy"))
+    stop = StopCriteria(frozenset(), 50, ("STOP", "top", "xy"))
     starts = []
 
     class Text(str):
@@ -72,13 +72,14 @@ def test_the_first_stop_string_is_found_looking_only_where_a_new_one_could_end()
             return super().find(sub, start, *args)
 
     text = Text("aa top bb STOP")
-    assert stop.first_stop(text, 0) == 3 and starts == [0, 0, 0]  # the empty string is no stop string
+    assert stop.first_stop(text, 0) == 3 and starts == [0, 0, 0]
     starts.clear()
     assert stop.first_stop(text, 12) == 10 and starts == [9] * 3  # 12 checked: a stop string ending after them
     assert stop.first_stop(text, 13) == 10 and stop.first_stop(text, 14) is None
     assert stop.first_stop(Text("xy"), 1) == 0
     assert stop.cut("aa to STOP xy") == ("aa to ", True) and stop.cut("aa to") == ("aa to", False)
-    assert StopCriteria(frozenset(), 50, ("",)).first_stop("abc") is None
+    with pytest.raises(InvalidOptionError, match="stop strings must not be empty"):  # it would never match
+        StopCriteria(frozenset(), 50, ("STOP", ""))
     assert StopCriteria(frozenset(), 50, "ab").first_stop("xxab") == 2
 
 
