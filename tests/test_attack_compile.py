@@ -177,22 +177,25 @@ async def _ask(engine: Engine, call: str) -> object:
 
 @pytest.mark.parametrize("call", ["agenerate", "astream", "agenerate_many", "achat", "achat_tools"])
 def test_an_async_call_compiles_off_the_loop_and_a_cancel_stops_the_compile(engine, call):
-    async def main() -> tuple[int, float]:
-        task = asyncio.create_task(_ask(engine, call))
-        pid = await _compiling(engine, task)
-        ticks = Ticks()
-        await asyncio.sleep(0.5)  # the compile goes on meanwhile
-        longest = ticks.stop()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return pid, longest
-
-    pid, longest = asyncio.run(main())
+    pid, longest = asyncio.run(_cancelled_while_compiling(engine, lambda: _ask(engine, call), 0.5))
     assert longest < 0.25, f"the event loop stalled {longest:.2f} s while the format compiled"
     assert _gone(pid), "the cancelled request's compile is still running"
     assert not _busy(engine) and engine.stats()["active_requests"] == 0 and engine.stats()["queue_depth"] == 0
 
+
+
+async def _cancelled_while_compiling(engine, work, seconds: float) -> tuple[int, float]:
+    """Start ``work()`` as a task, wait until its format compiles, let it compile ``seconds`` while timing the loop,
+    then cancel it: the compiling worker's pid and the loop's longest stall meanwhile."""
+    task = asyncio.ensure_future(work())
+    pid = await _compiling(engine, task)
+    ticks = Ticks()
+    await asyncio.sleep(seconds)  # the compile goes on meanwhile
+    longest = ticks.stop()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return pid, longest
 
 @pytest.mark.parametrize("framework", ["langchain", "llama_index"])
 def test_the_frameworks_async_calls_compile_off_the_loop_and_stop_with_their_task(engine, framework):
@@ -214,18 +217,7 @@ def test_the_frameworks_async_calls_compile_off_the_loop_and_stop_with_their_tas
 
         work = ExpertDecoderLLM(engine=engine, max_new_tokens=6).astructured_predict(Slow, PromptTemplate("Name one."))
 
-    async def main() -> tuple[int, float]:
-        task = asyncio.ensure_future(work)
-        pid = await _compiling(engine, task)
-        ticks = Ticks()
-        await asyncio.sleep(0.3)
-        longest = ticks.stop()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return pid, longest
-
-    pid, longest = asyncio.run(main())
+    pid, longest = asyncio.run(_cancelled_while_compiling(engine, lambda: work, 0.3))
     assert longest < 0.25 and _gone(pid)
 
 

@@ -49,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ import torch
 
 from ctx_integrations.engine.core.compiled_step import resolve_compile_mode
 from ctx_integrations.engine.core.flex import resolve_kernel
+from ctx_integrations.engine.core.futures import settle
 from ctx_integrations.engine.core.heap import release_freed_memory
 from ctx_integrations.engine.core.jobs import ExclusiveJob, Job, PooledJob
 from ctx_integrations.engine.core.machine import default_threads
@@ -196,18 +197,6 @@ class SchedulerStats:
     peak_rows: int = 0  # most rows one forward pass carried (how much batching really happened)
     peak_kv_bytes: int = 0  # most KV bytes the running requests had reserved at once
     held: int = 0  # requests that waited at the head of the queue for KV bytes to free up
-
-
-def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
-    """Complete a future once (whether this call did); a future its caller already cancelled is left alone."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        return False
-    return True
 
 
 def contained(error: BaseException) -> BaseException:
@@ -369,7 +358,7 @@ class Scheduler:
         elif request in self._ready:
             self._ready.remove(request)
         # a held request stays where it is: the step loop drops it (and closes its job) at its next step
-        if _settle(request.future, error=_timeout_error(request)):
+        if settle(request.future, error=_timeout_error(request)):
             request.status = "timed_out"
             self.stats.timed_out += 1
         self._cond.notify_all()  # a step loop asleep over waiting jobs retires a running one now
@@ -448,7 +437,7 @@ class Scheduler:
             self._fail(request, error)
         dropped, self._dropped = self._dropped, []
         for request in dropped:
-            _settle(request.future, error=request.error)
+            settle(request.future, error=request.error)
 
     def _take_ready(self) -> list[Request]:
         """The requests to plan this step, in queue order: the held one first, then every ready one."""
@@ -621,7 +610,7 @@ class Scheduler:
                 self._finish(job, request)
         dropped, self._dropped = self._dropped, []
         for request in dropped:
-            _settle(request.future, error=request.error)
+            settle(request.future, error=request.error)
 
     def _follow_up(self, job: Job, request: Request) -> bool:
         """Queue the job that carries the request on (:meth:`Job.follow_up`) at the head of the queue; whether
@@ -656,11 +645,11 @@ class Scheduler:
         except BaseException as error:  # noqa: BLE001 - e.g. a mode's result hook or on_token failed: this request alone
             self.stats.failed += 1
             request.status = "failed"
-            _settle(request.future, error=contained(error))
+            settle(request.future, error=contained(error))
             return
         self.stats.answered += 1
         request.status = "finished"
-        _settle(request.future, result)
+        settle(request.future, result)
 
 
 _SCHEDULERS: weakref.WeakKeyDictionary[torch.nn.Module, Scheduler] = weakref.WeakKeyDictionary()

@@ -30,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ from ctx_integrations.engine.core.compile_pool import (
     check_format_size,
     pool_for,
 )
+from ctx_integrations.engine.core.futures import settle
 from ctx_integrations.engine.core.schema_support import check_schema
 from ctx_integrations.errors import InvalidOptionError, InvalidStructuredOutputError, missing_dependency
 
@@ -385,11 +386,11 @@ class GrammarCompiler:
                 allowed = self._without_bytes(bytes(b for b in range(32) if b not in b"\t\n\r"))
             compiled = CompiledFormat(grammar, allowed)
             self._keep(key, compiled)
-            _settle(future, compiled)
+            settle(future, compiled)
         except CompileCancelled:
             pass
         except BaseException as error:
-            _settle(future, error=error)
+            settle(future, error=error)
 
     def _keep(self, key: tuple[str, str], compiled: CompiledFormat) -> None:
         size = int(compiled.grammar.memory_size_bytes)
@@ -401,17 +402,6 @@ class GrammarCompiler:
             while self._kept_bytes > self.cache_bytes:
                 _, evicted = self._formats.popitem(last=False)
                 self._kept_bytes -= int(evicted.grammar.memory_size_bytes)
-
-
-def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Set ``future`` unless it was cancelled meanwhile."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def format_source(output: StructuredOutput) -> tuple[str, str]:
