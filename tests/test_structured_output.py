@@ -213,3 +213,73 @@ def test_unbounded_integers_are_held_to_the_interoperable_range(engine):
                                                    "maximum": 2**53 - 1}
     assert bounded["$defs"]["x"] == {"type": "integer", "maximum": 5, "minimum": -(2**53) + 1}
     assert StructuredOutput(json=UNBOUNDED).schema() == UNBOUNDED  # what answers are checked against is the user's
+
+
+# -- the format's own rules, without a model (the structured target of `make mutate`) -------------------------------
+def test_a_schema_that_is_not_an_object_is_refused_naming_what_was_given():
+    from ctx_integrations.engine.core.schema_support import UnsupportedSchemaError
+
+    with pytest.raises(InvalidStructuredOutputError, match=r"got list$"):
+        StructuredOutput(json=[1, 2])
+    with pytest.raises(InvalidStructuredOutputError, match=r"got type$"):  # a class that is not a pydantic model
+        StructuredOutput(json=int)
+    with pytest.raises(InvalidStructuredOutputError, match=r"cannot be written as JSON: .*set"):
+        StructuredOutput(json={"type": "object", "default": {1, 2}})
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):  # a keyword the grammar cannot enforce
+        StructuredOutput(json={"type": "array", "uniqueItems": True})
+
+
+def test_exactly_one_format_is_taken_and_a_lone_choice_is_one_choice():
+    with pytest.raises(InvalidOptionError) as none:
+        StructuredOutput()
+    assert str(none.value) == ("StructuredOutput takes exactly one of json, json_object, regex, choice, grammar, "
+                               "structural_tag; got none")
+    with pytest.raises(InvalidOptionError) as two:
+        StructuredOutput(regex="a", grammar='root ::= "a"')
+    assert str(two.value).endswith("; got regex, grammar")
+    assert StructuredOutput(choice="yes").choice == ("yes",)  # a string is one choice, not three letters
+    listed = StructuredOutput(choice=["yes", "no"])
+    assert listed.choice == ("yes", "no") and hash(listed) == hash(StructuredOutput(choice=("yes", "no")))
+
+
+def test_every_format_names_a_kind_the_compile_worker_builds():
+    from ctx_integrations.engine.core.compile_worker import KINDS
+    from ctx_integrations.engine.core.structured import format_source
+
+    formats = {"json": StructuredOutput(json={"type": "object"}), "json_object": StructuredOutput(json_object=True),
+               "regex": StructuredOutput(regex="[a-z]+"), "choice": StructuredOutput(choice=["a"]),
+               "grammar": StructuredOutput(grammar='root ::= "a"'),
+               "structural_tag": StructuredOutput(structural_tag='{"type": "structural_tag"}')}
+    kinds = {name: format_source(output)[0] for name, output in formats.items()}
+    assert kinds == {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "grammar",
+                     "grammar": "grammar", "structural_tag": "structural_tag"}
+    assert set(kinds.values()) <= set(KINDS)
+
+
+def test_an_exclusive_bound_the_schema_gives_is_kept_and_not_doubled():
+    from ctx_integrations.engine.core.structured import INTEROPERABLE_INTEGERS, SchemaBounds, narrowed_schema
+
+    out = json.loads(narrowed_schema('{"type": "integer", "exclusiveMaximum": 5}', SchemaBounds()))
+    assert out == {"type": "integer", "exclusiveMaximum": 5, "minimum": INTEROPERABLE_INTEGERS[0]}
+    out = json.loads(narrowed_schema('{"type": "integer", "exclusiveMinimum": 0}', SchemaBounds()))
+    assert out == {"type": "integer", "exclusiveMinimum": 0, "maximum": INTEROPERABLE_INTEGERS[1]}
+
+
+@pytest.mark.parametrize("value", [-1, "5", 2.0, True])
+def test_a_bound_that_is_not_a_whole_number_at_least_zero_is_refused(value):
+    from ctx_integrations.engine.core.structured import SchemaBounds
+
+    with pytest.raises(InvalidOptionError, match="max_length must be a whole number >= 0"):
+        SchemaBounds(max_length=value)
+
+
+def test_the_packed_mask_is_xgrammars_layout_bit_for_bit():
+    from ctx_integrations.engine.core.structured import pack_bits
+
+    allowed = torch.zeros(70, dtype=torch.bool)
+    allowed[[0, 31, 33, 69]] = True  # bit 31 of word 0 is the int32 sign bit; word 2 holds tokens 64..69
+    packed = pack_bits(allowed)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 3)
+    assert packed.tolist() == [[1 - 2**31, 2, 2**5]]
+    back = ((packed.view(-1, 1).to(torch.int64) >> torch.arange(32)) & 1).view(-1)[:70].bool()
+    assert torch.equal(back, allowed)

@@ -218,6 +218,16 @@ TARGETS = {
     "schema_support": Target("ctx_integrations/engine/core/schema_support.py", ("*",),
                              ("tests/test_schema_support.py", "tests/test_attack_schema.py", "-k",
                               "not server and not answered_validly and not before_any_answer and not docs")),
+    # structured output's own rules: the schema's text, the bounds of what it leaves unbounded, the format's kind and
+    # source, the mask (the compiler's pool is tests/test_attack_compile.py's, end to end; the embedded model's and
+    # the slowest modes' decodes are left out of this selection; response_format's reading is test_facade's)
+    "structured": Target("ctx_integrations/engine/core/structured.py",
+                         ("x__schema_text*", "xǁSchemaBoundsǁ*", "x_narrowed_schema*", "xǁStructuredOutputǁ*",
+                          "x_format_source*", "x__choice_grammar*", "x_pack_bits*", "xǁTokenConstraintǁ*"),
+                         ("tests/test_structured_output.py", "tests/test_tools.py", "tests/test_facade.py",
+                          "tests/test_schema_support.py", "-k",
+                          "not embedded_model and not chat_ippd and not concat and not map_reduce and not "
+                          "required_and_named and not native_formats")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     # tool calling: the call format read from the template, the structural tag, the calls (markup, bare or fenced
     # JSON) and a cut call read back, the stream filter (tiny-model tests; the embedded model's one is left out)
