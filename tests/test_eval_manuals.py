@@ -291,3 +291,35 @@ def test_eval_cli_reads_set_manuals_with_kinds_and_refuses_a_bad_kind(monkeypatc
     assert "--kinds is an option of --set manuals" in capsys.readouterr().err
     assert main(["eval", "--set", "manuals", "--gold-retrieved-only"]) == 2
     assert "option of --set nq" in capsys.readouterr().err
+
+
+def test_the_default_store_is_the_sets_own_folder_under_the_cache(tmp_path, monkeypatch, shipped):
+    import ctx_integrations.retrieval.retriever as retriever_module
+    import ctx_integrations.retrieval.store as store_module
+    from ctx_integrations.evaluation.nq import corpus_key
+
+    opened = {}
+
+    class FakeStore:
+        def __init__(self, folder, embedder=None, collection=None):
+            opened.update(folder=Path(folder), collection=collection)
+
+        def add(self, documents, warm=True):
+            opened["documents"] = len(documents)
+
+    class FakeRetriever:
+        def __init__(self, store):
+            pass
+
+        def retrieve(self, question, top_k):
+            return []
+
+    monkeypatch.setenv("CTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(store_module, "DocumentStore", FakeStore)
+    monkeypatch.setattr(retriever_module, "ScoredRetriever", FakeRetriever)
+    examples = manuals_set(None, 3)
+    passages, _ = read_manuals()
+    assert opened == {"folder": tmp_path / "eval" / f"manuals-{corpus_key(passages)}",
+                      "collection": "manuals_passages", "documents": 1130}
+    assert [e.kind for e in examples] == sorted((e.kind for e in examples), key=MANUALS_KINDS.index) and \
+        {e.kind for e in examples} == set(MANUALS_KINDS)
