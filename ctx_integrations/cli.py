@@ -798,27 +798,32 @@ def _stream_answer(engine: Any, question: str, documents: list[Any], settings: d
 
 # -- eval ----------------------------------------------------------------------------------------------
 def _configure_eval(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code", "nq"),
+    parser.add_argument("--set", default="world", choices=("world", "musique", "secret_code", "nq", "manuals"),
                         help="world: invented-world QA (gold support known); musique: the MuSiQue dev file; "
                              "secret_code: the PCED paper's synthetic set; nq: NQ-open questions answered from real "
-                             "retrieval over a passage corpus (--data PASSAGES QUESTIONS) (default world)")
+                             "retrieval over a passage corpus (--data PASSAGES QUESTIONS); manuals: hand-keyed "
+                             "questions on GNU manuals (shipped), with real retrieval (default world)")
     parser.add_argument("--modes", default="pced,concat,ape,soft_nbce,single", help="comma-separated modes")
     parser.add_argument("--variant", action="append", default=[], metavar="MODE:KEY=VALUE[:KEY=VALUE...]",
                         help="also score a mode with options, as its own row, e.g. --variant soft_nbce:rule=nbce_code "
                              "(repeatable; values parsed as JSON, as ask's --option)")
     parser.add_argument("--questions", type=int, default=None, help="questions (default: world 8, secret_code 6, "
-                                                                    "musique 12, nq 24: a seeded sample, --seed)")
+                                                                    "musique 12, nq 24, manuals 24: a seeded "
+                                                                    "sample, --seed)")
     parser.add_argument("--documents", type=int, default=None, help="documents per question (world 4, secret_code 4)")
     parser.add_argument("--document-tokens", type=int, default=None,
                         help="approximate tokens per document (world 64, secret_code 64: exact)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated sets and of nq's sample (default 0)")
     parser.add_argument("--data", nargs="+", default=None, metavar="FILE",
-                        help="musique: its jsonl (default: $CTX_MUSIQUE); nq: the passages and the questions jsonl "
-                             "files (plain or gzip, either order)")
-    parser.add_argument("--top-k", type=int, default=None, help="nq: passages retrieved per question (default 8)")
+                        help="musique: its jsonl (default: $CTX_MUSIQUE); nq, manuals: the passages and the "
+                             "questions jsonl files (plain or gzip, either order; manuals: default the shipped ones)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="nq, manuals: passages retrieved per question (default nq 8, manuals 4)")
     parser.add_argument("--store", default=None,
-                        help="nq: folder of the corpus's retrieval index, kept between runs (default: "
-                             "$CTX_CACHE_DIR/eval/nq-<corpus hash>)")
+                        help="nq, manuals: folder of the corpus's retrieval index, kept between runs (default: "
+                             "$CTX_CACHE_DIR/eval/SET-<corpus hash>)")
+    parser.add_argument("--kinds", default=None, metavar="KIND[,KIND...]",
+                        help="manuals: question kinds to sample from, of single, two_doc, unanswerable (default all)")
     parser.add_argument("--gold-retrieved-only", action="store_true",
                         help="nq: sample only questions whose gold passage was retrieved (a reader-only comparison; "
                              "by default the retriever's misses are scored too)")
@@ -880,12 +885,20 @@ def check_eval(args: argparse.Namespace) -> None:
     for mode in _eval_modes(args) + [text.split(":")[0] for text in args.variant]:
         if mode not in BUILTIN_MODES:  # in the registry's words (check_mode), which needs torch
             raise UnknownModeError(f"unknown mode {mode!r}: choose one of {', '.join(BUILTIN_MODES)}")
-    if args.data is not None and args.set not in ("musique", "nq"):
+    if args.data is not None and args.set not in ("musique", "nq", "manuals"):
         raise InvalidOptionError(f"--data is the MuSiQue file (--set musique) or the passages and questions files "
-                                 f"(--set nq), which --set {args.set} does not read: give one of those sets, or drop "
-                                 "--data")
-    if args.set != "nq" and (args.top_k is not None or args.store is not None or args.gold_retrieved_only):
-        raise InvalidOptionError("--top-k, --store and --gold-retrieved-only are options of --set nq")
+                                 f"(--set nq, --set manuals), which --set {args.set} does not read: give one of those "
+                                 "sets, or drop --data")
+    if args.set not in ("nq", "manuals") and (args.top_k is not None or args.store is not None):
+        raise InvalidOptionError("--top-k and --store are options of --set nq and --set manuals (real retrieval)")
+    if args.set != "nq" and args.gold_retrieved_only:
+        raise InvalidOptionError("--gold-retrieved-only is an option of --set nq")
+    if args.kinds is not None:
+        if args.set != "manuals":
+            raise InvalidOptionError("--kinds is an option of --set manuals")
+        from ctx_integrations.evaluation.manuals import parse_kinds
+
+        parse_kinds(args.kinds)
     if args.set == "musique":  # no file (or no $CTX_MUSIQUE) is its typed error, naming the flag
         from ctx_integrations.evaluation import load_set
 
@@ -906,12 +919,13 @@ def run_eval(args: argparse.Namespace) -> int:
         check_mode(mode)
     variants = [_parse_variant(text) for text in args.variant]
     retrieval = {"top_k": args.top_k, "store_dir": args.store, "gold_retrieved_only": args.gold_retrieved_only} \
-        if args.set == "nq" else {}
+        if args.set == "nq" else {"top_k": args.top_k, "store_dir": args.store, "kinds": args.kinds} \
+        if args.set == "manuals" else {}
     started = time.perf_counter()
-    if args.set in ("musique", "nq"):  # read the files (and for nq retrieve) before loading the model
+    if args.set in ("musique", "nq", "manuals"):  # read the files (and retrieve) before loading the model
         examples = load_set(args.set, path=args.data, n_questions=args.questions, seed=args.seed, **retrieval)
     engine = Engine.from_pretrained(args.model, device=args.device, **engine_options(args))
-    if args.set not in ("musique", "nq"):
+    if args.set not in ("musique", "nq", "manuals"):
         examples = load_set(args.set, engine, n_questions=args.questions, documents=args.documents,
                             document_tokens=args.document_tokens, seed=args.seed)
     print(f"set {args.set}: {len(examples)} questions, modes {', '.join(modes)}; {runtime_line(engine)}")

@@ -107,8 +107,10 @@ HEAVY = ("torch", "transformers", "chromadb")
     (("serve", "--store", "{tmp}", "--model", "no-such-model-name"), "not in the Hugging Face cache"),
     (("eval", "--set", "musique", "--data", "{tmp}/no.jsonl"), "MuSiQue file {tmp}/no.jsonl not found"),
     (("eval", "--data", "{tmp}/no.jsonl"), "--data is the MuSiQue file (--set musique) or the passages and questions "
-                                           "files (--set nq), which --set world does not read"),
-    (("eval", "--top-k", "4"), "--top-k, --store and --gold-retrieved-only are options of --set nq"),
+                                           "files (--set nq, --set manuals), which --set world does not read"),
+    (("eval", "--top-k", "4"), "--top-k and --store are options of --set nq and --set manuals"),
+    (("eval", "--gold-retrieved-only"), "--gold-retrieved-only is an option of --set nq"),
+    (("eval", "--set", "manuals", "--kinds", "single,bogus"), "unknown question kind 'bogus' for the manuals set"),
     (("eval", "--modes", "pced,nope"), "unknown mode 'nope': choose one of pced"),
     (("ask", "q?", "--store", "{tmp}", "--rerank-top-n", "8"), "--rerank-top-n sets how many candidates"),
     (("ask", "q?", "--store", "{tmp}", "--top-k", "0"), "--top-k must be >= 1"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import statistics
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
@@ -44,6 +45,32 @@ def substring_match(prediction: str, answers: Sequence[str]) -> float:
     """1.0 when a (non-empty) normalised gold answer occurs in the normalised prediction."""
     pred = normalize_answer(prediction)
     return float(any(normalize_answer(a) and normalize_answer(a) in pred for a in answers))
+
+
+def bounded_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when a gold answer occurs in the prediction as a whole, not inside a longer word, number or option.
+
+    An answer of words is compared SQuAD-normalised, as whole tokens: ``diff`` matches "use diff" but not "the
+    difference", ``BLOCK_SIZE`` not ``DU_BLOCK_SIZE``. An answer that normalisation would shrink to a letter or
+    two (an option such as ``-i`` -> ``i``, an exit status ``2``, a command ``Q``), and any option, must occur as
+    written, case kept (``-a`` is not ``-A``): ``-i`` matches "use ``-i``." but not "ignore" or ``-iv``, ``2`` not
+    "12". :func:`substring_match` would find ``-i`` in any answer that has an "i" in it.
+    """
+    words = f" {normalize_answer(_unquoted(prediction))} "
+    for answer in (a.strip() for a in answers):
+        if answer and (answer.startswith("-") or len(normalize_answer(answer)) <= 3):
+            before = r"(?<![\w-])" if answer.startswith("-") else r"(?<!\w)"
+            if re.search(before + re.escape(answer) + r"(?!\w)", prediction):
+                return 1.0
+        elif normalize_answer(answer) and f" {normalize_answer(answer)} " in words:
+            return 1.0
+    return 0.0
+
+
+def _unquoted(text: str) -> str:
+    """Non-ASCII punctuation (typographic quotes, dashes) as spaces: SQuAD's normalisation keeps them, so
+    "‘BLOCK_SIZE’" would not hold the token ``blocksize``."""
+    return "".join(" " if ord(ch) > 127 and unicodedata.category(ch).startswith("P") else ch for ch in text)
 
 
 def citation_precision(cited: Collection[int], gold: Collection[int]) -> float | None:

@@ -30,7 +30,6 @@ from ctx_integrations.evaluation.sets import Example
 
 NQ_KINDS = ("gold_retrieved", "gold_missed")
 DEFAULT_TOP_K = 8
-STORE_COLLECTION = "nq_passages"
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -63,19 +62,26 @@ _QUESTION_KEYS = {"id", "question", "answers", "gold_passage"}
 
 def read_nq(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(passages, questions)`` from two files, each recognised by its rows' keys (either order)."""
+    return read_pair(paths, _QUESTION_KEYS, "nq")
+
+
+def read_pair(paths: Sequence[str | Path], question_keys: set[str],
+              set_name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(passages, questions)`` of a retrieval set from two files, each recognised by its rows' keys (either
+    order): passages have ``id, title, text``, questions at least ``question_keys``; every row is checked."""
     if len(paths) != 2:
-        raise InvalidOptionError(f"the nq set needs two files, the passages and the questions (--data PASSAGES "
-                                 f"QUESTIONS), got {len(paths)}")
+        raise InvalidOptionError(f"the {set_name} set needs two files, the passages and the questions (--data "
+                                 f"PASSAGES QUESTIONS), got {len(paths)}")
     found: dict[str, list[dict[str, Any]]] = {}
     for path in paths:
         rows = read_jsonl(path)
-        kind = "passages" if _PASSAGE_KEYS <= rows[0].keys() else "questions" if _QUESTION_KEYS <= rows[0].keys() \
+        kind = "passages" if _PASSAGE_KEYS <= rows[0].keys() else "questions" if question_keys <= rows[0].keys() \
             else None
         if kind is None or kind in found:
             raise InvalidOptionError(
                 f"{path}: expected one file of passages (rows with {sorted(_PASSAGE_KEYS)}) and one of questions "
-                f"(rows with {sorted(_QUESTION_KEYS)}); its first row has {sorted(rows[0])}")
-        keys = _PASSAGE_KEYS if kind == "passages" else _QUESTION_KEYS
+                f"(rows with {sorted(question_keys)}); its first row has {sorted(rows[0])}")
+        keys = _PASSAGE_KEYS if kind == "passages" else question_keys
         bad = next((i for i, row in enumerate(rows, 1) if not keys <= row.keys()), None)
         if bad is not None:
             raise InvalidOptionError(f"{path} row {bad} lacks {sorted(keys - rows[bad - 1].keys())}")
@@ -97,8 +103,10 @@ def corpus_key(passages: Sequence[dict[str, Any]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_store(passages: Sequence[dict[str, Any]], store_dir: str | Path | None = None, embedder: Any = None) -> Any:
-    """A :class:`DocumentStore` holding every passage (``store_dir``, default ``<cache>/eval/nq-<corpus hash>``).
+def build_store(passages: Sequence[dict[str, Any]], store_dir: str | Path | None = None, embedder: Any = None, *,
+                set_name: str = "nq") -> Any:
+    """A :class:`DocumentStore` holding every passage (``store_dir``, default ``<cache>/eval/<set>-<corpus hash>``,
+    collection ``<set>_passages``).
 
     Adding to an existing store re-embeds nothing that is unchanged, so a second run starts at once.
     """
@@ -108,11 +116,42 @@ def build_store(passages: Sequence[dict[str, Any]], store_dir: str | Path | None
     ids = [str(row["id"]) for row in passages]
     if len(set(ids)) != len(ids):
         raise InvalidOptionError("the passages file repeats an id: every passage needs its own")
-    folder = Path(store_dir) if store_dir is not None else cache_root() / "eval" / f"nq-{corpus_key(passages)}"
-    store = DocumentStore(folder, embedder=embedder, collection=STORE_COLLECTION)
+    folder = Path(store_dir) if store_dir is not None else \
+        cache_root() / "eval" / f"{set_name}-{corpus_key(passages)}"
+    store = DocumentStore(folder, embedder=embedder, collection=f"{set_name}_passages")
     store.add([Document(passage_text(row), id=str(row["id"]), metadata={"title": str(row.get("title") or "")})
                for row in passages], warm=False)
     return store
+
+
+def check_sample(set_name: str, n_questions: int | None, top_k: int) -> None:
+    """The sample's sizes, refused by name before anything is read."""
+    if n_questions is not None and n_questions < 1:
+        raise InvalidOptionError(f"the {set_name} set needs n_questions >= 1, got {n_questions}")
+    if top_k < 1:
+        raise InvalidOptionError(f"the {set_name} set needs top_k >= 1, got {top_k}")
+
+
+def corpus_retriever(passages: Sequence[dict[str, Any]], retriever: Any = None, store_dir: str | Path | None = None,
+                     embedder: Any = None, *, set_name: str = "nq") -> Any:
+    """``retriever`` if given, else a :class:`ScoredRetriever` over a store of the whole corpus (see build_store)."""
+    from ctx_integrations.retrieval.retriever import ScoredRetriever
+
+    return retriever if retriever is not None else \
+        ScoredRetriever(build_store(passages, store_dir, embedder, set_name=set_name))
+
+
+def seeded_order(count: int, seed: int) -> list[int]:
+    """``range(count)`` shuffled by ``seed``: the order in which a set samples its questions."""
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def gold_ranks(documents: Sequence[Document], gold_ids: Sequence[str]) -> list[int | None]:
+    """Each gold passage's 1-based rank among the retrieved ``documents`` (``None``: not retrieved)."""
+    ids = [doc.id for doc in documents]
+    return [ids.index(gold) + 1 if gold in ids else None for gold in gold_ids]
 
 
 def nq_set(paths: Sequence[str | Path], n_questions: int | None = 24, *, seed: int = 0, top_k: int = DEFAULT_TOP_K,
@@ -127,22 +166,15 @@ def nq_set(paths: Sequence[str | Path], n_questions: int | None = 24, *, seed: i
     ``n_questions`` questions whose gold passage was retrieved (the protocol of a reader-only comparison;
     the default scores the retriever's misses too, as a user would meet them).
     """
-    from ctx_integrations.retrieval.retriever import ScoredRetriever
-
-    if n_questions is not None and n_questions < 1:
-        raise InvalidOptionError(f"the nq set needs n_questions >= 1, got {n_questions}")
-    if top_k < 1:
-        raise InvalidOptionError(f"the nq set needs top_k >= 1, got {top_k}")
+    check_sample("nq", n_questions, top_k)
     passages, questions = read_nq(paths)
     known = {str(row["id"]) for row in passages}
     missing = [q["id"] for q in questions if str(q["gold_passage"]) not in known]
     if missing:
         raise InvalidOptionError(f"{len(missing)} questions name a gold passage that is not in the passages file "
                                  f"(first: {missing[0]}): give the corpus these questions were drawn from")
-    if retriever is None:
-        retriever = ScoredRetriever(build_store(passages, store_dir, embedder))
-    order = list(range(len(questions)))
-    random.Random(seed).shuffle(order)
+    retriever = corpus_retriever(passages, retriever, store_dir, embedder)
+    order = seeded_order(len(questions), seed)
     wanted = len(questions) if n_questions is None else min(n_questions, len(questions))
     examples: list[tuple[int, Example]] = []
     for index in order:
@@ -156,9 +188,9 @@ def nq_set(paths: Sequence[str | Path], n_questions: int | None = 24, *, seed: i
 
 
 def _example(row: dict[str, Any], documents: list[Document]) -> Example:
-    ranks = [i for i, doc in enumerate(documents) if doc.id == str(row["gold_passage"])]
+    rank = gold_ranks(documents, [str(row["gold_passage"])])[0]
     answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
     return Example(str(row["id"]), str(row["question"]), tuple(str(a) for a in answers), tuple(documents),
-                   tuple(ranks[:1]), "gold_retrieved" if ranks else "gold_missed",
-                   meta={"gold_passage": str(row["gold_passage"]), "gold_rank": ranks[0] + 1 if ranks else None})
+                   () if rank is None else (rank - 1,), "gold_retrieved" if rank else "gold_missed",
+                   meta={"gold_passage": str(row["gold_passage"]), "gold_rank": rank})
 

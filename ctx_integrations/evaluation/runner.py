@@ -19,6 +19,7 @@ from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, cited_docu
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.evaluation.metrics import (
     best_f1,
+    bounded_match,
     bracket_citations,
     citation_precision,
     citation_recall,
@@ -167,7 +168,9 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
         cited = cited_documents(answer.citations(engine.loaded.tokenizer, threshold))
     record.update(text=text, cited=cited)
     if answer is not None:
-        record.update(substring_em=substring_match(text, example.answers), f1=best_f1(text, example.answers),
+        # a set of technical answers (options, exit statuses) asks for bounded_match: "-i" is not found in "ignore"
+        match = bounded_match if example.meta.get("answer_match") == "bounded" else substring_match
+        record.update(substring_em=match(text, example.answers), f1=best_f1(text, example.answers),
                       ttft_s=answer.timings["ttft_s"], total_s=answer.timings["total_s"],
                       tokens_per_s=answer.timings["tokens_per_s"], new_tokens=len(answer.token_ids),
                       cache_hits=answer.cache_hits, cache_misses=answer.cache_misses,
