@@ -227,7 +227,7 @@ TARGETS = {
                          ("tests/test_structured_output.py", "tests/test_tools.py", "tests/test_facade.py",
                           "tests/test_schema_support.py", "-k",
                           "not embedded_model and not chat_ippd and not concat and not map_reduce and not "
-                          "required_and_named and not native_formats")),
+                          "required_and_named and not native_formats and not docs")),
     "kv_codec": Target("ctx_integrations/engine/core/kv_codec.py", ("*",), ("tests/test_kv_codec.py",)),
     # tool calling: the call format read from the template, the structural tag, the calls (markup, bare or fenced
     # JSON) and a cut call read back, the stream filter (tiny-model tests; the embedded model's one is left out)
