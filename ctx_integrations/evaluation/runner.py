@@ -168,9 +168,7 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
         cited = cited_documents(answer.citations(engine.loaded.tokenizer, threshold))
     record.update(text=text, cited=cited)
     if answer is not None:
-        # a set of technical answers (options, exit statuses) asks for bounded_match: "-i" is not found in "ignore"
-        match = bounded_match if example.meta.get("answer_match") == "bounded" else substring_match
-        record.update(substring_em=match(text, example.answers), f1=best_f1(text, example.answers),
+        record.update(substring_em=score_answer(example, text), f1=best_f1(text, example.answers),
                       ttft_s=answer.timings["ttft_s"], total_s=answer.timings["total_s"],
                       tokens_per_s=answer.timings["tokens_per_s"], new_tokens=len(answer.token_ids),
                       cache_hits=answer.cache_hits, cache_misses=answer.cache_misses,
@@ -182,6 +180,14 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
     record.update(citation_precision=None if gold is None else citation_precision(cited, gold),
                   citation_recall=None if gold is None else citation_recall(cited, gold))
     return record
+
+
+def score_answer(example: Example, text: str) -> float:
+    """1.0 when ``text`` holds one of the example's answers (its set's matcher), else 0.0: a set of technical answers
+    (options, exit statuses) asks for :func:`bounded_match` (``meta["answer_match"] == "bounded"``: ``-i`` is not
+    found in "ignore"), every other set for :func:`substring_match`."""
+    match = bounded_match if example.meta.get("answer_match") == "bounded" else substring_match
+    return match(text, example.answers)
 
 
 _AVERAGED = ("substring_em", "f1", "citation_precision", "citation_recall", "ttft_s", "total_s", "tokens_per_s",
