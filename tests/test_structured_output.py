@@ -283,3 +283,67 @@ def test_the_packed_mask_is_xgrammars_layout_bit_for_bit():
     assert packed.tolist() == [[1 - 2**31, 2, 2**5]]
     back = ((packed.view(-1, 1).to(torch.int64) >> torch.arange(32)) & 1).view(-1)[:70].bool()
     assert torch.equal(back, allowed)
+
+
+def test_the_formats_text_keeps_its_characters_so_the_size_limit_counts_what_was_sent():
+    """Non-ASCII text stays UTF-8 in what is compiled (and measured against max_format_bytes): escaped as \\u00e9 it
+    would count six bytes a character where the user sent two."""
+    from ctx_integrations.engine.core.structured import SchemaBounds, format_source, narrowed_schema
+
+    assert format_source(StructuredOutput(choice=["café", "naïve"]))[1] == 'root ::= "café" | "naïve"'
+    schema = StructuredOutput(json={"type": "string", "enum": ["café"]})
+    assert format_source(schema)[1] == '{"type": "string", "enum": ["café"]}'
+    assert narrowed_schema(schema.json, SchemaBounds()) == schema.json
+
+
+def test_each_format_knows_its_kind_and_only_json_has_a_schema():
+    kinds = {"json": StructuredOutput(json={"type": "object"}), "json_object": StructuredOutput(json_object=True),
+             "regex": StructuredOutput(regex="a+"), "choice": StructuredOutput(choice=["a"])}
+    assert {name: output.kind for name, output in kinds.items()} == {name: name for name in kinds}
+    assert kinds["regex"].schema() is None and kinds["choice"].schema() is None
+    assert kinds["json_object"].schema() == {"type": "object"}
+
+
+def test_response_format_without_a_schema_is_any_json_and_non_models_are_refused():
+    from pydantic import BaseModel as Model
+
+    class City(Model):
+        name: str
+
+    assert StructuredOutput.from_response_format({"type": "json_schema", "json_schema": {"name": "x"}}) == \
+        StructuredOutput(json={})
+    for value in (dict, City(name="Oslo")):  # a class that is no pydantic model, a model's instance
+        with pytest.raises(InvalidOptionError, match=r'^response_format must be \{"type": "text"\}'):
+            StructuredOutput.from_response_format(value)
+
+
+def test_the_mask_asks_the_matcher_once_a_step_and_closes_columns_past_the_vocabulary(engine):
+    constraint = TokenConstraint(engine.loaded.grammars.compile(StructuredOutput(choice=["yes", "no"])))
+    calls = []
+    fill = constraint.matcher.fill_next_token_bitmask
+    constraint.matcher = type("Counting", (), {"fill_next_token_bitmask": lambda self, m: calls.append(1) or fill(m),
+                                               "accept_token": lambda self, t: True})()
+    width = constraint.vocab_size + 5
+    masked = constraint.mask(torch.zeros(2, width))
+    constraint.mask(torch.zeros(width))
+    assert len(calls) == 1  # two streams masked in one step: one fill
+    assert torch.isinf(masked[:, constraint.vocab_size:]).all() and (masked[:, constraint.vocab_size:] < 0).all()
+    assert torch.isfinite(masked[0]).sum() >= 2
+    constraint.accept(0)
+    constraint.mask(torch.zeros(width))
+    assert len(calls) == 2  # a new step: asked again
+
+
+def test_a_token_the_format_refuses_is_a_typed_error_saying_why(engine):
+    constraint = TokenConstraint(engine.loaded.grammars.compile(StructuredOutput(choice=["yes"])))
+    allowed = _allowed(constraint)
+    refused = next(t for t in range(constraint.vocab_size) if t not in allowed)
+    with pytest.raises(InvalidStructuredOutputError) as error:
+        constraint.accept(refused)
+    assert str(error.value) == (f"token {refused} was chosen but the format does not allow it here (a decoding "
+                                "loop that picked without the constraint's mask)")
+
+
+def _allowed(constraint: TokenConstraint) -> set[int]:
+    masked = constraint.mask(torch.zeros(constraint.vocab_size))
+    return set(torch.isfinite(masked).nonzero().flatten().tolist())
