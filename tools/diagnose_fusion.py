@@ -6,8 +6,9 @@ For every question of the set's seeded sample (the same sample ``ctx-experts eva
 answers with PCED (default options, or ``--option KEY=VALUE``), with ``single`` (the top passage from its cache) and
 with ``concat`` over that top passage alone, and replays PCED's answer through its rule
 (:func:`ctx_integrations.evaluation.diagnosis.replay_pced`). It prints, per kind: how often ``single`` and
-``concat`` over the same passage answer alike (the cached layout's share of the loss); which document won PCED's
-first content token (the top-ranked one, a gold one) and by what margin; the prior's lead of the top document over
+``concat`` over the same passage answer alike (the cached layout's share of the loss); which document won the first
+token of PCED's answer proper (past the opening "Based on the information provided..." and the question's words:
+the top-ranked one, a gold one) and by what margin; the prior's lead of the top document over
 the gold one where the gold one is not first, against the retrieval scores' spread; how often PCED's answer opens
 with a passage's first line (copying); and how often the question's likelihood given a document, or the dense
 score, ranks a gold passage first. Writes every question's reading to ``OUT/diagnosis.json``.
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ctx_integrations import Engine  # noqa: E402
+from ctx_integrations.engine.core.citations import is_content  # noqa: E402
 from ctx_integrations.engine.modes.priors import log_prior  # noqa: E402
 from ctx_integrations.evaluation import load_set  # noqa: E402
 from ctx_integrations.evaluation.diagnosis import replay_pced  # noqa: E402
@@ -48,6 +50,20 @@ def _copies(answer: str, documents) -> int | None:
         if len(line) >= 12 and (start.startswith(line[:len(start)]) or line.startswith(start)):
             return i
     return None
+
+
+# words of the answers' usual opening ("Based on the information provided in the given documents, ..."): a step
+# that writes one of them, or a word of the question, is not where the answer is decided
+PREAMBLE = frozenset("based information provided given documents document text documentation context above "
+                     "according option options command".split())
+
+
+def _answer_step(replay, question: str):
+    """The first step whose token is content (citations' rule) and not a word of the question or of the usual
+    opening: where the answer itself starts (an option, a number), as near as the pieces tell."""
+    asked = set(normalize_answer(question).split()) | PREAMBLE
+    return next((step for step, piece in zip(replay.steps, replay.pieces)
+                 if is_content(piece) and normalize_answer(piece) not in asked), None)
 
 
 def diagnose(engine: Engine, example, tokens: int, options: dict) -> dict:
@@ -73,15 +89,18 @@ def diagnose(engine: Engine, example, tokens: int, options: dict) -> dict:
         best_gold = max(gold, key=lambda k: scores[k])
         row["prior_lead_over_gold_nats"] = round(gamma * (prior[top] - prior[best_gold]), 3)
     if replay is not None:
-        step = replay.first_content_step() or replay.steps[0]
+        step = _answer_step(replay, example.question) or replay.steps[0]
         at = replay.steps.index(step)
-        row.update(agreement=round(replay.agreement, 3), first_content_piece=replay.pieces[at],
-                   first_content_winner=step.winner, first_content_winner_is_top=step.winner == top,
-                   first_content_margin=round(step.margin, 3),
-                   winners=[s.winner for s in replay.steps], beta=[round(b, 4) for b in replay.beta],
+        row.update(agreement=round(replay.agreement, 3), answer_piece=replay.pieces[at], answer_step=at,
+                   answer_winner=step.winner, answer_winner_is_top=step.winner == top,
+                   answer_margin=round(step.margin, 3),
+                   winners=[s.winner for s in replay.steps], pieces=replay.pieces,
+                   margins=[round(s.margin, 3) for s in replay.steps],
+                   best=[[round(v, 3) for v in s.best] for s in replay.steps], beta=[round(b, 4) for b in replay.beta],
                    question_loglik=[round(v, 3) for v in replay.question_loglik])
-        if gold:
+        if gold and step.winner not in gold:  # how far the best gold expert was behind the one that won
             row["gold_behind_winner_nats"] = round(step.best[step.winner] - max(step.best[g] for g in gold), 3)
+        if gold:
             likeliest = max(range(len(docs)), key=lambda k: replay.question_loglik[k])
             row["likelihood_top_is_gold"] = likeliest in gold
             row["dense_top_is_gold"] = top in gold
@@ -101,21 +120,21 @@ def _median(rows, key) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kind | n | single = concat(top 1) | EM single / concat(top 1) / pced | pced = single | first content "
+    lines = ["| kind | n | single = concat(top 1) | EM single / concat(top 1) / pced | pced = single | answer's first "
              "token won by the top-scored doc | ... by a gold doc | median margin (nats) | gold behind winner "
              "(median nats) | prior's lead of the top doc over gold (median nats) | median score spread | pced copies "
              "a first line | single copies | likelihood ranks gold first | dense ranks gold first | replay agreement |",
              "|" + "---|" * 16]
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
-        won_gold = [r for r in mine if r["gold"] and "first_content_winner" in r]
+        won_gold = [r for r in mine if r["gold"] and "answer_winner" in r]
         lines.append(
             f"| {kind} | {len(mine)} | {_share(mine, 'single_equals_concat_top1')} | "
             f"{sum(r['single_em'] for r in mine):g} / {sum(r['concat_top1_em'] for r in mine):g} / "
             f"{sum(r['pced_em'] for r in mine):g} | {_share(mine, 'pced_equals_single')} | "
-            f"{sum(bool(r.get('first_content_winner_is_top')) for r in mine)}/{len(mine)} | "
-            f"{sum(r['first_content_winner'] in r['gold'] for r in won_gold)}/{len(won_gold)} | "
-            f"{_median(mine, 'first_content_margin')} | {_median(mine, 'gold_behind_winner_nats')} | "
+            f"{sum(bool(r.get('answer_winner_is_top')) for r in mine)}/{len(mine)} | "
+            f"{sum(r['answer_winner'] in r['gold'] for r in won_gold)}/{len(won_gold)} | "
+            f"{_median(mine, 'answer_margin')} | {_median(mine, 'gold_behind_winner_nats')} | "
             f"{_median(mine, 'prior_lead_over_gold_nats')} | {_median(mine, 'score_spread')} | "
             f"{sum(r['copies_first_line_of'] is not None for r in mine)}/{len(mine)} | "
             f"{sum(r['single_copies'] is not None for r in mine)}/{len(mine)} | "

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ctx_integrations.engine.core.citations import is_content
 from ctx_integrations.engine.core.decoding import FIRST_STEP, FusionState
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.errors import InvalidOptionError
@@ -60,10 +59,6 @@ class Replay:
     def agreement(self) -> float:
         """The share of steps whose replayed pick is the answer's token (1.0: the replay is the engine's run)."""
         return sum(s.picked == s.token for s in self.steps) / len(self.steps) if self.steps else 1.0
-
-    def first_content_step(self) -> StepReading | None:
-        """The first step whose token holds a letter or digit that is not a stop word (citations' rule)."""
-        return next((s for s, piece in zip(self.steps, self.pieces) if is_content(piece)), None)
 
 
 def stream_ids(layout: Any, question: str, documents: Sequence[str]) -> list[list[int]]:
