@@ -184,3 +184,18 @@ def test_loading_a_model_shows_transformers_bars_only_on_a_terminal(model_folder
         assert hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_loading_the_embedder_shows_no_bars_off_a_terminal(capfd):
+    from transformers.utils import logging as hf_logging
+
+    from ctx_integrations.retrieval.embedders import TransformerEmbedder, minilm_dir
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        TransformerEmbedder(minilm_dir()).embed_documents(["a passage"])
+        assert "Loading weights" not in capfd.readouterr().err  # stderr is not a terminal here
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

