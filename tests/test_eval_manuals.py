@@ -330,3 +330,12 @@ def test_the_default_store_is_the_sets_own_folder_under_the_cache(tmp_path, monk
                       "collection": "manuals_passages", "documents": 1130}
     assert [e.kind for e in examples] == sorted((e.kind for e in examples), key=MANUALS_KINDS.index) and \
         {e.kind for e in examples} == set(MANUALS_KINDS)
+
+
+def test_the_licence_the_passages_are_offered_under_ships_beside_them():
+    """The GFDL asks a modified version to carry the licence's unaltered text (section 4, I)."""
+    from ctx_integrations.evaluation.manuals import DATA
+
+    text = (DATA / "GFDL-1.3.txt").read_text(encoding="utf-8")
+    assert text.lstrip().startswith("GNU Free Documentation License") and "Version 1.3, 3 November 2008" in text
+    assert "`GFDL-1.3.txt`" in (DATA / "README.md").read_text(encoding="utf-8")
