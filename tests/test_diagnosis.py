@@ -34,9 +34,12 @@ def test_the_replay_reproduces_the_engines_answer_winners_and_beta(engine, optio
 
 
 def test_the_question_likelihood_is_the_one_pced_weighs(engine):
-    answer = engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=2, query_likelihood=0.2)
+    answer = engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=8, query_likelihood=0.2)
     replay = replay_pced(engine, QUESTION, DOCS, answer.token_ids, query_likelihood=0.2)
     assert replay.question_loglik == pytest.approx(answer.extra["query_loglik"], abs=1e-3)
+    assert replay.agreement == 1.0 and [s.winner for s in replay.steps] == [step.document for step in answer.trace]
+    plain = replay_pced(engine, QUESTION, DOCS, answer.token_ids)
+    assert replay.prior != pytest.approx(plain.prior)  # the likelihood re-ranked the prior the rule added
     assert replay.amateur_question_loglik < 0
 
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 from ctx_integrations import Engine  # noqa: E402
 from ctx_integrations.engine.core.citations import is_content  # noqa: E402
-from ctx_integrations.engine.modes.priors import log_prior  # noqa: E402
 from ctx_integrations.evaluation import load_set  # noqa: E402
 from ctx_integrations.evaluation.diagnosis import replay_pced  # noqa: E402
 from ctx_integrations.evaluation.metrics import normalize_answer  # noqa: E402
@@ -75,8 +74,6 @@ def diagnose(engine: Engine, example, tokens: int, options: dict) -> dict:
     concat_one = engine.generate(example.question, [docs[top]], mode="concat", max_new_tokens=tokens)
     replay = replay_pced(engine, example.question, docs, pced.token_ids, **options) if pced.token_ids else None
     gold = set(example.gold)
-    prior = log_prior(scores, options.get("prior", "softmax"), tau=options.get("prior_tau", 0.05)).tolist()
-    gamma = options.get("gamma", 5.0)
     row = {"example": example.id, "kind": example.kind, "question": example.question, "gold": sorted(gold),
            "scores": [round(s, 4) for s in scores], "score_spread": round(max(scores) - min(scores), 4),
            "pced": pced.text, "single": single.text, "concat_top1": concat_one.text,
@@ -85,10 +82,10 @@ def diagnose(engine: Engine, example, tokens: int, options: dict) -> dict:
            "single_equals_concat_top1": single.text.strip() == concat_one.text.strip(),
            "pced_equals_single": pced.text.strip() == single.text.strip(),
            "copies_first_line_of": _copies(pced.text, docs), "single_copies": _copies(single.text, docs)}
-    if gold and top not in gold:
-        best_gold = max(gold, key=lambda k: scores[k])
-        row["prior_lead_over_gold_nats"] = round(gamma * (prior[top] - prior[best_gold]), 3)
     if replay is not None:
+        if gold and top not in gold:  # the prior's lead of the passage single reads over the best-scored gold one
+            best_gold = max(gold, key=lambda k: scores[k])
+            row["prior_lead_over_gold_nats"] = round(replay.prior[top] - replay.prior[best_gold], 3)
         step = _answer_step(replay, example.question) or replay.steps[0]
         at = replay.steps.index(step)
         row.update(agreement=round(replay.agreement, 3), answer_piece=replay.pieces[at], answer_step=at,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ctx_integrations.documents import prepare_documents
 from ctx_integrations.engine.core.decoding import FIRST_STEP, FusionState
 from ctx_integrations.engine.modes.pced import PCEDFusion
 from ctx_integrations.errors import InvalidOptionError
@@ -53,6 +54,7 @@ class Replay:
     question_loglik: list[float]  # per expert, log p(question | prefix + document_k)
     amateur_question_loglik: float
     beta: list[float]
+    prior: list[float]  # per expert, gamma times the log-prior the rule added (after query_likelihood's re-ranking)
     pieces: list[str] = field(default_factory=list)  # each step's token as text
 
     @property
@@ -83,21 +85,21 @@ def replay_pced(engine: Any, question: str, documents: Sequence[Any], answer_ids
         raise InvalidOptionError("replay_pced needs at least one document")
     if not answer_ids:
         raise InvalidOptionError("replay_pced needs an answer of at least one token")
-    texts = [d.text if hasattr(d, "text") else str(d) for d in documents]
-    scores = [float(getattr(d, "score", None) if getattr(d, "score", None) is not None else 1.0) for d in documents]
-    rule = PCEDFusion(scores, **options)
+    documents = prepare_documents(documents)  # the engine's texts and scores (r = 1 where none is given)
+    rule = PCEDFusion([d.score for d in documents], **options)
     layout, loaded = engine.layout, engine.loaded
-    prompts = stream_ids(layout, question, texts)
+    suffix = layout.suffix_ids(question)
+    span = layout.question_span(suffix)
     logits, loglik = [], []
-    span = layout.question_span(layout.suffix_ids(question))
-    for prompt in prompts:
+    for prompt in stream_ids(layout, question, [d.text for d in documents]):
         full = _teacher_forced(loaded.model, prompt, answer_ids, loaded.device)
         logits.append(full[len(prompt) - 1:])
-        start = len(prompt) - len(layout.suffix_ids(question)) + span[0]
-        stop = len(prompt) - len(layout.suffix_ids(question)) + span[1]
+        start, stop = len(prompt) - len(suffix) + span[0], len(prompt) - len(suffix) + span[1]
         targets = torch.tensor(prompt[start:stop], device=full.device)
         picked = torch.log_softmax(full[start - 1:stop - 1], -1).gather(1, targets.unsqueeze(1))
         loglik.append(float(picked.sum()))
+    if rule.wants_likelihood:  # the prior the engine re-ranks by the question's likelihood before the first token
+        rule = rule.given_likelihood(torch.tensor(loglik))
     stacked = torch.stack(logits)  # [1 + K, T, V]
     steps, state = [], FIRST_STEP
     for t, token in enumerate(answer_ids):
@@ -111,4 +113,4 @@ def replay_pced(engine: Any, question: str, documents: Sequence[Any], answer_ids
         state = FusionState(last_token=int(token), last_winner=winner, carry=fused.carry)
     beta = state.carry.tolist() if isinstance(state.carry, torch.Tensor) else []
     pieces = [loaded.tokenizer.decode([t]) for t in answer_ids]
-    return Replay(steps, loglik[1:], loglik[0], beta, pieces)
+    return Replay(steps, loglik[1:], loglik[0], beta, (rule.gamma * rule.log_prior).tolist(), pieces)
