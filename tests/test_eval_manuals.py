@@ -175,6 +175,7 @@ def test_the_loader_gives_each_kind_its_gold_and_counts_two_doc_only_when_both_a
     assert partial.meta["gold_rank"] is None and partial.meta["all_gold_retrieved"] is False
     assert unanswerable.answers == ABSTENTIONS and unanswerable.gold == () and "gold_rank" not in unanswerable.meta
     assert {e.meta.get("answer_match") for e in examples if e.kind != "unanswerable"} == {"bounded"}
+    assert unanswerable.meta["answer_match"] == "abstention"
     # recall over the three: the single at k >= 2, the two_doc at k >= 3, the half-retrieved one never
     recall = retrieval_recall([single, two, partial, unanswerable])
     assert recall == pytest.approx({"recall@1": 0, "recall@2": 1 / 3, "recall@3": 2 / 3, "recall@4": 2 / 3})

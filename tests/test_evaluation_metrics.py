@@ -9,6 +9,7 @@ import pytest
 
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.evaluation import (
+    abstains,
     best_f1,
     bracket_citations,
     citation_precision,
@@ -21,6 +22,7 @@ from ctx_integrations.evaluation import (
     world_set,
 )
 from ctx_integrations.evaluation.metrics import mean_defined
+from ctx_integrations.evaluation.runner import score_answer
 from ctx_integrations.evaluation.sets import ABSTENTIONS, KINDS
 
 
@@ -42,6 +44,64 @@ def test_substring_match_normalises_both_sides():
     assert substring_match("It was founded by Ilsa Brenn, in 1900.", ["ilsa brenn"]) == 1.0
     assert substring_match("It was founded by Ilsa.", ["Ilsa Brenn"]) == 0.0
     assert substring_match("anything", ["", "the"]) == 0.0  # an empty normalised answer matches nothing
+
+
+ABSTAINING = [
+    "The documents do not mention the default value.",
+    "Based on the information provided, the default value is not specified in the documents.",
+    "The information provided does not specify the default.",
+    "The provided text doesn't say which unit it takes.",
+    "The given documents don\u2019t contain that.",  # a typographic apostrophe
+    "This is not covered in the passages above.",
+    "does not have a direct answer in the given documents",  # the one real abstention of the 2026-12-02 template run
+    "There is no information about the founder of Braxel Corp.",
+    "It is not mentioned.",
+    "The founder of Braxel is unknown.",
+    "I cannot answer this question from the given documents.",
+    "The answer cannot be determined from the context.",
+    "I don't know.",
+    "There is no such option in ls.",
+    "ls does not have a --max-entries option.",
+    "grep has no --fuzzy-match option.",
+    "The --verify-checksum option does not exist in cp.",
+    "It is not a valid option of tail.",
+]
+ANSWERING = [  # invented answers, some in the negative: what the former list of phrases counted as abstentions
+    "Based on the information provided, the `--json` option does not output any differences.",
+    "sort --frobnicate does not have any effect.",
+    "If not specified, the default is 10 seconds.",
+    "The -i option cannot be combined with -v.",
+    "Based on the information provided, the default is 4.",
+    "Based on the documents, wget does not retry by default.",
+    "It does not follow symbolic links in the documents directory.",
+    "The program reads data from the input text and does not modify it.",
+    "The option is not supported by busybox.",
+    "It is not specified by POSIX.",
+    "The founder of Braxel Corp is Tom Reed.",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", ABSTAINING)
+def test_abstains_on_a_statement_that_the_documents_do_not_answer(text):
+    assert abstains(text) == 1.0
+    assert abstains(text.upper().replace(" ", "  \n")) == 1.0  # case and white space do not matter
+
+
+@pytest.mark.parametrize("text", ANSWERING)
+def test_abstains_not_on_an_answer_in_the_negative(text):
+    assert abstains(text) == 0.0
+
+
+def test_unanswerable_questions_are_scored_by_abstention_and_the_rest_by_their_answers():
+    world = world_set(24, documents=4, seed=1)
+    unanswerable = next(e for e in world if e.kind == "unanswerable")
+    single = next(e for e in world if e.kind == "single_hop")
+    assert score_answer(unanswerable, "The documents do not say who founded it.") == 1.0
+    assert score_answer(unanswerable, "It was founded by Tom Reed, who does not live there.") == 0.0
+    assert score_answer(unanswerable, "It was founded by someone who cannot be named.") == 0.0
+    assert score_answer(single, f"The answer is {single.answers[0]}.") == 1.0
+    assert score_answer(single, "The documents do not say.") == 0.0
 
 
 def test_citation_precision_and_recall_are_undefined_where_they_divide_by_zero():

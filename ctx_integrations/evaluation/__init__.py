@@ -26,6 +26,7 @@ from ctx_integrations.evaluation.manuals import DEFAULT_QUESTIONS as MANUALS_QUE
 from ctx_integrations.evaluation.manuals import DEFAULT_TOP_K as MANUALS_TOP_K
 from ctx_integrations.evaluation.manuals import MANUALS_KINDS, manuals_set
 from ctx_integrations.evaluation.metrics import (
+    abstains,
     best_f1,
     bounded_match,
     bracket_citations,
@@ -99,7 +100,7 @@ def load_set(name: str, engine: Any = None, *, n_questions: int | None = None, d
     raise InvalidOptionError(f"unknown evaluation set {name!r}: choose one of {', '.join(SETS)}")
 
 
-__all__ = ["DEFAULT_MODES", "MANUALS_KINDS", "SETS", "EvalReport", "Example", "System", "best_f1", "bounded_match",
-           "bracket_citations", "citation_precision", "citation_recall", "default_systems", "evaluate", "load_set",
-           "manuals_set", "markdown_table", "musique_set", "normalize_answer", "nq_set", "plot_report", "recall_at_k",
-           "secret_code_set", "substring_match", "token_f1", "world_set", "write_report"]
+__all__ = ["DEFAULT_MODES", "MANUALS_KINDS", "SETS", "EvalReport", "Example", "System", "abstains", "best_f1",
+           "bounded_match", "bracket_citations", "citation_precision", "citation_recall", "default_systems",
+           "evaluate", "load_set", "manuals_set", "markdown_table", "musique_set", "normalize_answer", "nq_set",
+           "plot_report", "recall_at_k", "secret_code_set", "substring_match", "token_f1", "world_set", "write_report"]

@@ -8,8 +8,8 @@ Shipped with the package (``evaluation/data/``, see its README for the manuals, 
 * ``single``: the answer (an option, a number, an exit status, a variable) is stated in one passage;
 * ``two_doc``: it needs a fact from each of two passages (a comparison, a sum or difference of two defaults);
 * ``unanswerable``: about the same programs, answered by no passage (``absent`` names strings that occur nowhere
-  in the corpus); any abstention counts, as in the world set (:data:`~ctx_integrations.evaluation.sets.ABSTENTIONS`
-  scored by the runner's substring match).
+  in the corpus); the answer must say the documents do not answer (or that the option asked about does not exist), as in
+  the world set (:func:`~ctx_integrations.evaluation.metrics.abstains`, ``meta["answer_match"] = "abstention"``).
 
 Retrieval is :mod:`ctx_integrations.evaluation.nq`'s: every passage goes into one store built with the library's
 default embedder (``$CTX_CACHE_DIR/eval/manuals-<corpus hash>``, reused between runs), and each question's
@@ -131,7 +131,7 @@ def _example(row: dict[str, Any], documents: list[Document]) -> Example:
     meta: dict[str, Any] = {"gold_passages": gold_ids}
     if row["kind"] == "unanswerable":
         return Example(str(row["id"]), str(row["question"]), ABSTENTIONS, tuple(documents), (), row["kind"],
-                       meta=meta)
+                       meta={**meta, "answer_match": "abstention"})
     ranks = gold_ranks(documents, gold_ids)
     found = all(rank is not None for rank in ranks)
     meta.update(gold_ranks=ranks, all_gold_retrieved=found, gold_rank=max(ranks) if found else None,

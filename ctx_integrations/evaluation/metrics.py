@@ -67,6 +67,58 @@ def bounded_match(prediction: str, answers: Sequence[str]) -> float:
     return 0.0
 
 
+# What the answer must say to abstain (:func:`abstains`): a statement about the documents, or about the thing asked.
+_SOURCE = (r"(?:documents?|context|passages?|excerpts?"
+           r"|(?:provided|given|supplied) (?:text|information|sources?|manuals?)"
+           r"|(?:text|information|sources?|manuals?) (?:provided|given|above|supplied))")
+_SOURCE_AFTER = r"(?:documents?|context|passages?|excerpts?|text|information|sources?|manuals?)"
+_THING = r"(?:option|flag|switch|test|variable|command|program|setting|feature|company|person)s?"
+_ABSTAINING = tuple(re.compile(pattern) for pattern in (
+    # "the documents (provided) do not mention ...", "the given text doesn't say ..."
+    rf"\b{_SOURCE}(?: (?:provided|given|above|here|supplied))? (?:do|does|did) ?(?:not|n't) (?:\w+ ){{0,2}}?"
+    r"(?:contain|mention|provide|include|say|specify|state|describe|cover|address|discuss|give|answer|have|offer"
+    r"|explain|list|hold|tell)",
+    # "... is not mentioned in the documents", "not explicitly stated in the provided text"
+    r"(?<!if )(?<!when )(?<!unless )\bnot (?:\w+ )?(?:mentioned|specified|stated|provided|described|found|given"
+    r"|covered|addressed|included|present|discussed|listed|explained|answered) (?:in|by|within|from) (?:the |these |"
+    rf"this |any of the )?(?:\w+ )?{_SOURCE_AFTER}",
+    # "... does not have a direct answer in the given documents", "there is no information about X in the context"
+    rf"\b(?:not|no|n't)\b(?: [^ .]+){{0,6}} (?:in|from|within) (?:the |these |this )?(?:\w+ )?{_SOURCE}"
+    r"(?: (?:provided|given|above|here|supplied))?(?:[.,;:!?)]|$| (?:and|or|but|so|about|regarding|for|to)\b)",
+    # "the founder is not mentioned", "no information about X": the fact asked for is missing
+    r"(?<!if )(?<!when )(?<!unless )\b(?:is|are|was|were) not (?:\w+ )?(?:mentioned|specified|stated|provided"
+    r"|given|known|documented)\b(?! (?:as|by|to|with|when|if|for)\b)",
+    r"\bno (?:\w+ )?(?:information|mention|details?|data) (?:about|on|regarding|is|was|of|for)\b",
+    r"\b(?:is|are) unknown\b",
+    r"\b(?:not enough|insufficient) information\b",
+    # "I cannot answer", "cannot be determined", "unable to find"
+    r"\b(?:cannot|can ?not|can't|unable to|not able to) (?:be )?(?:answer|determine|find|tell|say|found|determined"
+    r"|answered|identified|identify|provide)",
+    r"\bi (?:do ?(?:not|n't)) know\b",
+    # the thing asked about does not exist: "there is no such option", "ls has no --max-entries option"
+    rf"\bthere (?:is|are) no (?:such )?(?:\S+ ){{0,2}}{_THING}\b",
+    rf"\b(?:has|have) no (?:such )?(?:\S+ ){{0,2}}{_THING}\b",
+    rf"\b(?:do|does) ?(?:not|n't) (?:have|support|provide|offer|accept|recognize|exist)\b(?: (?:an?|any|such|the))*"
+    rf"(?: \S+){{0,2}} {_THING}\b",
+    rf"\b{_THING} (?:\S+ )?(?:does|do) ?(?:not|n't) exist\b",
+    rf"\bis not (?:a )?(?:valid|existing|known|recognized|real|an? (?:valid|existing|known|recognized|real)) "
+    rf"(?:\S+ ){{0,2}}{_THING}\b",
+))
+
+
+def abstains(prediction: str) -> float:
+    """1.0 when the prediction says the documents do not answer (or that what was asked about does not exist).
+
+    A statement is needed, not a negation: "the documents do not mention it", "X is not specified in the context",
+    "there is no information about X", "I cannot answer", "there is no such option" count; "the ``--json`` option
+    does not output differences" (an invented answer in the negative) and "if not specified, ..." do not, where a
+    list of phrases ("does not", "cannot") would count them. Matched on the lower-cased text with typographic quotes
+    and runs of white space made plain. Hand-written: no evaluation library scores abstention in free text.
+    """
+    text = " ".join(prediction.lower().replace("\u2019", "'").replace("\u2018", "'").split())
+    return 1.0 if any(pattern.search(text) for pattern in _ABSTAINING) else 0.0
+
+
 def _unquoted(text: str) -> str:
     """Non-ASCII punctuation (typographic quotes, dashes) as spaces: SQuAD's normalisation keeps them, so
     "‘BLOCK_SIZE’" would not hold the token ``blocksize``."""

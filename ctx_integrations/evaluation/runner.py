@@ -18,6 +18,7 @@ from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.citations import DEFAULT_THRESHOLD, cited_documents
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.evaluation.metrics import (
+    abstains,
     best_f1,
     bounded_match,
     bracket_citations,
@@ -185,9 +186,12 @@ def _answer(engine: Any, example: Example, system: System, max_new_tokens: int, 
 def score_answer(example: Example, text: str) -> float:
     """1.0 when ``text`` holds one of the example's answers (its set's matcher), else 0.0: a set of technical answers
     (options, exit statuses) asks for :func:`bounded_match` (``meta["answer_match"] == "bounded"``: ``-i`` is not
-    found in "ignore"), every other set for :func:`substring_match`."""
-    match = bounded_match if example.meta.get("answer_match") == "bounded" else substring_match
-    return match(text, example.answers)
+    found in "ignore"), a question no document answers for :func:`abstains` (``"abstention"``: the answer must say
+    so; "does not" in an invented answer is not enough), every other set for :func:`substring_match`."""
+    match = example.meta.get("answer_match")
+    if match == "abstention":
+        return abstains(text)
+    return (bounded_match if match == "bounded" else substring_match)(text, example.answers)
 
 
 _AVERAGED = ("substring_em", "f1", "citation_precision", "citation_recall", "ttft_s", "total_s", "tokens_per_s",

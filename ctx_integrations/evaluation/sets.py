@@ -2,14 +2,14 @@
 
 Three sets, all returned as lists of :class:`Example`:
 
-* ``world_set``: a seeded generator of invented-world multi-document QA (written by hand: no
-  published generator invents facts a 135M model has never seen and keeps track of which document
-  supports which answer). Four kinds of question: single-hop (one document holds the answer),
-  two-hop (the answer needs two documents), unanswerable (no document mentions the entity asked
-  about; any abstention counts as correct) and conflicting (two documents disagree; either value is
-  accepted and an honest answer cites both). The number of documents per question and their
-  approximate length are parameters; the rest of the documents are profiles of other invented
-  entities written with the same templates, so the model has to read, not pattern-match.
+* ``world_set``: a seeded generator of invented-world multi-document QA (written by hand: no published
+  generator invents facts a 135M model has never seen and keeps track of which document supports which
+  answer). Four kinds of question: single-hop (one document holds the answer), two-hop (the answer needs
+  two documents), unanswerable (no document mentions the entity asked about; the answer must say so,
+  :func:`~ctx_integrations.evaluation.metrics.abstains`) and conflicting (two documents disagree; either
+  value is accepted and an honest answer cites both). The number of documents per question and their
+  approximate length are parameters; the rest of the documents are profiles of other invented entities
+  written with the same templates, so the model has to read, not pattern-match.
 * ``secret_code_set``: the PCED paper's synthetic set (N documents of exactly L tokens, one holds a
   secret code; needs the engine's prompt layout to cut documents to exact token counts).
 * ``musique_set``: the shared MuSiQue dev file (no gold support: citation metrics are undefined).
@@ -31,7 +31,8 @@ from ctx_integrations.documents import Document
 from ctx_integrations.errors import InvalidOptionError
 
 KINDS = ("single_hop", "two_hop", "unanswerable", "conflicting")
-# What a model says when the documents do not hold the answer; any of them counts as correct.
+# An unanswerable question's answers, for F1 and the report: what a model says when the documents do not hold the
+# answer. Correctness is :func:`~ctx_integrations.evaluation.metrics.abstains` (a statement, not any "does not").
 ABSTENTIONS = ("unknown", "not mentioned", "no information", "not provided", "does not", "do not", "cannot",
                "can not", "don't know", "not specified", "not stated", "no mention", "not known", "not available")
 MUSIQUE_ENV = "CTX_MUSIQUE"  # where the MuSiQue dev file is when no path is given (not shipped with the package)
@@ -210,7 +211,8 @@ def _world_example(rng: random.Random, names: _Names, kind: str, example_id: str
     documents = tuple(Document(texts[i], id=f"{example_id}-d{rank}", score=round(scores[i], 3))
                       for rank, i in enumerate(order))
     gold = tuple(sorted(rank for rank, i in enumerate(order) if i < len(gold_texts)))
-    return Example(example_id, question, answers, documents, gold, kind)
+    meta = {"answer_match": "abstention"} if kind == "unanswerable" else {}
+    return Example(example_id, question, answers, documents, gold, kind, meta=meta)
 
 
 # -- the secret-code set ----------------------------------------------------------------------------------
