@@ -7,8 +7,8 @@ adapters and the server to that).
 
 The names are imported on first use (module ``__getattr__``, PEP 562): ``import ctx_integrations`` and the
 command line's ``--help`` stay fast because torch and transformers load only when ``Engine`` (or another name
-whose module needs them) is first touched; ``DEFAULT_MAX_NEW_TOKENS``, ``EMBEDDED_MODEL_NAME`` and ``Document``
-never load them.
+whose module needs them) is first touched; ``DEFAULT_MAX_NEW_TOKENS``, ``DEFAULT_MODE``, ``EMBEDDED_MODEL_NAME``
+and ``Document`` never load them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ if TYPE_CHECKING:
     from ctx_integrations.documents import Document
     from ctx_integrations.engine.core.answer import Answer
     from ctx_integrations.engine.core.config import EngineConfig
-    from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS, EMBEDDED_MODEL_NAME
+    from ctx_integrations.engine.core.defaults import (
+        DEFAULT_BATCH_MODE,
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_MODE,
+        EMBEDDED_MODEL_NAME,
+    )
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream
     from ctx_integrations.engine.core.model import LoadedModel, load_model, local_model_name
@@ -29,9 +34,9 @@ if TYPE_CHECKING:
     from ctx_integrations.engine.core.structured import StructuredOutput
     from ctx_integrations.engine.core.tools import ToolCallFilter
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EMBEDDED_MODEL_NAME", "Answer", "AnswerHandle", "AnswerStream", "Document",
-           "Engine", "EngineConfig", "LoadedModel", "SamplingParams", "StructuredOutput", "ToolCallFilter",
-           "check_mode", "load_model", "local_model_name"]
+__all__ = ["DEFAULT_BATCH_MODE", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MODE", "EMBEDDED_MODEL_NAME", "Answer",
+           "AnswerHandle", "AnswerStream", "Document", "Engine", "EngineConfig", "LoadedModel", "SamplingParams",
+           "StructuredOutput", "ToolCallFilter", "check_mode", "load_model", "local_model_name"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -39,6 +44,8 @@ _LAZY = {
     "AnswerHandle": "ctx_integrations.engine.core.handle",  # what Engine.submit / submit_chat return
     "AnswerStream": "ctx_integrations.engine.core.handle",  # Engine.astream / astream_chat's async stream
     "DEFAULT_MAX_NEW_TOKENS": "ctx_integrations.engine.core.defaults",  # the answer-length default (no torch)
+    "DEFAULT_BATCH_MODE": "ctx_integrations.engine.core.defaults",  # the mode of many questions over one set (no torch)
+    "DEFAULT_MODE": "ctx_integrations.engine.core.defaults",  # the decoding mode when none is named (no torch)
     "Document": "ctx_integrations.documents",
     "EMBEDDED_MODEL_NAME": "ctx_integrations.engine.core.defaults",  # the default model's name (no torch)
     "Engine": "ctx_integrations.engine.core.engine",

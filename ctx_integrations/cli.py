@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, EngineConfig, __version__
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, EngineConfig, __version__
 from ctx_integrations.engine.core.config import argument_type
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
 from ctx_integrations.errors import (
@@ -640,7 +640,8 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
                         help="the question to answer; several are answered together with Engine.generate_many "
                              "(one stacked decode for all of them with --mode ippd)")
     parser.add_argument("--store", default=str(_default_store()), help="store folder or Chroma URL")
-    parser.add_argument("--mode", default="pced", help=f"decoding mode: {', '.join(BUILTIN_MODES)} (default pced)")
+    parser.add_argument("--mode", default=DEFAULT_MODE,
+                        help=f"decoding mode: {', '.join(BUILTIN_MODES)} (default {DEFAULT_MODE})")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a mode option, e.g. --option gamma=2.5 (repeatable; values parsed as JSON)")
     _add_generation_arguments(parser)

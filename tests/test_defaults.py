@@ -7,6 +7,7 @@ the server's 128 once did), so the same question gets a different answer length 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -67,3 +68,58 @@ def test_llama_index_defaults_to_the_constant():
     from ctx_integrations.llama_index import ExpertDecoderLLM
 
     assert ExpertDecoderLLM.model_fields["max_new_tokens"].default == DEFAULT_MAX_NEW_TOKENS
+
+
+# -- one default mode everywhere ------------------------------------------------------------------------------------
+
+
+def test_every_entry_point_defaults_to_the_one_mode():
+    """A door that names its own default mode would answer the same question with another method."""
+    from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE
+    from ctx_integrations.cli import build_parser
+    from ctx_integrations.langchain import ChatContextOfExperts, ContextOfExpertsRunnable
+    from ctx_integrations.llama_index import (
+        ContextOfExpertsChatEngine,
+        ContextOfExpertsQueryEngine,
+        ContextOfExpertsSynthesizer,
+        ExpertDecoderLLM,
+    )
+    from ctx_integrations.serve.schemas import AnswerRequest, RetrievalOptions
+
+    def default(function):
+        return inspect.signature(function).parameters["mode"].default
+
+    defaults = {
+        **{f"Engine.{m}": default(getattr(Engine, m)) for m in ("submit", "generate", "agenerate", "stream",
+                                                                 "astream")},
+        **{f"ExpertDecoderLLM.{m}": default(getattr(ExpertDecoderLLM, m))
+           for m in ("decode", "adecode", "stream_decode", "astream_decode")},
+        "QueryEngine": default(ContextOfExpertsQueryEngine.__init__),
+        "QueryEngine.from_index": default(ContextOfExpertsQueryEngine.from_index),
+        "ChatEngine.from_index": default(ContextOfExpertsChatEngine.from_index),
+        "Synthesizer": default(ContextOfExpertsSynthesizer.__init__),
+        "Runnable": ContextOfExpertsRunnable.model_fields["mode"].default,
+        "ChatModel": ChatContextOfExperts.model_fields["mode"].default,
+        "server answer": AnswerRequest(query="q").mode,
+        "server chat": RetrievalOptions().mode,
+        "cli ask": build_parser().parse_args(["ask", "What is the code?"]).mode,
+    }
+    assert {name: mode for name, mode in defaults.items() if mode != DEFAULT_MODE} == {}
+    batches = {"Engine.generate_many": default(Engine.generate_many),
+               "Engine.agenerate_many": default(Engine.agenerate_many),
+               "ExpertDecoderLLM.decode_many": default(ExpertDecoderLLM.decode_many),
+               "ExpertDecoderLLM.adecode_many": default(ExpertDecoderLLM.adecode_many)}
+    assert {name: mode for name, mode in batches.items() if mode != DEFAULT_BATCH_MODE} == {}
+
+
+def test_no_module_names_a_default_mode_of_its_own():
+    """The signatures above are the doors known today; this catches a new one that hard-codes a mode name."""
+    from pathlib import Path
+
+    import ctx_integrations
+
+    root = Path(ctx_integrations.__file__).parent
+    literal = re.compile(r"""\bmode(?:: str(?: \| None)?)? = ["'](\w+)["']|["']--mode["'], default=["'](\w+)""")
+    found = {str(path.relative_to(root)): hit.group(0) for path in root.rglob("*.py")
+             for hit in literal.finditer(path.read_text()) if path.name != "defaults.py"}
+    assert found == {}

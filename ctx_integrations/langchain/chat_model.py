@@ -38,6 +38,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from ctx_integrations import (
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
     EMBEDDED_MODEL_NAME,
     Answer,
     AnswerStream,
@@ -170,7 +171,7 @@ class ChatContextOfExperts(BaseChatModel):
 
     engine: Any = Field(default=None, exclude=True)
     model_name: str | None = Field(default=None, alias="model")
-    mode: str = "pced"
+    mode: str = DEFAULT_MODE
     mode_options: dict[str, Any] = Field(default_factory=dict)
     documents: list[Any] | None = Field(default=None, exclude=True)
     temperature: float = 0.0

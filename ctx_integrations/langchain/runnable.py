@@ -22,7 +22,7 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, Answer, Document, Engine, SamplingParams, check_mode
+from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Answer, Document, Engine, SamplingParams, check_mode
 from ctx_integrations.adapters import aliased, check_engine, check_model, length_budget, resolve_engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.chat_model import ChatContextOfExperts
@@ -95,7 +95,7 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     engine: Any = Field(default=None, exclude=True)
     model_name: str | None = Field(default=None, alias="model")
     retriever: Any = Field(default=None, exclude=True)
-    mode: str = "pced"
+    mode: str = DEFAULT_MODE
     mode_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     max_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS,
                             validation_alias=AliasChoices("max_tokens", "max_new_tokens"))

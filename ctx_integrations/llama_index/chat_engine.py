@@ -22,7 +22,7 @@ from llama_index.core.chat_engine import CondenseQuestionChatEngine
 from llama_index.core.memory import BaseMemory
 from llama_index.core.prompts.base import BasePromptTemplate
 
-from ctx_integrations import Engine
+from ctx_integrations import DEFAULT_MODE, Engine
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.llama_index.llm import ExpertDecoderLLM, resolve_llm
 from ctx_integrations.llama_index.query_engine import ContextOfExpertsQueryEngine
@@ -33,7 +33,7 @@ class ContextOfExpertsChatEngine(CondenseQuestionChatEngine):
 
     @classmethod
     def from_index(cls, index: Any, *, llm: ExpertDecoderLLM | None = None, engine: Engine | None = None,
-                   cache_dir: CacheDir = USER_CACHE_DIR, mode: str = "pced", similarity_top_k: int | None = None,
+                   cache_dir: CacheDir = USER_CACHE_DIR, mode: str = DEFAULT_MODE, similarity_top_k: int | None = None,
                    chat_history: Sequence[ChatMessage] | None = None, memory: BaseMemory | None = None,
                    condense_question_prompt: BasePromptTemplate | None = None, verbose: bool = False,
                    retriever_kwargs: Mapping[str, Any] | None = None,

@@ -51,7 +51,9 @@ from llama_index.core.settings import Settings
 from llama_index.core.types import PydanticProgramMode
 
 from ctx_integrations import (
+    DEFAULT_BATCH_MODE,
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
     Answer,
     AnswerStream,
     Document,
@@ -387,7 +389,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
                                 callback_manager=callback_manager or self.callback_manager)
 
     @dispatcher.span
-    def decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+    def decode(self, question: str, documents: Sequence[Document], *, mode: str = DEFAULT_MODE,
                sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                **options: Any) -> Answer:
         """Answer ``question`` from ``documents`` with ``mode`` in one ``Engine.generate`` call, as an LLM call.
@@ -410,7 +412,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
         return answer
 
     @dispatcher.span
-    async def adecode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+    async def adecode(self, question: str, documents: Sequence[Document], *, mode: str = DEFAULT_MODE,
                       sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                       **options: Any) -> Answer:
         """:meth:`decode` through ``Engine.agenerate``: the event loop keeps running."""
@@ -426,7 +428,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
         return answer
 
     @dispatcher.span
-    def stream_decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+    def stream_decode(self, question: str, documents: Sequence[Document], *, mode: str = DEFAULT_MODE,
                       sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                       **options: Any) -> Generator[str, None, Answer]:
         """:meth:`decode`, streamed: text pieces as decoded (each an ``LLMCompletionInProgressEvent``); the
@@ -440,7 +442,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
         return _reported_pieces(pieces, self._report(engine, question, documents, mode, options, callback_manager))
 
     @dispatcher.span
-    async def astream_decode(self, question: str, documents: Sequence[Document], *, mode: str = "pced",
+    async def astream_decode(self, question: str, documents: Sequence[Document], *, mode: str = DEFAULT_MODE,
                              sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                              **options: Any) -> ReportedAnswerStream:
         """:meth:`stream_decode` for async callers (``Engine.astream``); after the loop, the stream's ``answer``."""
@@ -458,7 +460,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
                 for question, docs in zip(questions, per_question)]
 
     @dispatcher.span
-    def decode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = "ippd",
+    def decode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = DEFAULT_BATCH_MODE,
                     sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                     **options: Any) -> list[Answer]:
         """Every question in one ``Engine.generate_many`` call (``documents``: one list shared by all questions,
@@ -477,7 +479,7 @@ class ExpertDecoderLLM(CustomLLM, FunctionCallingLLM):
         return answers
 
     @dispatcher.span
-    async def adecode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = "ippd",
+    async def adecode_many(self, questions: Sequence[str], documents: Sequence[Any], *, mode: str = DEFAULT_BATCH_MODE,
                            sampling: SamplingParams | None = None, callback_manager: CallbackManager | None = None,
                            **options: Any) -> list[Answer]:
         """:meth:`decode_many` through ``Engine.agenerate_many``."""

@@ -26,7 +26,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.core.settings import Settings
 
-from ctx_integrations import Answer, Engine, SamplingParams, check_mode
+from ctx_integrations import DEFAULT_MODE, Answer, Engine, SamplingParams, check_mode
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.llama_index.convert import node_text, to_document
@@ -71,7 +71,7 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
 
     def __init__(self, retriever: BaseRetriever, *, llm: ExpertDecoderLLM | None = None,
                  engine: Engine | ExpertDecoderLLM | None = None, cache_dir: CacheDir = USER_CACHE_DIR,
-                 mode: str = "pced", mode_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 mode: str = DEFAULT_MODE, mode_options: Mapping[str, Mapping[str, Any]] | None = None,
                  node_postprocessors: Sequence[BaseNodePostprocessor] | None = None,
                  retrieval_score_kind: str = "auto", reranker_score_kind: str = "reranker",
                  streaming: bool = False, max_new_tokens: int | None = None, max_tokens: int | None = None,
@@ -143,7 +143,7 @@ class ContextOfExpertsQueryEngine(RetrieverQueryEngine):
     @classmethod
     def from_index(cls, index: Any, *, llm: ExpertDecoderLLM | None = None,
                    engine: Engine | ExpertDecoderLLM | None = None, cache_dir: CacheDir = USER_CACHE_DIR,
-                   mode: str = "pced", similarity_top_k: int | None = None,
+                   mode: str = DEFAULT_MODE, similarity_top_k: int | None = None,
                    retriever_kwargs: Mapping[str, Any] | None = None, **options: Any) -> ContextOfExpertsQueryEngine:
         """Build over ``index.as_retriever(...)`` (e.g. an index from ``load_index_from_storage``).
 

@@ -40,7 +40,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ctx_integrations import Answer, Document, Engine, check_mode
+from ctx_integrations import DEFAULT_MODE, Answer, Document, Engine, check_mode
 from ctx_integrations.adapters import USER_CACHE_DIR, CacheDir
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index.convert import response_metadata, to_document
@@ -82,7 +82,7 @@ class ContextOfExpertsSynthesizer(BaseSynthesizer):
     """
 
     def __init__(self, llm: ExpertDecoderLLM | None = None, *, engine: Engine | None = None,
-                 cache_dir: CacheDir = USER_CACHE_DIR, mode: str = "pced",
+                 cache_dir: CacheDir = USER_CACHE_DIR, mode: str = DEFAULT_MODE,
                  mode_options: Mapping[str, Mapping[str, Any]] | None = None, retrieval_score_kind: str = "dense",
                  streaming: bool = False, max_new_tokens: int | None = None, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
 from ctx_integrations.serve.access_log import CLIENT_CLOSED, AccessLogMiddleware
 from ctx_integrations.serve.auth import ApiKeyMiddleware, api_keys
@@ -424,7 +425,7 @@ async def batch(request: Request, server: State) -> Any:
         ids = {tuple(d["id"] for d in docs) for docs in per_query}
         shared = per_query[0] if len(ids) == 1 else None
         documents = shared if shared is not None else list(per_query)
-    mode = body.mode or ("ippd" if shared is not None else "pced")
+    mode = body.mode or (DEFAULT_BATCH_MODE if shared is not None else DEFAULT_MODE)
     job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
            "sampling": body.sampling_fields(), "timeout": body.timeout}
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS
+from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE
 from ctx_integrations.documents import Document
 from ctx_integrations.serve.limits import ServerLimits
 from ctx_integrations.serve.unsupported import refuse_unsupported
@@ -211,7 +211,7 @@ class AnswerRequest(Sampling):
     query: str = Field(min_length=1)
     documents: list[str | DocumentIn] | None = Field(default=None, min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=256)
-    mode: str = "pced"
+    mode: str = DEFAULT_MODE
     options: ModeOptions = Field(default_factory=dict)
     stream: bool = False
 
@@ -238,7 +238,8 @@ class BatchRequest(Sampling):
     queries: list[str] = Field(min_length=1, max_length=256)
     documents: list[str | DocumentIn] | None = Field(default=None, min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=256)
-    mode: str | None = Field(default=None, description="default: ippd when the documents are shared, else pced")
+    mode: str | None = Field(default=None, description=f"default: {DEFAULT_BATCH_MODE} when the documents are "
+                                                       f"shared, else {DEFAULT_MODE}")
     options: ModeOptions = Field(default_factory=dict)
 
     _documents_size = field_validator("documents")(_check_documents)
@@ -387,7 +388,7 @@ class RetrievalOptions(BaseModel):
 
     store: bool = True
     top_k: int = Field(default=4, ge=1, le=256)
-    mode: str = "pced"
+    mode: str = DEFAULT_MODE
     options: ModeOptions = Field(default_factory=dict)
 
     _top_k_size = field_validator("top_k")(_check_top_k)

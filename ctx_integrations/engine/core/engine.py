@@ -28,7 +28,7 @@ from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.engine.core.compile_pool import check_format_size
 from ctx_integrations.engine.core.config import EngineConfig
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
-from ctx_integrations.engine.core.defaults import DEFAULT_MAX_NEW_TOKENS
+from ctx_integrations.engine.core.defaults import DEFAULT_BATCH_MODE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE
 from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream, Pieces, compiled_off_loop
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel, load_model
@@ -246,7 +246,7 @@ class Engine:
         return compiling, None
 
     def submit(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-               mode: str = "pced", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               mode: str = DEFAULT_MODE, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = (),
                on_token: Callable[[str], None] | None = None, timeout: float | None = None,
                sampling: SamplingParams | None = None, start: bool = True, **options: Any) -> AnswerHandle:
@@ -281,7 +281,7 @@ class Engine:
         return self._handle(request, pieces, start, [ctx], settings, compiling)
 
     def generate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                 mode: str = "pced", **settings: Any) -> Answer:
+                 mode: str = DEFAULT_MODE, **settings: Any) -> Answer:
         """Answer ``query`` from ``documents`` with decoding ``mode``, blocking until the answer is done.
 
         ``settings``: :meth:`submit`'s (max_new_tokens, temperature, top_p, seed, stop, on_token, timeout,
@@ -290,14 +290,14 @@ class Engine:
         return self.submit(query, documents, scores, mode, **settings).result()
 
     async def agenerate(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                        mode: str = "pced", **settings: Any) -> Answer:
+                        mode: str = DEFAULT_MODE, **settings: Any) -> Answer:
         """:meth:`generate` for async callers: awaits the scheduler without blocking the event loop (the documents
         are tokenised on the scheduler's loader thread, a structured-output format compiled off it). Cancelling the
         awaiting task cancels the request (its rows leave the batch at the next step; a compile stops)."""
         return await self.submit(query, documents, scores, mode, start=False, **settings)
 
     def stream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-               mode: str = "pced", **settings: Any) -> Generator[str, None, Answer]:
+               mode: str = DEFAULT_MODE, **settings: Any) -> Generator[str, None, Answer]:
         """Yield text pieces as they are decoded; the final :class:`Answer` is the generator's return value.
 
         The request is validated and queued at the first ``next()``. Closing the generator early stops decoding
@@ -307,7 +307,7 @@ class Engine:
         return (yield from self.submit(query, documents, scores, mode, start=False, **settings).stream())
 
     def astream(self, query: str, documents: Sequence[Any], scores: Sequence[float] | None = None,
-                mode: str = "pced", **settings: Any) -> AnswerStream:
+                mode: str = DEFAULT_MODE, **settings: Any) -> AnswerStream:
         """Async token streaming: ``async for piece in engine.astream(...)``, then the stream's ``.answer``.
 
         The request is validated now and queued when iteration starts; leaving the loop early cancels it. Its
@@ -350,7 +350,7 @@ class Engine:
                                          self.max_queued_requests)
 
     def generate_many(self, questions: Sequence[str], documents: Sequence[Any], scores: Sequence[float] | None = None,
-                      mode: str = "ippd", *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                      mode: str = DEFAULT_BATCH_MODE, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop: Sequence[str] | str = (), timeout: float | None = None,
                       sampling: SamplingParams | None = None, **options: Any) -> list[Answer]:
@@ -376,7 +376,7 @@ class Engine:
             raise
 
     async def agenerate_many(self, questions: Sequence[str], documents: Sequence[Any],
-                             scores: Sequence[float] | None = None, mode: str = "ippd", *,
+                             scores: Sequence[float] | None = None, mode: str = DEFAULT_BATCH_MODE, *,
                              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                              stop: Sequence[str] | str = (), timeout: float | None = None,
