@@ -7,8 +7,9 @@ adapters and the server to that).
 
 The names are imported on first use (module ``__getattr__``, PEP 562): ``import ctx_integrations`` and the
 command line's ``--help`` stay fast because torch and transformers load only when ``Engine`` (or another name
-whose module needs them) is first touched; ``DEFAULT_MAX_NEW_TOKENS``, ``DEFAULT_MODE``, ``EMBEDDED_MODEL_NAME``
-and ``Document`` never load them.
+whose module needs them) is first touched; ``DEFAULT_MAX_NEW_TOKENS``, ``DEFAULT_MODE``, ``EMBEDDED_MODEL_NAME``,
+``Document`` and the modes' declarations (``available_modes``, ``mode_spec``, ``mode_options``, ``check_mode``)
+never load them.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ if TYPE_CHECKING:
     )
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream
+    from ctx_integrations.engine.core.mode_catalog import available_modes, check_mode, mode_options, mode_spec
     from ctx_integrations.engine.core.model import LoadedModel, load_model, local_model_name
-    from ctx_integrations.engine.core.registry import check_mode
     from ctx_integrations.engine.core.sampling import SamplingParams
     from ctx_integrations.engine.core.structured import StructuredOutput
     from ctx_integrations.engine.core.tools import ToolCallFilter
 
 __all__ = ["DEFAULT_BATCH_MODE", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MODE", "EMBEDDED_MODEL_NAME", "Answer",
            "AnswerHandle", "AnswerStream", "Document", "Engine", "EngineConfig", "LoadedModel", "SamplingParams",
-           "StructuredOutput", "ToolCallFilter", "check_mode", "load_model", "local_model_name"]
+           "StructuredOutput", "ToolCallFilter", "available_modes", "check_mode", "load_model", "local_model_name",
+           "mode_options", "mode_spec"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -54,7 +56,12 @@ _LAZY = {
     "SamplingParams": "ctx_integrations.engine.core.sampling",
     "StructuredOutput": "ctx_integrations.engine.core.structured",  # incl. StructuredOutput.from_response_format
     "ToolCallFilter": "ctx_integrations.engine.core.tools",  # a stream's text with its tool calls held back
-    "check_mode": "ctx_integrations.engine.core.registry",  # an unknown mode or option as a typed error, early
+    # the modes' declarations (no torch): their names, a mode's {option: default} and its ModeSpec, and the check of a
+    # mode and its options as a typed error, early (before a model loads)
+    "available_modes": "ctx_integrations.engine.core.mode_catalog",
+    "check_mode": "ctx_integrations.engine.core.mode_catalog",
+    "mode_options": "ctx_integrations.engine.core.mode_catalog",
+    "mode_spec": "ctx_integrations.engine.core.mode_catalog",
     "load_model": "ctx_integrations.engine.core.model",
     "local_model_name": "ctx_integrations.engine.core.model",  # a model name checked against this machine
 }

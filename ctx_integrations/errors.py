@@ -20,6 +20,11 @@ class InvalidOptionError(CtxIntegrationsError, ValueError):
     """An option a mode does not accept, or a value outside its range."""
 
 
+class ModeDeclarationError(CtxIntegrationsError, TypeError):
+    """A mode's declaration that does not hold: an option whose default is outside its own range, a function whose
+    keyword options differ from its declaration, a name declared twice. A bug in the mode, not in the request."""
+
+
 class EmptyDocumentsError(CtxIntegrationsError, ValueError):
     """No documents, or a document whose text is empty."""
 

@@ -1,13 +1,16 @@
 """The registry of decoding modes and the context every mode runs in.
 
-A mode is a function ``plan(ctx, **options) -> Job`` registered under a name: it declares the
+A mode is a function ``plan(ctx, **options) -> Job`` registered under its declaration
+(:class:`~ctx_integrations.engine.core.mode_spec.ModeSpec`: name, typed options, paper): it declares the
 streams the request needs (cached pieces per row, the prompt after them) and its per-step rule, and
 the scheduler runs the job (``engine/core/jobs.py``). ``plan`` runs on the scheduler's thread, so it
-may compute missing KV caches. Its keyword options, with their defaults, are its documented knobs;
-unknown options are refused here, once, with the list of accepted ones, so a typo never silently
+may compute missing KV caches. Its keyword options, with their defaults, are its declared knobs; the
+declarations live in :mod:`~ctx_integrations.engine.core.mode_catalog`, which imports no torch, and
+``check_mode`` (re-exported here, with ``mode_options`` and ``available_modes``) refuses an unknown option or
+a value outside its declared type, range or choices before the request is planned, so a typo never silently
 falls back to a default.
 
-A mode registered with ``many=True`` answers several questions in one job (IPPD): its function is
+A mode declared with ``many=True`` answers several questions in one job (IPPD): its function is
 ``plan(contexts, **options) -> Job``, one context per question. The engine calls it with one context
 for ``generate`` and with all of them for ``generate_many``; every other mode answers the questions
 of ``generate_many`` as concurrent requests, which the scheduler batches.
@@ -19,7 +22,7 @@ import importlib
 import inspect
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,13 +32,17 @@ from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.disk import CacheStats
 from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.layout import PromptLayout
+from ctx_integrations.engine.core.mode_catalog import available_modes as available_modes
+from ctx_integrations.engine.core.mode_catalog import check_mode as check_mode
+from ctx_integrations.engine.core.mode_catalog import declare_mode, mode_spec
+from ctx_integrations.engine.core.mode_catalog import mode_options as mode_options
+from ctx_integrations.engine.core.mode_spec import ModeSpec
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.prepared import PreparedText, PreparedTexts
 from ctx_integrations.errors import (
     DocumentTooLongError,
-    InvalidOptionError,
+    ModeDeclarationError,
     RequestTooLargeError,
-    UnknownModeError,
     UnsupportedSamplingError,
 )
 
@@ -87,30 +94,27 @@ class EngineParts(Protocol):
 
 ModeFunction = Callable[..., Any]  # returns a ``jobs.Job`` (jobs.py imports this module, not the reverse)
 _MODES: dict[str, ModeFunction] = {}
-_MANY_MODES: set[str] = set()
-_SPECULATIVE_MODES: set[str] = set()
-# Modules whose import registers the built-in modes; a new mode adds its module here.
-_BUILTIN_MODULES = ("ctx_integrations.engine.modes.pced", "ctx_integrations.engine.modes.baselines",
-                    "ctx_integrations.engine.modes.soft_nbce", "ctx_integrations.engine.modes.rapid",
-                    "ctx_integrations.engine.modes.ape", "ctx_integrations.engine.modes.ippd")
 
 
-def register_mode(name: str, *, many: bool = False,
-                  picks_each_token: bool = True) -> Callable[[ModeFunction], ModeFunction]:
-    """Register ``function`` as mode ``name``; ``many=True``: it takes a list of contexts (see the module doc).
+def register_mode(spec: ModeSpec) -> Callable[[ModeFunction], ModeFunction]:
+    """Register ``function`` as the mode ``spec`` declares (its name, options and paper; :mod:`.mode_spec`).
 
-    ``picks_each_token=False``: the mode does not choose every answer token with the request's sampler from
-    one score vector (RAPID accepts a drafter's tokens by speculative sampling), so it cannot honour the
-    settings that act on that vector (top_k, min_p, penalties, structured output, logprobs); they are
-    refused for it (:func:`check_sampling`).
+    The function's keyword-only parameters must be the declared options, in the declared order, with the declared
+    defaults: a :class:`~ctx_integrations.errors.ModeDeclarationError` at import otherwise, so what
+    ``mode_options``, the command line and the server check is what the function takes. ``spec.many``: the
+    function takes a list of contexts (see the module doc).
     """
+    declare_mode(spec)
 
     def decorate(function: ModeFunction) -> ModeFunction:
-        _MODES[name] = function
-        if many:
-            _MANY_MODES.add(name)
-        if not picks_each_token:
-            _SPECULATIVE_MODES.add(name)
+        parameters = [p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        taken = [(p.name, p.default) for p in parameters]
+        declared = [(option.name, option.default) for option in spec.options]
+        if taken != declared:
+            raise ModeDeclarationError(
+                f"mode {spec.name!r}: {function.__qualname__} takes the keyword options {taken}, its declaration "
+                f"{declared}: declare each keyword-only parameter of the function, in order, with its default")
+        _MODES[spec.name] = function
         return function
 
     return decorate
@@ -118,8 +122,7 @@ def register_mode(name: str, *, many: bool = False,
 
 def check_sampling(name: str, sampling: Any) -> None:
     """Refuse the sampling settings mode ``name`` cannot honour (``UnsupportedSamplingError`` naming them)."""
-    resolve_mode(name)
-    unsupported = sampling.beyond_plain_sampling() if name in _SPECULATIVE_MODES else []
+    unsupported = [] if mode_spec(name).picks_each_token else sampling.beyond_plain_sampling()
     if unsupported:
         raise UnsupportedSamplingError(
             f"mode {name!r} cannot honour {', '.join(unsupported)}: its speculative acceptance draws each token from "
@@ -130,47 +133,18 @@ def check_sampling(name: str, sampling: Any) -> None:
 
 def answers_many(name: str) -> bool:
     """Whether mode ``name`` decodes several questions together (its function takes a list of contexts)."""
-    resolve_mode(name)
-    return name in _MANY_MODES
-
-
-def available_modes() -> list[str]:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
-    return sorted(_MODES)
-
-
-def mode_options(name: str) -> dict[str, Any]:
-    """The keyword options a mode accepts, with their defaults."""
-    function = resolve_mode(name)
-    return {p.name: p.default for p in inspect.signature(function).parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return mode_spec(name).many
 
 
 def resolve_mode(name: str) -> ModeFunction:
-    modes = available_modes()
-    if not isinstance(name, str) or name not in _MODES:  # a list or dict would raise TypeError (unhashable)
-        raise UnknownModeError(f"unknown mode {name!r}: choose one of {', '.join(modes)}")
+    """Mode ``name``'s function, its module imported the first time (the one its declaration names)."""
+    spec = mode_spec(name)
+    if name not in _MODES and spec.module is not None:
+        importlib.import_module(spec.module)
+    if name not in _MODES:
+        raise ModeDeclarationError(f"mode {name!r} is declared, but no function is registered for it: its module "
+                                   f"({spec.module}) must decorate one with @register_mode(its ModeSpec)")
     return _MODES[name]
-
-
-def check_options(name: str, options: dict[str, Any]) -> None:
-    accepted = mode_options(name)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise InvalidOptionError(f"mode {name!r} does not accept {', '.join(unknown)}; "
-                                 f"its options are: {', '.join(sorted(accepted)) or 'none'}")
-
-
-def check_mode(mode: str, options: Mapping[str, Any] | None = None) -> None:
-    """Refuse an unknown ``mode`` (:class:`~ctx_integrations.errors.UnknownModeError`, listing the modes) or an
-    option it does not take (:class:`~ctx_integrations.errors.InvalidOptionError`, listing its options): what a
-    front end checks when it is built or a call arrives, so a typo fails there and not at the first answer."""
-    resolve_mode(mode)
-    if options is not None and not isinstance(options, Mapping):
-        raise InvalidOptionError(f"the options of mode {mode!r} must be a mapping of option names to values, got "
-                                 f"{type(options).__name__}")
-    check_options(mode, dict(options or {}))
 
 
 @dataclass

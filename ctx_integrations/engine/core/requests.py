@@ -20,7 +20,7 @@ from ctx_integrations.engine.core.answer import Answer
 from ctx_integrations.engine.core.chat import CHAT_MODE
 from ctx_integrations.engine.core.decoding import DecodeResult, single_stream
 from ctx_integrations.engine.core.jobs import ExclusiveJob, FusedJob, Job, Stream
-from ctx_integrations.engine.core.registry import DecodeContext, answers_many, resolve_mode
+from ctx_integrations.engine.core.registry import DecodeContext, answers_many, check_mode, resolve_mode
 from ctx_integrations.engine.core.scheduler import Request
 from ctx_integrations.engine.core.tools import ToolRequest
 
@@ -66,6 +66,8 @@ class ModeRequest(Request):
     def __init__(self, engine: Any, contexts: list[DecodeContext], mode: str, options: dict[str, Any], *,
                  timeout: float | None = None):
         super().__init__(engine, timeout=timeout, started=min(ctx.started for ctx in contexts))
+        # a mode is planned only with values its declaration accepts: its function leaves those checks to it
+        check_mode(mode, options)
         self.contexts, self.mode, self.options = contexts, mode, dict(options)
 
     def prefetch(self) -> None:

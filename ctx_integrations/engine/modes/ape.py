@@ -40,7 +40,18 @@ from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.validation import real_number
 from ctx_integrations.engine.core.windows import windows
 from ctx_integrations.engine.modes.ape_flex import APE_FLEX_ATTENTION, check_call
-from ctx_integrations.engine.modes.priors import DEFAULT_FLOOR, DEFAULT_PRIOR, DEFAULT_TAU, check_prior, log_prior
+from ctx_integrations.engine.modes.priors import check_prior, log_prior
+from ctx_integrations.engine.modes.specs import (
+    APE,
+    APE_MAX_GAMMA,
+    ATTENTION_TEMPERATURE,
+    DEFAULT_FLOOR,
+    DEFAULT_PRIOR,
+    DEFAULT_TAU,
+    MIN_ATTENTION_TEMPERATURE,
+    SCALE,
+)
+from ctx_integrations.engine.modes.specs import APE_GAMMA as PRIOR_GAMMA
 from ctx_integrations.errors import InvalidOptionError
 
 APE_ATTENTION = "ctx_ape"
@@ -71,19 +82,6 @@ class ApeLayout:
                                      f"{self.context_end})")
 
 
-# APE's defaults, measured on NQ-open with real retrieval (200 questions, docs/evaluation.md): the retrieval prior's
-# weight (our variant; 0 = the paper's APE: each document's attention scaled by its softmax prior over the retrieved
-# set, softmax(r / 0.05), relative to the top document's, to the power gamma) and the paper's two per-task knobs at
-# 1.0, T = S = 1 (the authors' code has 0.9 / 0.9). Together: EM 0.615 against 0.565 with gamma 1 at 0.9 / 0.9;
-# neither change alone gets there (gamma 3 at 0.9 / 0.9: 0.570; gamma 1 at 1.0 / 1.0: 0.575).
-PRIOR_GAMMA = 3.0
-ATTENTION_TEMPERATURE = 1.0
-SCALE = 1.0
-
-# Smallest attention_temperature: the document scores are divided by it, and below ~1e-37 they overflow float32
-# (every token then gets NaN and greedy decoding emits token id 0); below 0.01 the attention is already a hard
-# argmax. The paper's grid is 0.1-1.0.
-MIN_ATTENTION_TEMPERATURE = 0.01
 
 
 def check_knobs(temperature: float, scale: float) -> None:
@@ -357,7 +355,7 @@ def ape_plan(attribution: object, attention_kernel: str, device: object) -> ApeP
     return ApePlan(False, attribution is not False, None)
 
 
-@register_mode("ape")
+@register_mode(APE)
 def run_ape(ctx: DecodeContext, *, attention_temperature: float = ATTENTION_TEMPERATURE, scale: float = SCALE,
             attention_kernel: str = "auto", attribution: bool | None = None, gamma: float = PRIOR_GAMMA,
             prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR) -> Job:
@@ -398,7 +396,7 @@ def run_ape(ctx: DecodeContext, *, attention_temperature: float = ATTENTION_TEMP
 def document_bias(ctx: DecodeContext, gamma: float, prior: str, prior_tau: float,
                   prior_floor: float) -> tuple[float, ...]:
     """gamma * (log_prior_k - max log_prior) per document, or () when gamma is 0 (the paper's APE)."""
-    real_number("gamma", gamma, minimum=0.0, maximum=100.0, hint=" (weight of APE's retrieval prior; 0: none)")
+    real_number("gamma", gamma, minimum=0.0, maximum=APE_MAX_GAMMA, hint=" (weight of APE's retrieval prior; 0: none)")
     check_prior(prior, prior_tau, prior_floor)
     if gamma == 0:
         return ()

@@ -31,6 +31,7 @@ from ctx_integrations.engine.core.layout import SUMMARY_QUESTION_TEMPLATE, SUMMA
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import Piece, Run
 from ctx_integrations.engine.core.validation import optional_whole_number, whole_number
+from ctx_integrations.engine.modes.specs import CONCAT, MAP_REDUCE, SINGLE, TRUNCATED
 from ctx_integrations.errors import DocumentTooLongError
 
 
@@ -48,13 +49,13 @@ def concatenated_ids(ctx: DecodeContext, contexts: Sequence[Sequence[int]], what
     return ids
 
 
-@register_mode("concat")
+@register_mode(CONCAT)
 def run_concat(ctx: DecodeContext) -> FusedJob:
     """Corpus in context ("All"): every document in one prompt, in the given order."""
     return prompt_job(ctx, concatenated_ids(ctx, [prepared.ids for prepared in ctx.prepared]))
 
 
-@register_mode("truncated")
+@register_mode(TRUNCATED)
 def run_truncated(ctx: DecodeContext, *, context_tokens: int | None = None) -> FusedJob:
     """Truncated (the Soft-NBCE paper's baseline): the concatenated documents cut to their last tokens.
 
@@ -81,7 +82,7 @@ def top_document(documents: list[Document]) -> int:
     return max(range(len(documents)), key=lambda i: (documents[i].score, -i))
 
 
-@register_mode("single")
+@register_mode(SINGLE)
 def run_single(ctx: DecodeContext) -> FusedJob:
     """Corpus in context ("Single"): only the top-1 document by score, decoded from its cached KV."""
     engine, layout = ctx.engine, ctx.engine.layout
@@ -232,7 +233,7 @@ def _map_job(ctx: DecodeContext, summary_tokens: int) -> MapJob:
                   lambda summaries: _reduce_job(ctx, inputs, summaries))
 
 
-@register_mode("map_reduce")
+@register_mode(MAP_REDUCE)
 def run_map_reduce(ctx: DecodeContext, *, summary_tokens: int = 96) -> Job:
     """MapReduce: summarise each document (from cached KV), then answer from the summaries.
 

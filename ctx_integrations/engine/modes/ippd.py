@@ -44,6 +44,7 @@ from ctx_integrations.engine.core.jobs import PooledJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.rows import PAD_ID, PAD_POSITION, Piece, Run, visibility
 from ctx_integrations.engine.core.transfer import same_device
+from ctx_integrations.engine.modes.specs import IPPD
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
 __all__ = ["PAD_ID", "PAD_POSITION", "StackedJob", "run_ippd", "visibility"]
@@ -265,7 +266,7 @@ def greedy_question_values(scores: torch.Tensor) -> torch.Tensor:
     return torch.cat([token.double(), logprob.double(), checked.double()], 1).flatten()
 
 
-@register_mode("ippd", many=True)
+@register_mode(IPPD)
 def run_ippd(contexts: list[DecodeContext], *, max_stack_tokens: int | None = None) -> StackedJob:
     """Intra-prompt parallel decoding: every question answered in one stacked decode.
 

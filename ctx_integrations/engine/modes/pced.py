@@ -25,31 +25,23 @@ from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import choice, real_number
 from ctx_integrations.engine.core.word_pieces import WordPieces
-from ctx_integrations.engine.modes.priors import (
+from ctx_integrations.engine.modes.priors import check_query_likelihood, likelihood_prior, log_prior
+from ctx_integrations.engine.modes.specs import (
+    AGGREGATIONS,
     DEFAULT_FLOOR,
     DEFAULT_PRIOR,
     DEFAULT_TAU,
-    check_prior,
-    check_query_likelihood,
-    likelihood_prior,
-    log_prior,
+    PCED,
+    SCORE_SPACES,
+    SWITCHES,
 )
+from ctx_integrations.engine.modes.specs import PAPER_GAMMA as PAPER_GAMMA  # the paper's rule: prior="paper"
+from ctx_integrations.engine.modes.specs import PCED_GAMMA as PRIOR_GAMMA
+from ctx_integrations.engine.modes.specs import PCED_MAX_BETA as MAX_BETA
+from ctx_integrations.engine.modes.specs import PCED_MAX_GAMMA as MAX_GAMMA
 from ctx_integrations.errors import InvalidOptionError
 
-SCORE_SPACES = ("logprobs", "logits")
-AGGREGATIONS = ("max", "mixture", "product")
-SWITCHES = ("token", "word")
 TINY = torch.finfo(torch.float32).tiny
-# Largest beta and gamma: past them float32 loses the scores (gamma * log r reaches -8.7e3 x gamma for r near 0,
-# and a common offset of 1e8 rounds every token's score to the same value, so argmax returns token 0), and at
-# ~1e36 they overflow to inf and NaN. The paper's values are beta in [0, ln 2] (dynamic) and gamma = 2.5.
-MAX_BETA = MAX_GAMMA = 100.0
-# The paper's weight of the retrieval prior (appendix B), for its prior, log r.
-PAPER_GAMMA = 2.5
-# The default weight, for the default calibrated prior (softmax(r / 0.05) over the retrieved set; our variant),
-# measured on NQ-open with real retrieval (200 questions, docs/evaluation.md): EM 0.615 against 0.600 with the
-# paper's 2.5 (+3 / -0 questions) and `single`'s 0.610. The paper's rule: prior="paper", gamma=PAPER_GAMMA.
-PRIOR_GAMMA = 5.0
 
 
 def jensen_shannon(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -265,7 +257,7 @@ class PCEDFusion:
         return adjusted.masked_fill(others & continuing.to(adjusted.device).unsqueeze(0), -math.inf)
 
 
-@register_mode("pced")
+@register_mode(PCED)
 def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = PRIOR_GAMMA,
              score_space: str = "logprobs", aggregation: str = "max", switch: str = "token", prior: str = DEFAULT_PRIOR,
              prior_tau: float = DEFAULT_TAU, prior_floor: float = DEFAULT_FLOOR,
@@ -284,7 +276,6 @@ def run_pced(ctx: DecodeContext, *, beta: float | None = None, gamma: float = PR
     UPR's reranking signal measured on the experts' own prefill; 0, the default: off); the answer's
     ``extra["query_loglik"]`` holds each document's.
     """
-    check_prior(prior, prior_tau, prior_floor)
     pieces = ctx.engine.loaded.word_pieces if switch == "word" else None  # PCEDFusion checks switch
     rule = PCEDFusion([d.score for d in ctx.documents], beta=beta, gamma=gamma, score_space=score_space,
                       aggregation=aggregation, switch=switch, word_pieces=pieces, prior=prior, prior_tau=prior_tau,

@@ -33,24 +33,19 @@ from collections.abc import Sequence
 import torch
 
 from ctx_integrations.engine.core.validation import choice, real_number
+from ctx_integrations.engine.modes.specs import DEFAULT_FLOOR as DEFAULT_FLOOR
+from ctx_integrations.engine.modes.specs import DEFAULT_PRIOR as DEFAULT_PRIOR
+from ctx_integrations.engine.modes.specs import DEFAULT_TAU as DEFAULT_TAU
+from ctx_integrations.engine.modes.specs import MAX_PRIOR_TAU, MAX_QUERY_LIKELIHOOD, MIN_PRIOR_TAU, PRIORS
 from ctx_integrations.errors import InvalidOptionError
 
-PRIORS = ("paper", "softmax", "rank", "minmax")
-# The default of every mode that takes a prior, measured on NQ-open with real retrieval:
-# docs/evaluation.md#nq-open-with-real-retrieval-what-the-prior-needs
-DEFAULT_PRIOR = "softmax"
 TINY = torch.finfo(torch.float32).tiny
-DEFAULT_TAU = 0.05  # softmax's temperature, in units of r
-DEFAULT_FLOOR = 0.05  # minmax's prior of the lowest-scored document (log 0.05 = -3.0 nats before gamma)
-# Largest weight of the question's likelihood: at 100 one nat counts as 100 x tau of score, far past the measured 0.2
-# (a few nats' difference then outweighs any gap of the default prior), and larger weights only cost float32 precision
-# (a question's log-likelihood reaches -100s of nats).
-MAX_QUERY_LIKELIHOOD = 100.0
 
 
 def check_prior(prior: str, tau: float = DEFAULT_TAU, floor: float = DEFAULT_FLOOR) -> None:
     choice("prior", prior, PRIORS)
-    real_number("prior_tau", tau, minimum=1e-4, maximum=100.0, hint=" (softmax prior's temperature, in units of r)")
+    real_number("prior_tau", tau, minimum=MIN_PRIOR_TAU, maximum=MAX_PRIOR_TAU,
+                hint=" (softmax prior's temperature, in units of r)")
     real_number("prior_floor", floor, minimum=0.0, maximum=1.0, min_inclusive=False,
                 hint=" (minmax prior's value for the lowest-scored document)")
 

@@ -32,19 +32,14 @@ from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.registry import DecodeContext, EngineParts, register_mode
 from ctx_integrations.engine.core.rows import Piece
 from ctx_integrations.engine.core.scheduler import Request
-from ctx_integrations.engine.core.validation import choice, real_number, whole_number
-from ctx_integrations.engine.modes.speculative import check_tail_rule
+from ctx_integrations.engine.modes.specs import RAPID
 from ctx_integrations.engine.modes.speculative_rows import DraftChannel, DraftJob, DraftRow, RapidJob, SequenceRow
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.retrieval.scores import normalize_sparse
 
-RANKINGS = ("dense", "bm25", "scores", "auto")
 # The paper's RAG setup (Sec. 4.1): the retrieval context is bounded between 4096 tokens and 1/24 of the input.
 DRAFT_MIN_TOKENS = 4096
 DRAFT_CONTEXT_RATIO = 1 / 24
-# Largest eta: eta (q - p) overflows float32 near 1e38, and p^ = softmax(z / T + eta (q - p)) becomes NaN (greedy
-# decoding then emits token id 0); the paper uses 5-50.
-MAX_ETA = 1000.0
 
 
 @dataclass(frozen=True)
@@ -211,7 +206,7 @@ def _report_drafter_failure(channel: DraftChannel) -> Callable[[Future], None]:
     return done
 
 
-@register_mode("rapid", picks_each_token=False)
+@register_mode(RAPID)
 def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter: EngineParts | None = None,
               draft_context_tokens: int | None = None, chunk_tokens: int = 512, min_similarity: float = 0.3,
               ranking: str = "dense", draft_embedder: object = None, tail_rule: str = "paper",
@@ -232,8 +227,7 @@ def run_rapid(ctx: DecodeContext, *, gamma: int = 10, eta: float = 10.0, drafter
     the engine's; temperature 0 is the greedy variant. The target and drafter are rows of the shared
     batch (``speculative_rows.py``); a drafter model of its own drafts on that model's scheduler.
     """
-    _check_options(gamma, eta, draft_context_tokens, chunk_tokens, min_similarity, ranking)
-    check_tail_rule(tail_rule)
+    _check_budgets(draft_context_tokens, chunk_tokens)
     draft_engine = check_drafter(ctx.engine, drafter)
     engine, layout = ctx.engine, ctx.engine.layout
     context_ids = [list(p.ids) for p in ctx.prepared]
@@ -323,16 +317,8 @@ def _target_alone(ctx: DecodeContext, job: RapidJob, pieces: list[Piece], suffix
     return FusedJob(alone, [Stream(tuple(pieces), tuple(suffix), first)], single_stream, finish)
 
 
-def _check_options(gamma: int, eta: float, draft_context_tokens: int | None, chunk_tokens: int,
-                   min_similarity: float, ranking: str) -> None:
-    whole_number("gamma", gamma, minimum=1, hint=" (tokens drafted per round)")
-    real_number("eta", eta, minimum=0.0, maximum=MAX_ETA, hint=" (0 = plain speculative decoding)")
-    whole_number("chunk_tokens", chunk_tokens, minimum=1)
-    if draft_context_tokens is not None:
-        whole_number("draft_context_tokens", draft_context_tokens, minimum=1, hint=" (None: the paper's bounds)")
-        if draft_context_tokens < chunk_tokens:
-            raise InvalidOptionError(f"need chunk_tokens <= draft_context_tokens (None: the paper's bounds), got "
-                                     f"chunk_tokens={chunk_tokens}, draft_context_tokens={draft_context_tokens}")
-    real_number("min_similarity", min_similarity, minimum=-1.0, maximum=1.0,
-                hint=" (a cosine similarity or normalised relevance)")
-    choice("ranking", ranking, RANKINGS)
+def _check_budgets(draft_context_tokens: int | None, chunk_tokens: int) -> None:
+    """The rule between two options (each one's type and range is its declaration's, checked before planning)."""
+    if draft_context_tokens is not None and draft_context_tokens < chunk_tokens:
+        raise InvalidOptionError(f"need chunk_tokens <= draft_context_tokens (None: the paper's bounds), got "
+                                 f"chunk_tokens={chunk_tokens}, draft_context_tokens={draft_context_tokens}")

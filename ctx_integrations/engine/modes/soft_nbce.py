@@ -38,29 +38,27 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import real_number
-from ctx_integrations.engine.modes.priors import (
+from ctx_integrations.engine.modes.priors import check_prior, check_query_likelihood, likelihood_prior, log_prior
+from ctx_integrations.engine.modes.specs import (
+    DEFAULT_CHUNK_TOKENS,
     DEFAULT_FLOOR,
     DEFAULT_PRIOR,
     DEFAULT_TAU,
-    check_prior,
-    check_query_likelihood,
-    likelihood_prior,
-    log_prior,
+    MIN_TAU,
+    NBCE,
+    PAPER_RHO,
+    PCW,
+    RULES,
+    SOFT_NBCE,
 )
+from ctx_integrations.engine.modes.specs import SOFT_NBCE_GAMMA as PRIOR_GAMMA
+from ctx_integrations.engine.modes.specs import SOFT_NBCE_MAX_BETA as MAX_BETA
 from ctx_integrations.errors import DocumentTooLongError, InvalidOptionError
 
-DEFAULT_CHUNK_TOKENS = 2048
 TINY = torch.finfo(torch.float32).tiny  # floor of chunk weights before their log (citation evidence)
 # Re-tokenising a chunk's text can move a boundary token and the layout appends a newline.
 _RETOKENIZE_SLACK = 4
 
-
-RULES = ("paper", "nbce_code")
-# Knob ranges that keep float32 finite: beta scales log-probs ((1 + beta) L - beta L_prior overflows to inf - inf
-# = NaN near 1e36, and past ~1e8 rounds every token to one score, so greedy emits token id 0), and the entropy
-# weights divide by tau (all -inf, then NaN, below ~1e-37; at 1e-9 they are already hard NBCE's one-hot).
-MAX_BETA = 100.0
-MIN_TAU = 1e-9
 
 # A request's rho = 1 among a batch's other rhos: above the mass before any token (at most 1 plus fp32 rounding), so
 # every token is kept, as :func:`nucleus_mask` keeps them for rho = 1 alone.
@@ -71,15 +69,10 @@ WHOLE_NUCLEUS = 2.0
 # so a floored token can never outrank a kept one, yet the weighted sum stays finite.
 FILTERED_LOGPROB = -100.0
 
-# The mode's defaults where the retriever ranks the chunks (our variant, measured on NQ-open with real retrieval,
-# 200 questions, docs/evaluation.md): the chunks' weights also follow a retrieval prior of weight PRIOR_GAMMA (a
-# softmax over the retrieved set), and every token stays in the support (rho = 1). Where nothing ranks them (no
-# scores, equal scores, one document cut into chunks) the rule is the paper's: gamma 0, each chunk's top PAPER_RHO.
-# Where the scores rank them, that softmax prior also takes the question's log-likelihood given each chunk, of weight
+# The mode's defaults where the retriever ranks the chunks (PRIOR_GAMMA and PAPER_RHO: engine/modes/specs.py). Where
+# the scores rank them, that softmax prior also takes the question's log-likelihood given each chunk, of weight
 # QUERY_LIKELIHOOD (PCED's option's value; held-out NQ-open questions, seeds 3 and 4: +19 / -4 answers against the
 # prior alone, docs/evaluation.md).
-PRIOR_GAMMA = 10.0
-PAPER_RHO = 0.9
 QUERY_LIKELIHOOD = 0.2
 
 
@@ -583,7 +576,7 @@ def run_chunk_fusion(ctx: DecodeContext, rule: SoftNBCEFusion | Callable[[list[i
     return job
 
 
-@register_mode("soft_nbce")
+@register_mode(SOFT_NBCE)
 def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, rho: float | None = None,
                   chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper", gamma: float = PRIOR_GAMMA,
                   prior: str = DEFAULT_PRIOR, prior_tau: float = DEFAULT_TAU,
@@ -626,14 +619,14 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
     return run_chunk_fusion(ctx, chunks_rule, chunk_tokens)
 
 
-@register_mode("nbce")
+@register_mode(NBCE)
 def run_nbce(ctx: DecodeContext, *, beta: float = 0.25, rho: float = PAPER_RHO,
              chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> FusedJob:
     """Hard NBCE (Soft-NBCE's tau -> 0 limit, the paper's Vanilla NBCE): each token from the lowest-entropy chunk."""
     return run_chunk_fusion(ctx, NBCEFusion(beta=beta, rho=rho, rule=rule), chunk_tokens)
 
 
-@register_mode("pcw")
+@register_mode(PCW)
 def run_pcw(ctx: DecodeContext, *, beta: float = 0.0, rho: float = PAPER_RHO,
             chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, rule: str = "paper") -> FusedJob:
     """Uniform chunk average (Soft-NBCE's tau -> infinity limit with beta = 0, the paper's PCW baseline)."""

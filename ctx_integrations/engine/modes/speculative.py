@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from ctx_integrations.engine.core.decoding import TokenSampler, check_finite_scores, race_noise, race_winner
+from ctx_integrations.engine.modes.specs import TAIL_RULES
 from ctx_integrations.errors import InvalidOptionError
 
 TAIL = 0.1  # the paper's cut-off (Eq. 9): tokens with p^ < 0.1 * max(p^) keep their target probability
-TAIL_RULES = ("paper", "draft_head")
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
