@@ -26,7 +26,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, EngineConfig, __version__
+from ctx_integrations import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
+    EngineConfig,
+    __version__,
+    available_modes,
+    check_mode,
+)
 from ctx_integrations.engine.core.config import argument_type
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
 from ctx_integrations.errors import (
@@ -36,11 +43,6 @@ from ctx_integrations.errors import (
     ModelNotFoundError,
     UnknownModeError,
 )
-
-# The registered modes, known without importing torch (the registry imports the model code);
-# tests/test_cli_fast.py checks that this equals ``engine.core.registry.available_modes()``.
-BUILTIN_MODES = ("pced", "concat", "single", "truncated", "map_reduce", "soft_nbce", "nbce", "pcw", "rapid", "ape",
-                 "ippd")
 
 Handler = Callable[[argparse.Namespace], int]
 Check = Callable[[argparse.Namespace], None]
@@ -231,11 +233,11 @@ def _quiet_libraries() -> None:
 
 
 def check_modes(modes: Sequence[str]) -> None:
-    """Refuse an unknown mode before anything heavy is imported or loaded."""
-    unknown = [mode for mode in modes if mode not in BUILTIN_MODES]
+    """Refuse an unknown mode before anything heavy is imported or loaded (the modes' declarations need no torch)."""
+    known = available_modes()
+    unknown = [mode for mode in modes if mode not in known]
     if unknown:
-        raise UnknownModeError(f"unknown mode(s) {', '.join(map(repr, unknown))}: choose from "
-                               f"{', '.join(BUILTIN_MODES)}")
+        raise UnknownModeError(f"unknown mode(s) {', '.join(map(repr, unknown))}: choose from {', '.join(known)}")
 
 
 def check_model_name(name: str | None) -> None:
@@ -641,9 +643,10 @@ def _configure_ask(parser: argparse.ArgumentParser) -> None:
                              "(one stacked decode for all of them with --mode ippd)")
     parser.add_argument("--store", default=str(_default_store()), help="store folder or Chroma URL")
     parser.add_argument("--mode", default=DEFAULT_MODE,
-                        help=f"decoding mode: {', '.join(BUILTIN_MODES)} (default {DEFAULT_MODE})")
+                        help=f"decoding mode: {', '.join(available_modes())} (default {DEFAULT_MODE})")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a mode option, e.g. --option gamma=2.5 (repeatable; values parsed as JSON)")
+                        help="a mode option, e.g. --option gamma=2.5 (repeatable; values parsed as JSON; checked "
+                             "against the mode's declared options before the model loads: docs/modes.md)")
     _add_generation_arguments(parser)
     _add_retriever_arguments(parser)
     parser.add_argument("--score", choices=("dense", "sparse", "colbert"), default="dense",
@@ -689,9 +692,11 @@ def _finite_float(text: str) -> float:
 
 
 def check_ask(args: argparse.Namespace) -> None:
-    """``ask``'s mistakes that need no import: options, mode, flag values and combinations, the store folder."""
-    _parse_options(args.option)
+    """``ask``'s mistakes that need no import: the mode and its options (against its declaration: name, type, range
+    or choices), flag values and combinations, the store folder."""
+    options = _parse_options(args.option)
     check_modes([args.mode])
+    check_mode(args.mode, options)
     if args.top_k < 1:
         raise InvalidOptionError(f"--top-k must be >= 1, got {args.top_k}")
     if args.max_new_tokens < 1:
@@ -709,11 +714,9 @@ def check_ask(args: argparse.Namespace) -> None:
                               "sources with their scores, the passages cited and the timings",
                   configure=_configure_ask, builds_engine=True, check=check_ask)
 def run_ask(args: argparse.Namespace) -> int:
-    options = _parse_options(args.option)
-    from ctx_integrations import check_mode
+    options = _parse_options(args.option)  # checked against the mode's declaration by check_ask
     from ctx_integrations.retrieval.retriever import ScoredRetriever
 
-    check_mode(args.mode, options)
     store = _open_store(args, must_exist=True)
     reranker = None
     if args.reranker:
@@ -843,20 +846,25 @@ def _configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_variant(text: str) -> Any:
-    """``MODE:KEY=VALUE[:KEY=VALUE...]`` -> an evaluation system named ``"MODE KEY=VALUE ..."`` (checked now).
+    """``MODE:KEY=VALUE[:KEY=VALUE...]`` -> an evaluation system named ``"MODE KEY=VALUE ..."``.
 
     The options go on top of the ones ``--modes`` runs that mode with, so the row differs in them only.
     """
-    from ctx_integrations import check_mode
     from ctx_integrations.evaluation.runner import EVAL_OPTIONS, System
 
+    mode, pairs, options = _variant_options(text)
+    return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
+
+
+def _variant_options(text: str) -> tuple[str, list[str], dict[str, Any]]:
+    """A ``--variant``'s mode, its ``KEY=VALUE`` pairs and their options, checked against the mode's declaration."""
     mode, *pairs = text.split(":")
     if not pairs:
         raise InvalidOptionError(f"--variant {text!r} names no option: write MODE:KEY=VALUE, e.g. "
                                  "soft_nbce:rule=nbce_code (a plain mode goes in --modes)")
     options = _parse_options(pairs)
     check_mode(mode, options)
-    return System(" ".join([mode, *pairs]), mode, {**EVAL_OPTIONS.get(mode, {}), **options})
+    return mode, pairs, options
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -881,11 +889,12 @@ def _eval_modes(args: argparse.Namespace) -> list[str]:
 
 
 def check_eval(args: argparse.Namespace) -> None:
-    """``eval``'s mistakes that need no import: unknown modes, ``--data`` without the set that reads it, a MuSiQue
-    file that is not there."""
-    for mode in _eval_modes(args) + [text.split(":")[0] for text in args.variant]:
-        if mode not in BUILTIN_MODES:  # in the registry's words (check_mode), which needs torch
-            raise UnknownModeError(f"unknown mode {mode!r}: choose one of {', '.join(BUILTIN_MODES)}")
+    """``eval``'s mistakes that need no import: unknown modes, a variant's options its mode does not declare,
+    ``--data`` without the set that reads it, a MuSiQue file that is not there."""
+    for mode in _eval_modes(args):
+        check_mode(mode)
+    for text in args.variant:
+        _variant_options(text)
     if args.data is not None and args.set not in ("musique", "nq", "manuals"):
         raise InvalidOptionError(f"--data is the MuSiQue file (--set musique) or the passages and questions files "
                                  f"(--set nq, --set manuals), which --set {args.set} does not read: give one of those "
@@ -911,7 +920,7 @@ def check_eval(args: argparse.Namespace) -> None:
                   description="score decoding modes on a QA set: accuracy, citation precision/recall, speed",
                   configure=_configure_eval, builds_engine=True, check=check_eval)
 def run_eval(args: argparse.Namespace) -> int:
-    from ctx_integrations import Engine, check_mode
+    from ctx_integrations import Engine
     from ctx_integrations.evaluation import evaluate, load_set, markdown_table, write_report
     from ctx_integrations.evaluation.runner import default_systems
 

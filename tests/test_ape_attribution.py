@@ -85,8 +85,10 @@ def test_the_plan_runs_apes_row_unless_flex_is_asked_for_and_says_when_it_cannot
 
 @pytest.mark.parametrize("bad", ["yes", "true", 1, 0, 1.0, [True]])
 def test_a_non_bool_attribution_is_refused_by_name(engine, bad):
-    with pytest.raises(InvalidOptionError, match=r"APE's attribution must be True, False or None"):
+    with pytest.raises(InvalidOptionError, match=r"^mode 'ape': option attribution must be True, False or None, got "):
         engine.generate(QUESTION, DOCS, mode="ape", max_new_tokens=1, attribution=bad)
+    with pytest.raises(InvalidOptionError, match=r"APE's attribution must be True, False or None"):
+        ape_plan(bad, "auto", "cpu")  # the plan's own check, for a caller that bypasses the mode's declaration
 
 
 def test_the_cli_prints_the_note_or_the_citations(answers, capsys):

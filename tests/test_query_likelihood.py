@@ -171,18 +171,24 @@ def test_a_document_that_explains_the_question_outranks_a_slightly_better_scored
     assert int(unlikely(logits).scores.argmax()) == 1
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(query_likelihood=0.5, prior="paper"), "query_likelihood=0.5 needs prior='softmax'"),
-    (dict(query_likelihood=0.5, prior="rank"), "needs prior='softmax'"),
+# the mode's declaration refuses a value out of range before the request is planned (engine/modes/specs.py), in its
+# words; the rule's own check (PCEDFusion) in the rule's; a rule between options is the mode's in either case
+DECLARED = "^mode 'pced': option query_likelihood must be a number in \\[0, 100\\], got "
+
+
+@pytest.mark.parametrize("options, message, declared", [
+    (dict(query_likelihood=0.5, prior="paper"), "query_likelihood=0.5 needs prior='softmax'", None),
+    (dict(query_likelihood=0.5, prior="rank"), "needs prior='softmax'", None),
     (dict(query_likelihood=-0.1), r"^query_likelihood must be in \[0, 100\], got -0.1 \(weight of log p\(question "
-                                  r"\| document\) in the softmax prior; 0: off\)$"),
-    (dict(query_likelihood=float("nan")), r"^query_likelihood must be a number, got NaN \(weight of log p"),
-    (dict(query_likelihood=101.0), r"^query_likelihood must be in \[0, 100\], got 101.0 \("),
+                                  r"\| document\) in the softmax prior; 0: off\)$", DECLARED + "-0.1$"),
+    (dict(query_likelihood=float("nan")), r"^query_likelihood must be a number, got NaN \(weight of log p",
+     DECLARED + "nan$"),
+    (dict(query_likelihood=101.0), r"^query_likelihood must be in \[0, 100\], got 101.0 \(", DECLARED + "101.0$"),
 ])
-def test_bad_query_likelihood_options_are_typed_errors(engine, options, message):
+def test_bad_query_likelihood_options_are_typed_errors(engine, options, message, declared):
     with pytest.raises(InvalidOptionError, match=message):
         PCEDFusion([0.9, 0.5], **options)
-    with pytest.raises(InvalidOptionError, match=message):
+    with pytest.raises(InvalidOptionError, match=declared or message):
         engine.generate("Who?", DOCS[:2], [0.9, 0.5], mode="pced", max_new_tokens=2, **options)
 
 
@@ -313,7 +319,8 @@ def test_where_nothing_asks_for_it_soft_nbces_default_measures_nothing_and_keeps
     (dict(query_likelihood=0.5, prior="rank"), "query_likelihood=0.5 needs prior='softmax'"),
     (dict(query_likelihood=0.5, gamma=0.0), r"^query_likelihood=0.5 needs gamma > 0: the likelihood reaches the "
                                             r"chunks' weights through the retrieval prior, which gamma=0 leaves out$"),
-    (dict(query_likelihood=-0.1), r"^query_likelihood must be in \[0, 100\], got -0.1 \("),
+    (dict(query_likelihood=-0.1), r"^mode 'soft_nbce': option query_likelihood must be a number in \[0, 100\], or "
+                                  r"None, got -0.1$"),
 ])
 def test_bad_soft_nbce_query_likelihood_options_are_typed_errors(engine, options, message):
     with pytest.raises(InvalidOptionError, match=message):

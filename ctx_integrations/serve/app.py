@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE
+from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE, available_modes, check_mode, mode_spec
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
 from ctx_integrations.serve.access_log import CLIENT_CLOSED, AccessLogMiddleware
 from ctx_integrations.serve.auth import ApiKeyMiddleware, api_keys
@@ -398,9 +398,17 @@ async def model(model_id: str, server: State) -> dict[str, Any]:
     return server.model_card(server.served_model(model_id))
 
 
+@router.get("/v1/modes")
+async def modes() -> dict[str, Any]:
+    """Every decoding mode this server answers with, from its declaration: its summary, the paper it implements and
+    each option's type, default, range or choices, help and origin (the paper's knob or our variant)."""
+    return {"object": "list", "data": [mode_spec(name).describe() for name in available_modes()]}
+
+
 @router.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))
 async def answer(request: Request, server: State) -> Any:
     body = await server.parse(request, AnswerRequest)
+    check_mode(body.mode, body.options)  # at the edge: before retrieval, and before a backend (a Ray replica) sees it
     documents = await server.documents_for(body.query, body.documents, body.top_k)
     job = _engine_job(body.query, documents, body.mode, body.options, body)
     if body.stream:
@@ -426,6 +434,7 @@ async def batch(request: Request, server: State) -> Any:
         shared = per_query[0] if len(ids) == 1 else None
         documents = shared if shared is not None else list(per_query)
     mode = body.mode or (DEFAULT_BATCH_MODE if shared is not None else DEFAULT_MODE)
+    check_mode(mode, body.options)
     job = {"queries": list(body.queries), "documents": documents, "mode": mode, "options": dict(body.options),
            "sampling": body.sampling_fields(), "timeout": body.timeout}
 
@@ -444,6 +453,7 @@ async def _chat_job(server: ServerState, body: ChatCompletionRequest) -> dict[st
     if body.ctx is None or not body.ctx.store:
         return {"messages": body.conversation(), "sampling": sampling.sampling_fields(), "timeout": None,
                 **body.tool_fields()}
+    check_mode(body.ctx.mode, body.ctx.options)
     try:
         query = body.last_user_message()
     except ValueError as error:
@@ -547,8 +557,8 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> Respon
     status, method, path = error.status_code, request.method, request.url.path[:200]
     headers = dict(error.headers or {})
     if status == 404:
-        message = (f"no route for {method} {path}: this server serves /v1/chat/completions, /v1/models, /v1/answer, "
-                   "/v1/answer/batch, /healthz and /metrics")
+        message = (f"no route for {method} {path}: this server serves /v1/chat/completions, /v1/models, /v1/modes, "
+                   "/v1/answer, /v1/answer/batch, /healthz and /metrics")
     elif status == 405:
         message = f"{method} is not allowed on {path}: use {headers.get('Allow', 'another method')}"
     else:

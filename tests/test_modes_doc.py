@@ -1,0 +1,32 @@
+"""docs/modes.md is the modes' declarations as a table: regenerated, it must be the file as committed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ctx_integrations import available_modes, mode_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("modes_doc", ROOT / "tools" / "modes_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_modes_md_is_generated_from_the_declarations():
+    """Bug caught: an option added, renamed or re-ranged in engine/modes/specs.py while the docs say the old one.
+    Fix: ``python tools/modes_doc.py``."""
+    assert (ROOT / "docs" / "modes.md").read_text(encoding="utf-8") == _tool().render()
+
+
+def test_the_table_names_every_mode_and_option_with_its_default():
+    text = _tool().render()
+    for name in available_modes():
+        assert f"## `{name}`" in text
+        for option in mode_spec(name).options:
+            assert f"| `{option.name}` | {option.expected().replace('|', chr(92) + '|')} | `{option.default!r}` |" \
+                in text
