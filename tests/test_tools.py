@@ -463,3 +463,67 @@ def test_tool_choice_in_each_shape_and_its_refusals_name_the_tools():
     assert tag["stop_after_first"] is False
     single = tool_request(TOOLS, "required", parallel=False).sampling(SamplingParams(), HERMES)
     assert json.loads(single.structured.structural_tag)["format"]["stop_after_first"] is True
+
+
+def test_the_structural_tag_is_one_and_names_its_type():
+    tag = json.loads(HERMES.structured(as_tools(TOOLS), "auto").structural_tag)
+    assert list(tag) == ["type", "format"] and tag["type"] == "structural_tag"  # xgrammar reads the tag by its type
+
+
+def test_the_stream_filter_holds_a_call_that_opens_the_answer():
+    from ctx_integrations import ToolCallFilter
+
+    for opening in ("<tool_call>\n", '{"name"', "{", "[", "```"):
+        first = ToolCallFilter(HERMES)
+        assert first.push(opening) == "" and first.push(' "add"}') == ""  # from its first character on
+
+
+def test_what_the_stream_filter_still_owes_when_the_final_text_is_stripped():
+    from ctx_integrations import ToolCallFilter
+
+    stripped = ToolCallFilter(HERMES)
+    assert stripped.push(" Hi ") == " Hi "
+    assert stripped.rest("Hi there") == " there"  # " Hi " went out; the stripped "Hi" begins the final text
+    diverged = ToolCallFilter(HERMES)
+    assert diverged.push("abc") == "abc" and diverged.rest("xyzw") == ""  # a final text that is not what was sent
+
+
+# Qwen 2.5's shape, but a template that refuses roles it does not know (as Mistral's and Gemma's do)
+STRICT_ROLES = ("{%- for message in messages %}{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
+                "{{- raise_exception('unknown role') }}{%- endif %}{%- endfor %}" + QWEN_LIKE)
+
+
+def _call_template(call: str) -> str:
+    """A template that renders the tools, then each call as ``call`` (Jinja, with ``name`` and ``arguments``)."""
+    return ("{%- if tools %}{{- tools | tojson }}{%- endif %}{%- for message in messages %}"
+            "{{- '<|im_start|>' + message.role + '\\n' }}{%- for c in message.tool_calls or [] %}"
+            "{%- set name = c.function.name %}{%- set arguments = c.function.arguments %}" + call + "{%- endfor %}"
+            "{{- message.content }}{{- '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("call", [
+    # the arguments as a JSON string (OpenAI's wire shape), not an object: the structural tag would write an object
+    "{{- '{\"name\": \"' + name + '\", \"arguments\": ' + (arguments | tojson | tojson) + '}' }}",
+    # the name with a prefix the model must write too ("functions.add")
+    "{{- '{\"name\": \"functions.' + name + '\", \"arguments\": ' + (arguments | tojson) + '}' }}",
+    # a key after the arguments (the call's id): its value is not the model's to choose
+    "{{- '{\"name\": \"' + name + '\", \"arguments\": ' + (arguments | tojson) + ', \"id\": \"' + c.id + '\"}' }}",
+    # the name twice, first outside the JSON object: the opening would hold the probe's own name
+    "{{- '<call name=\"' + name + '\">{\"name\": \"' + name + '\", \"arguments\": ' + (arguments | tojson) + '}' }}",
+    # a name only: nothing holds the arguments
+    "{{- '{\"name\": \"' + name + '\"}' }}",
+])
+def test_a_call_the_structural_tag_cannot_write_gets_the_hermes_format(call):
+    assert probe_format(_tokenizer(_call_template(call))) == HERMES
+
+
+def test_the_probe_speaks_in_the_roles_a_strict_template_accepts():
+    assert probe_format(_tokenizer(STRICT_ROLES)) == ToolCallFormat("<tool_call>\n", "\n</tool_call>", native=True)
+
+
+def test_a_template_whose_opening_changes_with_a_call_gets_the_hermes_format():
+    # the tools' header says whether a call was made: the turn with a call does not begin as the question's prompt
+    moving = ("{%- set called = messages | selectattr('tool_calls') | list %}"
+              "{{- '# Tools (called)\\n' if called else '# Tools\\n' }}" + QWEN_LIKE)
+    assert probe_format(_tokenizer(moving)) == HERMES
