@@ -27,7 +27,7 @@ from langchain_core.messages import HumanMessage, SystemMessage, convert_to_mess
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from ctx_integrations import Engine
+from ctx_integrations import DEFAULT_MODE, Engine
 from ctx_integrations.langchain import ChatContextOfExperts, boundaries, documents_as_messages, format_docs
 from ctx_integrations.langchain.convert import split_formatted_documents
 from tests.helpers import tiny_loaded
@@ -85,7 +85,7 @@ def rag_chain(template: ChatPromptTemplate, documents: list[LCDocument], chat: C
 
 def assert_only_the_given_documents(message, documents: list[LCDocument]) -> None:
     meta = message.response_metadata
-    assert meta["mode"] == "pced"
+    assert meta["mode"] == DEFAULT_MODE
     assert [(d["id"], d["text"], d["score"]) for d in meta["documents"]] == [
         (d.id, d.page_content, d.metadata["score"]) for d in documents]
     assert "city-records" not in {d["id"] for d in meta["documents"]}

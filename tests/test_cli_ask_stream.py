@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from ctx_integrations import DEFAULT_MODE
 from ctx_integrations.engine.core.handle import AnswerHandle, Pieces
 from ctx_integrations.retrieval import DocumentStore
 from tests.helpers import run_cli, tiny_loaded
@@ -79,7 +80,7 @@ def watch_pieces(monkeypatch) -> tuple[Recorder, list[bool]]:
     return out, seen
 
 
-def answer_text(printed: str, mode: str = "pced") -> str:
+def answer_text(printed: str, mode: str = DEFAULT_MODE) -> str:
     """The text after ``[mode] `` up to the citations line."""
     return printed.split(f"\n[{mode}] ", 1)[1].split("\n    cited: ", 1)[0]
 
@@ -89,7 +90,7 @@ def test_ask_prints_each_piece_while_the_answer_is_being_decoded(setup, monkeypa
     assert ask(setup) == 0
     assert seen and all(seen), seen
     printed = out.getvalue()
-    assert printed.startswith("sources (retrieved in ") and "\n[pced] " in printed and "TTFT " in printed
+    assert printed.startswith("sources (retrieved in ") and f"\n[{DEFAULT_MODE}] " in printed and "TTFT " in printed
 
 
 @pytest.mark.parametrize("mode", ["pced", "rapid", "map_reduce"])  # rapid emits whole drafts at once
@@ -112,4 +113,4 @@ def test_json_stays_one_whole_document(setup, monkeypatch):
     out, seen = watch_pieces(monkeypatch)
     assert ask(setup, "--json") == 0
     answer = json.loads(out.getvalue())
-    assert seen == [] and answer["question"] == QUESTION and answer["mode"] == "pced" and answer["text"]
+    assert seen == [] and answer["question"] == QUESTION and answer["mode"] == DEFAULT_MODE and answer["text"]

@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from ctx_integrations import Engine
+from ctx_integrations import DEFAULT_MODE, Engine
 from ctx_integrations.engine.core.chat import conversation_ids
 from ctx_integrations.errors import InvalidOptionError, UnknownModeError
 from ctx_integrations.langchain import ChatContextOfExperts
@@ -97,7 +97,7 @@ def test_chat_over_documents_matches_the_engine(chat):
     engine = shared_engine()
     answer = engine.generate("What is the code?", DOCS, max_new_tokens=8)
     result = chat.invoke([HumanMessage("What is the code?")], documents=DOCS)
-    assert result.content == answer.text and result.response_metadata["mode"] == "pced"
+    assert result.content == answer.text and result.response_metadata["mode"] == DEFAULT_MODE
     assert [s["token_id"] for s in result.response_metadata["trace"]] == answer.token_ids
     bound = chat.bind(documents=DOCS, mode="concat")
     assert bound.invoke("What is the code?").content == engine.generate("What is the code?", DOCS, mode="concat",

@@ -22,7 +22,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
-from ctx_integrations import Document, Engine
+from ctx_integrations import DEFAULT_MODE, Document, Engine
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.langchain import (
     ChatContextOfExperts,
@@ -87,7 +87,7 @@ def test_the_tutorial_chain_with_our_format_docs_decodes_the_documents_with_thei
         text = rag_chain(retriever, format_docs, chat).invoke(QUESTION, config={"callbacks": [seen]})
     meta = seen.message.response_metadata
     retrieved = retriever.invoke(QUESTION)
-    assert meta["mode"] == "pced" and len(meta["documents"]) == 2
+    assert meta["mode"] == DEFAULT_MODE and len(meta["documents"]) == 2
     assert [(d["id"], d["text"], d["score"]) for d in meta["documents"]] == [
         (d.id, d.page_content, d.metadata["score"]) for d in retrieved]
     reference = expected_answer(engine, retrieved)
@@ -99,7 +99,7 @@ async def test_the_async_chain_recovers_the_documents_too(engine, retriever):
     chat = ChatContextOfExperts(engine=engine, max_tokens=TOKENS)
     seen = LastMessage()
     text = await rag_chain(retriever, format_docs, chat).ainvoke(QUESTION, config={"callbacks": [seen]})
-    assert seen.message.response_metadata["mode"] == "pced"
+    assert seen.message.response_metadata["mode"] == DEFAULT_MODE
     assert text == expected_answer(engine, retriever.invoke(QUESTION)).text
 
 

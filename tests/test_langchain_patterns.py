@@ -17,7 +17,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
-from ctx_integrations import Document, Engine
+from ctx_integrations import DEFAULT_MODE, Document, Engine
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.langchain import (
     ChatContextOfExperts,
@@ -55,7 +55,7 @@ def retriever(store) -> VectorStoreScoredRetriever:
     return VectorStoreScoredRetriever(vectorstore=store, k=2)  # default search works on InMemoryVectorStore
 
 
-def expected(engine: Engine, documents: list[LCDocument], mode: str = "pced"):
+def expected(engine: Engine, documents: list[LCDocument], mode: str = DEFAULT_MODE):
     docs = [Document(d.page_content, d.id, d.metadata["score"]) for d in documents]
     return engine.generate(QUESTION, docs, mode=mode, max_new_tokens=TOKENS)
 
@@ -148,7 +148,7 @@ def test_the_runnable_emits_chat_model_events_with_tokens(engine):
     assert "".join(event["data"]["chunk"].content for event in seen[1:-1]) == answer.text
     final = seen[-1]["data"]["output"]
     assert final.usage_metadata["output_tokens"] == TOKENS
-    assert final.response_metadata["trace"] and final.response_metadata["mode"] == "pced"
+    assert final.response_metadata["trace"] and final.response_metadata["mode"] == DEFAULT_MODE
 
 
 def test_token_callbacks_and_usage_metadata(engine):

@@ -18,7 +18,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from ctx_integrations import Document, Engine
+from ctx_integrations import DEFAULT_MODE, Document, Engine
 from ctx_integrations.errors import (
     EmptyDocumentsError,
     InvalidOptionError,
@@ -51,7 +51,7 @@ def runnable(engine) -> ContextOfExpertsRunnable:
 _EXPECTED: dict = {}
 
 
-def expected(engine: Engine, mode: str = "pced", max_new_tokens: int = TOKENS, **options):
+def expected(engine: Engine, mode: str = DEFAULT_MODE, max_new_tokens: int = TOKENS, **options):
     """The engine's own answer to QUESTION over DOCS (memoised: greedy decoding is deterministic)."""
     key = (mode, max_new_tokens, tuple(sorted(options.items())))
     if key not in _EXPECTED:
@@ -82,7 +82,7 @@ def test_invoke_matches_engine_and_carries_trace_citations_timings(runnable, eng
     answer = expected(engine)
     assert isinstance(message, AIMessage) and message.content == answer.text
     meta = message.response_metadata
-    assert meta["mode"] == "pced" and meta["model_name"] == engine.loaded.name
+    assert meta["mode"] == DEFAULT_MODE and meta["model_name"] == engine.loaded.name
     assert [step["token_id"] for step in meta["trace"]] == answer.token_ids
     assert {"ttft_s", "total_s", "tokens_per_s"} <= set(meta["timings"])
     assert [d["id"] for d in meta["documents"]] == ["vault", "paris"]

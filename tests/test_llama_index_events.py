@@ -20,7 +20,7 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
 
-from ctx_integrations import Document, Engine
+from ctx_integrations import DEFAULT_MODE, Document, Engine
 from ctx_integrations.errors import RequestTooLargeError
 from ctx_integrations.llama_index import (
     ContextOfExpertsQueryEngine,
@@ -84,7 +84,7 @@ def test_a_query_reports_retrieval_cache_lookups_and_decoding_in_order(seen, que
 
     (lookup,) = collector.named("KVCacheLookupEvent")
     assert isinstance(lookup, KVCacheLookupEvent)
-    assert lookup.node_ids == node_ids and lookup.mode == "pced" and (lookup.hits, lookup.misses) == (0, 2)
+    assert lookup.node_ids == node_ids and lookup.mode == DEFAULT_MODE and (lookup.hits, lookup.misses) == (0, 2)
     (decoded,) = collector.named("DecodingEndEvent")
     assert isinstance(decoded, DecodingEndEvent)
     assert decoded.text == response.response and decoded.query == QUESTION
@@ -235,7 +235,7 @@ def test_the_query_engine_decode_is_an_llm_span_with_completion_events(seen, how
     assert start.prompt == end.prompt and start.prompt.endswith(QUESTION)
     assert all(item.node.get_content() in start.prompt for item in response.source_nodes)
     assert start.model_dict["model_name"] == llm.resolved_engine.loaded.name
-    assert start.additional_kwargs["mode"] == "pced"
+    assert start.additional_kwargs["mode"] == DEFAULT_MODE
     assert end.response.text == text and end.response.raw["usage"]["completion_tokens"] == TOKENS
     if streaming:
         assert len(progress) > 1 and "".join(e.response.delta for e in progress) == text

@@ -26,7 +26,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from ctx_integrations import Document, Engine, adapters
+from ctx_integrations import DEFAULT_MODE, Document, Engine, adapters
 from ctx_integrations.errors import InvalidOptionError
 from ctx_integrations.llama_index import (
     ContextOfExpertsChatEngine,
@@ -159,7 +159,7 @@ def test_stock_query_engines_answer_with_the_synthesizer(index, engine, settings
         scores = item.node.metadata["scores"]
         assert item.score == scores["fused"] == pytest.approx((scores["dense"] + 1) / 2)
     answer = expected(engine, sources)
-    assert response.response == answer.text and response.metadata["mode"] == "pced"
+    assert response.response == answer.text and response.metadata["mode"] == DEFAULT_MODE
     assert [step["token_id"] for step in response.metadata["trace"]] == answer.token_ids
     assert sum(response.metadata["tokens_won"].values()) == TOKENS and response.metadata["cited_nodes"]
 

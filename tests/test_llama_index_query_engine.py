@@ -19,7 +19,7 @@ from llama_index.core.base.response.schema import AsyncStreamingResponse, Respon
 from llama_index.core.postprocessor import SimilarityPostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from ctx_integrations import Document, Engine
+from ctx_integrations import DEFAULT_MODE, Document, Engine
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError, MissingDependencyError, UnknownModeError
 from ctx_integrations.llama_index import ContextOfExpertsQueryEngine, ExpertDecoderLLM, node_text
 from ctx_integrations.llama_index.convert import node_source
@@ -47,7 +47,7 @@ def index():
     return memory_index()
 
 
-def engine_answer(engine: Engine, sources: list[NodeWithScore], mode: str = "pced", **settings):
+def engine_answer(engine: Engine, sources: list[NodeWithScore], mode: str = DEFAULT_MODE, **settings):
     """The engine's own answer over the nodes the query engine reported, with their priors."""
     docs = [Document(node_text(item.node), item.node.node_id, item.score) for item in sources]
     return engine.generate(QUESTION, docs, mode=mode, **{"max_new_tokens": TOKENS, **settings})
@@ -67,7 +67,7 @@ def test_query_matches_engine_and_carries_scores_trace_citations_timings(engine,
     answer = engine_answer(engine, sources)
     assert response.response == answer.text
     meta = response.metadata
-    assert meta["mode"] == "pced" and meta["model_name"] == engine.loaded.name
+    assert meta["mode"] == DEFAULT_MODE and meta["model_name"] == engine.loaded.name
     assert [step["token_id"] for step in meta["trace"]] == answer.token_ids
     ids = [item.node.node_id for item in sources]
     assert [step["node_id"] for step in meta["trace"]] == [ids[step.document] for step in answer.trace]
@@ -111,10 +111,13 @@ def test_every_engine_mode_runs_through_the_same_class(engine, index):
 
 def test_mode_options_go_to_their_mode_only(engine, index):
     options = {"pced": {"gamma": 0.5}, "soft_nbce": {"tau": 1.0}}
-    pced = ContextOfExpertsQueryEngine.from_index(index, engine=engine, similarity_top_k=2, max_new_tokens=TOKENS,
-                                                  mode_options=options).query(QUESTION)
+    pced = ContextOfExpertsQueryEngine.from_index(index, engine=engine, mode="pced", similarity_top_k=2,
+                                                  max_new_tokens=TOKENS, mode_options=options).query(QUESTION)
     assert pced.metadata["options"] == {"gamma": 0.5}
-    assert pced.response == engine_answer(engine, pced.source_nodes, gamma=0.5).text
+    assert pced.response == engine_answer(engine, pced.source_nodes, "pced", gamma=0.5).text
+    default = ContextOfExpertsQueryEngine.from_index(index, engine=engine, similarity_top_k=2, max_new_tokens=TOKENS,
+                                                     mode_options=options).query(QUESTION)
+    assert default.metadata["options"] == options[DEFAULT_MODE]
     concat = ContextOfExpertsQueryEngine.from_index(index, engine=engine, mode="concat", similarity_top_k=2,
                                                     max_new_tokens=TOKENS, mode_options=options).query(QUESTION)
     assert concat.metadata["options"] == {}
@@ -250,7 +253,7 @@ def test_query_many_without_batch_mode_answers_each_like_query(engine, index):
     responses = query_engine.query_many(QUESTIONS)
     singles = [query_engine.query(q) for q in QUESTIONS]
     assert [r.response for r in responses] == [r.response for r in singles]
-    assert [r.metadata["mode"] for r in responses] == ["pced", "pced"]
+    assert [r.metadata["mode"] for r in responses] == [DEFAULT_MODE, DEFAULT_MODE]
     assert [[i.node.node_id for i in r.source_nodes] for r in responses] == \
         [[i.node.node_id for i in r.source_nodes] for r in singles]
     with pytest.raises(InvalidOptionError, match="list of questions"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctx_integrations import available_modes, mode_spec
+from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE, available_modes, mode_spec
 from ctx_integrations.engine.core.mode_spec import ORIGINS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "modes.md"
@@ -42,6 +42,10 @@ def render() -> str:
         if not spec.picks_each_token:
             about += (" It does not pick each token from one score vector, so `top_k`, `min_p`, the penalties, "
                       "structured output and logprobs are refused for it.")
+        if name == DEFAULT_MODE:
+            about += " **The default mode**: what answers when no mode is named."
+        if name == DEFAULT_BATCH_MODE:
+            about += " **The default of many questions over one set of documents** (`generate_many`)."
         parts.append(f"## `{name}`\n\n{about}\n")
         if not spec.options:
             parts.append("No options.\n")
