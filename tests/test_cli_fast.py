@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ctx_integrations import available_modes
+from ctx_integrations import DEFAULT_MODE, available_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_S = 5.0  # the target is < 2 s on an idle machine; importing torch alone takes longer than this here
@@ -77,7 +77,7 @@ def test_the_cli_lists_every_declared_mode_without_torch():
     (tests/test_mode_specs.py holds every declaration to a registered function)."""
     done, seconds = run_cli_process("ask", "--help")
     assert done.returncode == 0, done.stderr
-    assert f"decoding mode: {', '.join(available_modes())} (default pced)" in " ".join(done.stdout.split())
+    assert f"decoding mode: {', '.join(available_modes())} (default {DEFAULT_MODE})" in " ".join(done.stdout.split())
     assert seconds < FAST_S
 
 
@@ -116,13 +116,13 @@ HEAVY = ("torch", "transformers", "chromadb")
     (("eval", "--set", "manuals", "--kinds", "single,bogus"), "unknown question kind 'bogus' for the manuals set"),
     (("eval", "--modes", "pced,nope"), "unknown mode 'nope': choose one of ape, concat, ippd"),
     # a mode's options, against its declaration, before the model loads (they were refused after a 12 s load)
-    (("ask", "q?", "--store", "{tmp}", "--option", "gamma=abc"),
+    (("ask", "q?", "--store", "{tmp}", "--mode", "pced", "--option", "gamma=abc"),
      "error: mode 'pced': option gamma must be a number in [0, 100], got 'abc'"),
-    (("ask", "q?", "--store", "{tmp}", "--option", "gamma=100.5"),
+    (("ask", "q?", "--store", "{tmp}", "--mode", "pced", "--option", "gamma=100.5"),
      "error: mode 'pced': option gamma must be a number in [0, 100], got 100.5"),
-    (("ask", "q?", "--store", "{tmp}", "--option", "gama=2"), "error: mode 'pced' does not accept gama; its options "
-     "are: aggregation, beta, gamma, prior, prior_floor, prior_tau, query_likelihood, score_space, switch (did you "
-     "mean gamma?)"),
+    (("ask", "q?", "--store", "{tmp}", "--mode", "pced", "--option", "gama=2"),
+     "error: mode 'pced' does not accept gama; its options are: aggregation, beta, gamma, prior, prior_floor, "
+     "prior_tau, query_likelihood, score_space, switch (did you mean gamma?)"),
     (("ask", "q?", "--store", "{tmp}", "--mode", "rapid", "--option", "gamma=2.5"),
      "error: mode 'rapid': option gamma must be an integer >= 1, got 2.5"),
     (("ask", "q?", "--store", "{tmp}", "--mode", "rapid", "--option", "drafter=SmolLM2"),

@@ -35,26 +35,26 @@ def test_one_document_without_contrast_or_prior_is_plain_greedy(family, score_sp
 
 def test_document_order_does_not_change_the_answer(tiny_engine):
     scores = [0.6, 0.9, 0.3]
-    forward = tiny_engine.generate(QUESTION, DOCS, scores=scores, max_new_tokens=20)
+    forward = tiny_engine.generate(QUESTION, DOCS, mode="pced", scores=scores, max_new_tokens=20)
     order = [2, 0, 1]
-    backward = tiny_engine.generate(QUESTION, [DOCS[i] for i in order], scores=[scores[i] for i in order],
+    backward = tiny_engine.generate(QUESTION, [DOCS[i] for i in order], mode="pced", scores=[scores[i] for i in order],
                                     max_new_tokens=20)
     assert forward.token_ids == backward.token_ids
     assert [order[s.document] for s in backward.trace] == [s.document for s in forward.trace]
 
 
 def test_document_with_near_zero_relevance_never_wins(tiny_engine):
-    answer = tiny_engine.generate(QUESTION, DOCS, scores=[0.7, 1e-30, 0.5], max_new_tokens=20)
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="pced", scores=[0.7, 1e-30, 0.5], max_new_tokens=20)
     assert answer.trace and all(step.document != 1 for step in answer.trace)
     # control: with a real score the same document does win tokens, so the check above can fail
-    control = tiny_engine.generate(QUESTION, DOCS, scores=[1e-30, 1.0, 1e-30], max_new_tokens=20)
+    control = tiny_engine.generate(QUESTION, DOCS, mode="pced", scores=[1e-30, 1.0, 1e-30], max_new_tokens=20)
     assert all(step.document == 1 for step in control.trace)
 
 
 def test_answer_carries_documents_scores_timings_and_cache_counts(tiny_engine):
     docs = [Document(d, id=f"d{i}", score=0.5 + i / 10, scores={"dense": 0.1 * i}) for i, d in enumerate(DOCS)]
-    first = tiny_engine.generate(QUESTION, docs, max_new_tokens=8)
-    second = tiny_engine.generate(QUESTION, docs, max_new_tokens=8)
+    first = tiny_engine.generate(QUESTION, docs, mode="pced", max_new_tokens=8)
+    second = tiny_engine.generate(QUESTION, docs, mode="pced", max_new_tokens=8)
     assert isinstance(first, Answer)
     assert (first.cache_misses, first.cache_hits) == (3, 0)
     assert (second.cache_misses, second.cache_hits) == (0, 3)
@@ -70,15 +70,15 @@ def test_answer_carries_documents_scores_timings_and_cache_counts(tiny_engine):
 
 def test_streaming_pieces_join_to_the_answer(tiny_engine):
     pieces: list[str] = []
-    answer = tiny_engine.generate(QUESTION, DOCS, max_new_tokens=16, on_token=pieces.append)
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=16, on_token=pieces.append)
     assert len(pieces) > 1 and "".join(pieces) == answer.text
-    stream = tiny_engine.stream(QUESTION, DOCS, max_new_tokens=16)
+    stream = tiny_engine.stream(QUESTION, DOCS, mode="pced", max_new_tokens=16)
     streamed = list(stream)
     assert "".join(streamed) == answer.text
 
 
 def test_stream_returns_the_answer_and_reraises_errors(tiny_engine):
-    generator = tiny_engine.stream(QUESTION, DOCS, max_new_tokens=4)
+    generator = tiny_engine.stream(QUESTION, DOCS, mode="pced", max_new_tokens=4)
     with pytest.raises(StopIteration) as stop:
         while True:
             next(generator)
@@ -88,25 +88,25 @@ def test_stream_returns_the_answer_and_reraises_errors(tiny_engine):
 
 
 def test_stop_strings_and_max_new_tokens(tiny_engine):
-    full = tiny_engine.generate(QUESTION, DOCS, max_new_tokens=30)
+    full = tiny_engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=30)
     assert len(full.token_ids) == 30 and full.finish_reason == "length"
     marker = full.text[len(full.text) // 2:][:3]
     assert marker, "the random model produced too little text to pick a stop string"
-    cut = tiny_engine.generate(QUESTION, DOCS, max_new_tokens=30, stop=[marker])
+    cut = tiny_engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=30, stop=[marker])
     assert cut.finish_reason == "stop" and marker not in cut.text and full.text.startswith(cut.text)
 
 
 def test_sampling_is_reproducible_with_a_seed(tiny_engine):
     kwargs = dict(max_new_tokens=12, temperature=1.0, top_p=0.9)
-    a = tiny_engine.generate(QUESTION, DOCS, seed=1, **kwargs)
-    b = tiny_engine.generate(QUESTION, DOCS, seed=1, **kwargs)
-    c = tiny_engine.generate(QUESTION, DOCS, seed=2, **kwargs)
+    a = tiny_engine.generate(QUESTION, DOCS, mode="pced", seed=1, **kwargs)
+    b = tiny_engine.generate(QUESTION, DOCS, mode="pced", seed=1, **kwargs)
+    c = tiny_engine.generate(QUESTION, DOCS, mode="pced", seed=2, **kwargs)
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
 @pytest.mark.parametrize("aggregation", ["mixture", "product"])
 def test_aggregation_variants_decode(tiny_engine, aggregation):
-    answer = tiny_engine.generate(QUESTION, DOCS, aggregation=aggregation, max_new_tokens=6)
+    answer = tiny_engine.generate(QUESTION, DOCS, mode="pced", aggregation=aggregation, max_new_tokens=6)
     assert len(answer.token_ids) == 6 and all(s.document in (0, 1, 2) for s in answer.trace)
 
 
@@ -120,7 +120,7 @@ def test_answer_and_citations_equal_a_reference_over_separate_prompts(family):
     loaded = tiny_loaded(family, seed=6, position_sensitive=True)
     engine = Engine(loaded)
     scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 10
-    answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
+    answer = engine.generate(QUESTION, DOCS, mode="pced", scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
                              prior="paper")
     layout = engine.layout
     suffix = layout.suffix_ids(QUESTION)
@@ -142,7 +142,7 @@ def test_answer_and_citations_equal_a_reference_over_separate_prompts(family):
 
 @pytest.mark.slow
 def test_embedded_model_single_document_parity_and_warm_cache(embedded_engine):
-    answer = embedded_engine.generate(QUESTION, DOCS[1:2], beta=0.0, gamma=0.0, max_new_tokens=12)
+    answer = embedded_engine.generate(QUESTION, DOCS[1:2], mode="pced", beta=0.0, gamma=0.0, max_new_tokens=12)
     expected = greedy_reference(embedded_engine.loaded, prompt_ids(embedded_engine, DOCS[1:2], QUESTION), 12)
     assert answer.token_ids == expected
-    assert "Ilsa Brenn" in embedded_engine.generate(QUESTION, DOCS, max_new_tokens=24).text
+    assert "Ilsa Brenn" in embedded_engine.generate(QUESTION, DOCS, mode="pced", max_new_tokens=24).text

@@ -74,7 +74,7 @@ def test_chroma_ingestion_on_the_embedded_default(embedded_engine, tmp_path):
     nodes = pipeline(warmer).run(documents=documents(texts))
     assert warmer.stats["misses"] + warmer.stats["hits"] == 3
     query_engine = ContextOfExpertsQueryEngine.from_index(chroma_index(tmp_path / "chroma", nodes),
-                                                          engine=embedded_engine, similarity_top_k=2,
+                                                          engine=embedded_engine, mode="pced", similarity_top_k=2,
                                                           max_new_tokens=12)
     response = query_engine.query("Who is the lighthouse keeper of Varnholm?")
     assert response.metadata["cache"] == {"hits": 2, "misses": 0}

@@ -105,9 +105,9 @@ def test_answer_equals_a_reference_over_separate_prompts():
     loaded = tiny_loaded("llama", seed=6, position_sensitive=True)
     engine = Engine(loaded)
     scores, beta, gamma, steps = [0.9, 0.4, 0.7], 0.5, 1.0, 16
-    answer = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
+    answer = engine.generate(QUESTION, DOCS, mode="pced", scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
                              switch="word", prior="paper")
-    paper = engine.generate(QUESTION, DOCS, scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
+    paper = engine.generate(QUESTION, DOCS, mode="pced", scores=scores, beta=beta, gamma=gamma, max_new_tokens=steps,
                             prior="paper")
     tokenizer = loaded.tokenizer
     layout = engine.layout
@@ -132,5 +132,5 @@ def test_answer_equals_a_reference_over_separate_prompts():
 
 
 def test_one_document_is_the_papers_rule(tiny_engine):
-    word = tiny_engine.generate(QUESTION, DOCS[:1], switch="word", max_new_tokens=12)
-    assert word.token_ids == tiny_engine.generate(QUESTION, DOCS[:1], max_new_tokens=12).token_ids
+    word = tiny_engine.generate(QUESTION, DOCS[:1], mode="pced", switch="word", max_new_tokens=12)
+    assert word.token_ids == tiny_engine.generate(QUESTION, DOCS[:1], mode="pced", max_new_tokens=12).token_ids

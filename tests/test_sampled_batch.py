@@ -160,15 +160,16 @@ def test_only_plain_samplers_batch_and_only_with_equal_knobs():
 # -- in the engine -------------------------------------------------------------------------------------------------
 
 REQUESTS = [
-    dict(query="Who is the mayor?", documents=DOCS[:2], scores=[0.9, 0.3], max_new_tokens=12, seed=1),
-    dict(query="What is the secret code?", documents=DOCS, max_new_tokens=14, seed=2),
+    dict(query="Who is the mayor?", documents=DOCS[:2], scores=[0.9, 0.3], max_new_tokens=12, seed=1, mode="pced"),
+    dict(query="What is the secret code?", documents=DOCS, max_new_tokens=14, seed=2, mode="pced"),
     dict(query="Where is Quillby?", documents=DOCS[3:4], max_new_tokens=10, seed=3, mode="concat"),
     dict(query="When is the fair?", documents=DOCS[1:4], max_new_tokens=12, seed=4, mode="concat"),
     dict(query="What river?", documents=DOCS[:3], max_new_tokens=10, seed=5, mode="soft_nbce"),
     dict(query="Who is it?", documents=DOCS[:3], max_new_tokens=10, seed=6, mode="soft_nbce"),
     dict(query="Tell me about the city.", documents=DOCS[:3], max_new_tokens=11, seed=7, mode="ape"),
     dict(query="Who grew up there?", documents=DOCS[:2], max_new_tokens=9, seed=8, mode="ape"),
-    dict(query="Who founded it?", documents=DOCS[:2], max_new_tokens=9, seed=9, temperature=0.5),  # other knobs
+    dict(query="Who founded it?", documents=DOCS[:2], max_new_tokens=9, seed=9, temperature=0.5,  # other knobs
+         mode="pced"),
 ]
 
 

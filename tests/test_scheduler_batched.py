@@ -47,6 +47,8 @@ SECOND_WAVE = [
     dict(query="What is the vault's code?", documents=DOCS[2:], scores=[0.5, 0.52, 0.49], max_new_tokens=10,
          query_likelihood=2.0),
 ]
+# every request is PCED's, named (the default mode is another): its rule is the one batched across requests here
+FIRST_WAVE, SECOND_WAVE = ([{"mode": "pced", **r} for r in wave] for wave in (FIRST_WAVE, SECOND_WAVE))
 
 
 @pytest.fixture(autouse=True)

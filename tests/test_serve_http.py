@@ -237,8 +237,9 @@ def test_the_ctx_experts_serve_command_answers_like_the_embedded_engine(tmp_path
     port, log = free_port(), tmp_path / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
+        # fp32 as the fixture's engine (a bf16 CPU defaults to bf16, whose near-ties can pick other tokens)
         process = subprocess.Popen([sys.executable, "-m", "ctx_integrations.cli", "--threads", "1", "serve",
-                                    "--port", str(port), "--cache-dir", str(tmp_path / "kv")],
+                                    "--port", str(port), "--cache-dir", str(tmp_path / "kv"), "--dtype", "float32"],
                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

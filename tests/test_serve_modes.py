@@ -53,17 +53,17 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/answer", {"query": "q", "top_k": 2, "options": {"gamma": "abc"}},
+    ("/v1/answer", {"query": "q", "top_k": 2, "mode": "pced", "options": {"gamma": "abc"}},
      "mode 'pced': option gamma must be a number in [0, 100], got 'abc'"),
-    ("/v1/answer", {"query": "q", "top_k": 2, "stream": True, "options": {"gamma": 101}},
+    ("/v1/answer", {"query": "q", "top_k": 2, "stream": True, "mode": "pced", "options": {"gamma": 101}},
      "mode 'pced': option gamma must be a number in [0, 100], got 101"),
     ("/v1/answer", {"query": "q", "documents": ["d"], "mode": "rapid", "options": {"gamma": 2.5}},
      "mode 'rapid': option gamma must be an integer >= 1, got 2.5"),
     ("/v1/answer/batch", {"queries": ["q", "r"], "documents": ["d"], "options": {"max_stack_tokens": 0}},
      "mode 'ippd': option max_stack_tokens must be an integer >= 1, or None, got 0"),
-    ("/v1/chat/completions", {**CHAT, "ctx": {"top_k": 2, "options": {"switch": "words"}}},
+    ("/v1/chat/completions", {**CHAT, "ctx": {"top_k": 2, "mode": "pced", "options": {"switch": "words"}}},
      "mode 'pced': option switch must be one of 'token', 'word', got 'words'"),
-    ("/v1/chat/completions", {**CHAT, "ctx": {"top_k": 2, "options": {"gama": 1}}},
+    ("/v1/chat/completions", {**CHAT, "ctx": {"top_k": 2, "mode": "pced", "options": {"gama": 1}}},
      "mode 'pced' does not accept gama; its options are: aggregation, beta, gamma, prior, prior_floor, prior_tau, "
      "query_likelihood, score_space, switch (did you mean gamma?)"),
 ])
@@ -79,6 +79,7 @@ def test_a_bad_option_is_refused_at_the_edge_before_retrieval_and_the_backend(pa
 
 def test_good_options_reach_the_backend_unchanged():
     options = {"gamma": 2, "switch": "word", "beta": None}
-    response, backend = _send("POST", "/v1/answer", {"query": "q", "documents": ["d"], "options": options})
+    response, backend = _send("POST", "/v1/answer", {"query": "q", "documents": ["d"], "mode": "pced",
+                                                     "options": options})
     assert response.status_code == 200, response.text
     assert [job["options"] for job in backend.jobs] == [options]
