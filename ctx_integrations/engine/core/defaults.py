@@ -14,11 +14,12 @@ that does not stop."""
 
 DEFAULT_MODE = "soft_nbce"
 """The decoding mode when the caller names none, at every entry point (engine, CLI, HTTP server, LangChain,
-LlamaIndex): Soft-NBCE with its defaults, the cached mode that held on every kind of real document measured
-(docs/evaluation.md, "The default mode: Soft-NBCE"). On long passages whose retrieval scores are close, PCED's max
-rule followed the top-scored passage where Soft-NBCE's entropy weights let the passage that is sure of its answer
-decide; on short passages with a reliable first hit the two tie. ``tests/test_default_mode.py`` holds the rule to
-that. Naming ``mode="pced"`` (or any other) is unchanged."""
+LlamaIndex): Soft-NBCE with its defaults, at least as good as PCED on every kind of real document measured
+(docs/evaluation.md, "The default mode: Soft-NBCE"; its first token there is not always below a third of
+`concat`'s). On long passages whose retrieval scores are close, PCED's max rule followed the top-scored passage
+where Soft-NBCE's entropy weights let the passage that is sure of its answer decide; on short passages with a
+reliable first hit the two tie. ``tests/test_default_mode.py`` holds the rule to that. Naming ``mode="pced"`` (or
+any other) is unchanged."""
 
 DEFAULT_BATCH_MODE = "ippd"
 """The mode when many questions share one set of documents and the caller names none (``Engine.generate_many``,

@@ -38,7 +38,7 @@ from ctx_integrations.engine.core.experts import expert_streams_job
 from ctx_integrations.engine.core.jobs import FusedJob
 from ctx_integrations.engine.core.registry import DecodeContext, register_mode
 from ctx_integrations.engine.core.validation import real_number
-from ctx_integrations.engine.modes.priors import check_prior, check_query_likelihood, likelihood_prior, log_prior
+from ctx_integrations.engine.modes.priors import check_query_likelihood, likelihood_prior, log_prior
 from ctx_integrations.engine.modes.specs import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_FLOOR,
@@ -600,8 +600,7 @@ def run_soft_nbce(ctx: DecodeContext, *, tau: float = 0.1, beta: float = 0.25, r
     0: off. A weight given routes the chunks by the prior even when their scores are equal.
     The paper's rule on every input: ``gamma=0`` (``rho`` is then 0.9, and the likelihood's default off).
     """
-    check_prior(prior, prior_tau, prior_floor)
-    check_gamma(gamma)
+    # the declaration checked each value (check_mode, before planning); log_prior and routed_rule check them again
     if query_likelihood is not None:
         check_query_likelihood(query_likelihood, prior)
         if query_likelihood > 0 and gamma == 0:
