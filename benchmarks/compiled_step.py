@@ -5,7 +5,7 @@ On an H200 the compiled step (CUDA graphs) decoded PCED's 65 rows at 15.1 steps/
 random model with the Llama-3 head grouping (8 query heads, 2 key/value heads, head dim 64; 2 layers, hidden
 512), PCED over ``--documents`` documents of ~700 tokens (one row each and the no-context row), ``--new-tokens``
 greedy tokens, caches warm. The cause was transformers' SDPA copying every layer's keys and values once per query
-head of a key/value head under compile (``compiled_step.grouped_sdpa``). ``--baseline PATH`` measures another
+head of a key/value head under compile (``grouped_attention.grouped_sdpa``). ``--baseline PATH`` measures another
 checkout in the same run (a folder holding its files, e.g. ``git worktree add /tmp/base bd434a6``), in a
 subprocess with that folder first on ``sys.path``. One torch thread.
 

@@ -10,8 +10,10 @@ subprocess with that folder first on ``sys.path``.
 
 Per case (``--documents`` x ``--tokens``, PCED, ``--new-tokens`` greedy tokens, caches warm: the same
 documents were answered once before, untimed): host seconds of the warm answer (median of ``--repeats``),
-its TTFT, tokenizer calls (``PromptLayout._encode``, the one place both checkouts tokenise through) and
-token ids handed to the tokenizer's decoder, per answer and per generated token.
+its TTFT, tokenizer calls (``PromptLayout._encode``, the one place both checkouts tokenise through), token
+ids handed to the tokenizer's decoder, per answer and per generated token, and the bytes the runner's
+forwards copy during the warm request's first step (its join) per byte of its documents' KV
+(``copied_per_kv_byte``: what a GPU pays in memory traffic before the first token; :func:`copied_bytes`).
 
     python -m benchmarks.host_overhead --documents 32,64 --tokens 2048 --baseline /tmp/base
     python -m benchmarks.host_overhead --quick       # 4 x 256 tokens: the CI smoke run
@@ -39,12 +41,71 @@ def _documents(count: int, tokens: int, seed: int) -> list[str]:
     return [f"Record {d}. " + " ".join(rng.choice(WORDS) for _ in range(tokens - 4)) + "." for d in range(count)]
 
 
+# Operations that move or write bytes, as a ``TorchDispatchMode`` sees them (composite ones such as ``reshape``
+# arrive whole): the bytes written are an in-place one's source (its output is the whole destination), a view-or-copy
+# one's output when it is a copy, and the output of the others.
+SOURCE_ARGUMENT = {"index_copy": 3, "index_copy_": 3, "index_put": 2, "index_put_": 2, "_unsafe_index_put": 2}
+COPY_WHEN_NEW = {"reshape", "contiguous", "to", "_to_copy", "flatten"}
+COPYING = {"copy_", "cat", "pad", "constant_pad_nd", "clone", "index", "index_select", "repeat", "repeat_interleave",
+           "fill_", "zero_", "zeros", "zeros_like", "full", "full_like", "new_zeros", "new_full", "slice_scatter",
+           "select_scatter", *SOURCE_ARGUMENT, *COPY_WHEN_NEW}
+
+
+def copied_bytes(run):
+    """``(run(), bytes)``: what ``run`` returns and the bytes written by the operations of :data:`COPYING` it
+    dispatches (in this thread). Written by hand: torch's profiler counts no bytes on the CPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def storage(t):
+        return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+    class Count(TorchDispatchMode):
+        written = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in COPYING and not (name in COPY_WHEN_NEW and storage(out) == storage(args[0])):
+                what = args[SOURCE_ARGUMENT[name]] if name in SOURCE_ARGUMENT else out
+                tensors = what if isinstance(what, (tuple, list)) else (what,)
+                self.written += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            return out
+
+    with Count() as count:
+        result = run()
+    return result, count.written
+
+
+def first_step_copies(engine, question: str, texts: list[str], new_tokens: int) -> int:
+    """Bytes the runner's forwards copy during the first step of a warm PCED answer over ``texts`` (its join:
+    the documents' cached KV laid out in rows, the question's prefill, the rows added to the running pool)."""
+    from ctx_integrations.engine.core.runner import ModelRunner
+
+    forward, counted = ModelRunner.forward, []
+
+    def counted_forward(self, step):
+        if counted:
+            return forward(self, step)
+        result, written = copied_bytes(lambda: forward(self, step))
+        counted.append(written)
+        return result
+
+    ModelRunner.forward = counted_forward
+    try:
+        engine.generate(question, texts, mode="pced", max_new_tokens=new_tokens)
+    finally:
+        ModelRunner.forward = forward
+    return counted[0]
+
+
 def measure(documents: int, tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     """One case in this process (whichever checkout is first on ``sys.path``)."""
     import torch
 
     from ctx_integrations import Engine
     from ctx_integrations.engine.core.layout import PromptLayout
+    from ctx_integrations.engine.core.registry import kv_bytes_per_token
     from tests.helpers import tiny_loaded
 
     torch.set_num_threads(1)
@@ -83,10 +144,13 @@ def measure(documents: int, tokens: int, new_tokens: int, repeats: int) -> dict[
         PromptLayout._encode = encode
         tokenizer.decode = decode
     generated = len(answer.token_ids)
+    kv_bytes = sum(p.tokens for p in engine.texts.prepare_all(texts)) * kv_bytes_per_token(loaded)
+    copied = first_step_copies(engine, question, texts, new_tokens) / kv_bytes
     return {"documents": documents, "tokens": tokens, "new_tokens": generated, "host_s": statistics.median(times),
             "ttft_s": statistics.median(ttfts), "encode_calls": encode_calls[0],
             "encode_calls_per_document": encode_calls[0] / documents, "ids_decoded": decoded[0],
-            "ids_decoded_per_token": decoded[0] / max(generated, 1), "cache_misses": answer.cache_misses}
+            "ids_decoded_per_token": decoded[0] / max(generated, 1), "cache_misses": answer.cache_misses,
+            "copied_per_kv_byte": copied}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -118,7 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ours, base = rows[-2], rows[-1]
             ours["host_s_vs_baseline"] = base["host_s"] / ours["host_s"]
     print_table(rows, ["checkout", "documents", "tokens", "new_tokens", "host_s", "ttft_s", "host_s_vs_baseline",
-                       "encode_calls", "encode_calls_per_document", "ids_decoded_per_token", "cache_misses"])
+                       "encode_calls", "encode_calls_per_document", "ids_decoded_per_token", "cache_misses",
+                       "copied_per_kv_byte"])
     write_results("host_overhead", rows, vars(args) | {"baseline": str(args.baseline)}, args.output)
     return rows
 

@@ -26,7 +26,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ctx_integrations import Engine
-from ctx_integrations.engine.core import compiled_step
+from ctx_integrations.engine.core import compiled_step, grouped_attention
 from ctx_integrations.engine.core import runner as runner_module
 from ctx_integrations.engine.core.config import COMPILE_MODES, EngineConfig
 from ctx_integrations.engine.core.rows import slot_bucket
@@ -242,15 +242,20 @@ def test_on_the_flex_kernel_the_compiled_step_runs_flexattention_in_its_graph_ov
 
 def test_the_compiled_steps_attention_is_chosen_by_the_runners_kernel_for_sdpa_models_only():
     # Caught: a soft-capped model (its own eager attention) or a stand-in without a config given SDPA or
-    # FlexAttention, which would drop its cap; the kernel ignored.
+    # FlexAttention, which would drop its cap; a model a swap cannot reach given one (refused at its first join);
+    # the kernel ignored.
     from ctx_integrations.engine.core.flex import FLEX_ATTENTION
 
     model = tiny_loaded("llama", seed=3).model
-    assert compiled_step.step_attention(model, "flex") == FLEX_ATTENTION
-    assert compiled_step.step_attention(model, "eager") == compiled_step.GROUPED_SDPA
+    assert grouped_attention.step_attention(model, "flex") == FLEX_ATTENTION
+    assert grouped_attention.step_attention(model, "eager") == grouped_attention.GROUPED_SDPA
+    model._can_set_attn_implementation = lambda: False  # a model that does not route through AttentionInterface
+    assert grouped_attention.step_attention(model, "eager") is None
+    del model._can_set_attn_implementation
     model.config._attn_implementation = "eager"  # what a soft-capped model (Gemma 2) runs
-    assert compiled_step.step_attention(model, "flex") is None and compiled_step.step_attention(model, "eager") is None
-    assert compiled_step.step_attention(torch.nn.Linear(2, 2), "flex") is None
+    assert grouped_attention.step_attention(model, "flex") is None
+    assert grouped_attention.step_attention(model, "eager") is None
+    assert grouped_attention.step_attention(torch.nn.Linear(2, 2), "flex") is None
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 3])
@@ -267,7 +272,7 @@ def test_grouped_attention_equals_sdpa_over_key_value_heads_repeated_for_their_q
     groups = heads // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
-    out, weights = compiled_step.grouped_sdpa(torch.nn.Module(), query, key, value, mask, scaling=0.3)
+    out, weights = grouped_attention.grouped_sdpa(torch.nn.Module(), query, key, value, mask, scaling=0.3)
     assert weights is None and out.shape == (batch, q_len, heads, dim)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
 
@@ -290,7 +295,7 @@ def test_what_grouped_attention_does_not_fold_is_transformers_sdpa(case):
     groups = heads // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
-    out, _ = compiled_step.grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+    out, _ = grouped_attention.grouped_sdpa(module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
 
 
@@ -302,10 +307,10 @@ def test_grouped_attention_passes_on_the_dropout_and_options_transformers_gives_
     mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = heads // 2, False
-    out, _ = compiled_step.grouped_sdpa(module, query, key, value, mask, dropout=1.0)
+    out, _ = grouped_attention.grouped_sdpa(module, query, key, value, mask, dropout=1.0)
     assert not out.any()  # every attention weight dropped
     with pytest.raises(ValueError, match="softcap"):
-        compiled_step.grouped_sdpa(module, query, key, value, mask, softcap=5.0)
+        grouped_attention.grouped_sdpa(module, query, key, value, mask, softcap=5.0)
 
 
 def test_compile_mode_is_checked_resolved_per_device_and_shared_by_the_engines_of_a_model():

@@ -127,11 +127,11 @@ TARGETS = {
                             ("tests/test_compiled_step.py", "-k",
                              "not one_graph and not another_bucket and not slot_buckets "
                              "and not several_tokens")),
-    # the compiled step's attention: each query head over its own key/value head, a packed query's row of the mask
-    "grouped_sdpa": Target("ctx_integrations/engine/core/compiled_step.py", ("x_grouped_sdpa*",),
+    # the pool's attention: each query head over its own key/value head, a packed query's row of the mask
+    "grouped_sdpa": Target("ctx_integrations/engine/core/grouped_attention.py", ("x_grouped_sdpa*",),
                            ("tests/test_compiled_step.py", "-k", "grouped_attention or own_key_value")),
-    # the compiled step's attention on the runner's kernel: FlexAttention, grouped SDPA or the model's own
-    "step_attention": Target("ctx_integrations/engine/core/compiled_step.py", ("x_step_attention*",),
+    # the pool's attention on the runner's kernel: FlexAttention, grouped SDPA or the model's own
+    "step_attention": Target("ctx_integrations/engine/core/grouped_attention.py", ("x_step_attention*",),
                              ("tests/test_compiled_step.py", "-k",
                               "flex_kernel or own_key_value or chosen_by_the_runners_kernel")),
     # switching a model's attention per call: the full check once per model and name, then the shared config

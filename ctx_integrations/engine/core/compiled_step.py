@@ -1,20 +1,20 @@
 """The row pool's decode step under ``torch.compile``: CUDA graphs per bucket of (slots, capacity) on a GPU.
 
-A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth limit: every step launched its
-~30 layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is the step
-as one pure function of the arena's tensors, whose shapes change only when the arena moves to another bucket
-of slots (:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by a 512-column block;
-``torch.compile(mode="reduce-overhead")`` compiles it a few times (static, then once more the first time the
-slot count, the capacity or the step's width changes, made symbolic: :func:`compiled_decode_step`), captures
-it once per bucket as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of
-the bucket. Its attention follows the runner's kernel (:func:`step_attention`): on ``"flex"`` (CUDA's default)
-the block mask is built and FlexAttention called inside the step's graph, so the graph holds the split-key
-decoding kernel the eager step uses; on ``"eager"``, SDPA with each query head over its own key/value head
-(:func:`grouped_sdpa`). On the CPU the compile costs minutes for seconds of gain, so the default there is the
-eager step; the CPU tests run the step under ``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and
-assert that it never breaks, never recompiles within a bucket, takes a few graphs across many buckets and
-writes in place only into static inputs (``tests/test_compiled_step.py``): the preconditions a GPU then only
-has to confirm.
+A decode step of an 8B model on an H200 ran at ~12 % of the memory-bandwidth limit: every step launched its ~30
+layers' kernels one by one from Python. :func:`~ctx_integrations.engine.core.rows.decode_step` is the step as one
+pure function of the arena's tensors, whose shapes change only when the arena moves to another bucket of slots
+(:func:`~ctx_integrations.engine.core.rows.slot_bucket`) or its capacity grows by a 512-column block;
+``torch.compile(mode="reduce-overhead")`` compiles it a few times (static, then once more the first time the slot
+count, the capacity or the step's width changes, made symbolic: :func:`compiled_decode_step`), captures it once per
+bucket as a CUDA graph (as vLLM captures one per batch size) and replays it at every later step of the bucket. Its
+attention follows the runner's kernel (:func:`~ctx_integrations.engine.core.grouped_attention.step_attention`): on
+``"flex"`` (CUDA's default) the block mask is built and FlexAttention called inside the step's graph, so the graph
+holds the split-key decoding kernel the eager step uses; on ``"eager"``, SDPA with each query head over its own
+key/value head (:func:`~ctx_integrations.engine.core.grouped_attention.grouped_sdpa`). On the CPU the compile costs
+minutes for seconds of gain, so the default there is the eager step; the CPU tests run the step under
+``torch.compile`` with the ``"eager"`` backend (Dynamo's tracing alone) and assert that it never breaks, never
+recompiles within a bucket, takes a few graphs across many buckets and writes in place only into static inputs
+(``tests/test_compiled_step.py``): the preconditions a GPU then only has to confirm.
 
 ``compile_mode`` values: ``None`` (the eager step, the reference, and the default), ``"auto"``
 (``"reduce-overhead"`` on CUDA, ``None`` elsewhere) or a ``torch.compile`` mode. A step that fails to compile or
@@ -26,7 +26,8 @@ torch 2.11, ``benchmarks/gpu.py --budget``, docs/gpu-benchmark.md), the compiled
 ``concat``'s one row of 131k columns went the other way (17.9 vs 10.8 tokens/s), and the first compile cost
 ~90 s. The cause, found afterwards on the CPU: under compile transformers' SDPA attention copied every layer's
 slice of the arena once per query head of its key/value head (``repeat_kv``) at every step, so that step moved
-~9x the key/value bytes of reading the arena once; it now attends over the arena's own heads (:func:`grouped_sdpa`).
+~9x the key/value bytes of reading the arena once; it now attends over the arena's own heads
+(:func:`~ctx_integrations.engine.core.grouped_attention.grouped_sdpa`).
 Until a GPU shows the compiled step winning on the pool's many-row shapes it stays an opt-in.
 """
 
@@ -41,12 +42,11 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.config import check_compile_mode  # the command line offers the modes, torch-free
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION
+from ctx_integrations.engine.core.grouped_attention import step_attention
 
 # Shapes one compiled step may be specialised to before Dynamo stops compiling new ones (its default is 8):
 # every (slot bucket, capacity) pair the arena visits is one.
@@ -87,59 +87,6 @@ def compiled_decode_step(mode: str, backend: str = "inductor") -> Callable[..., 
                             documents, layers, "flex" if attention == FLEX_ATTENTION else "eager")
 
     return step
-
-
-def step_attention(model: torch.nn.Module, kernel: str) -> str | None:
-    """The attention the compiled step swaps in for a model whose own is transformers' SDPA: FlexAttention on the
-    ``"flex"`` kernel (the pool's on CUDA: a split-key decoding kernel, each query head over its own key/value head,
-    the tiles nobody sees skipped; compiled into the step's graph), :func:`grouped_sdpa` on ``"eager"``. ``None``
-    (the model's own attention over the boolean mask) for any other model: a soft-capped one's eager attention."""
-    config = getattr(model, "config", None)
-    if config is None or config._attn_implementation != "sdpa":
-        return None
-    return FLEX_ATTENTION if kernel == "flex" else GROUPED_SDPA
-
-
-GROUPED_SDPA = "ctx_grouped_sdpa"
-
-
-def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                 **kwargs: object) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention with every query head attending to its own key/value head in place.
-
-    Under ``torch.compile`` transformers' ``"sdpa"`` attention repeats each key/value head for its query heads
-    (``repeat_kv``) whenever it is given a mask, so the compiled step copied each layer's whole slice of the arena
-    ``groups`` times at every step, then read the copies: on the Llama-3 8B shape (32 query heads, 8 key/value
-    heads) with PCED's 65 rows in 72 slots of 2560 columns, 217 GB of keys and values per step instead of the
-    arena's 24 GB read once. With the 16 GB of weights that is 3.5 TB/s at the 15.1 steps/s the H200 measured
-    (4.3 TB/s copy bandwidth): the step was bound by the copies, and the eager step ran at 41. Eager,
-    transformers folds a one-token query's heads into their key/value head instead (``pack_gqa``); this does that
-    under compile too, for any number of query tokens: the ``groups`` query heads of key/value head ``j`` become
-    ``groups x q`` queries of head ``j``, each with its token's row of the mask (which is the same for every
-    head). Anything it does not cover (no mask, a mask per head, no grouping, a soft cap SDPA cannot apply) goes to
-    transformers' ``"sdpa"``.
-    Written by hand: transformers packs only outside compile, and SDPA's own ``enable_gqa`` with a mask takes the
-    math kernel on CUDA.
-    """
-    heads, kv_heads = query.shape[1], key.shape[1]
-    foldable = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-    if not foldable or heads == kv_heads or kwargs.get("softcap") is not None:  # transformers' sdpa refuses a cap
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                               dropout=dropout, **kwargs)
-    batch, _, q_len, dim = query.shape
-    groups = heads // kv_heads
-    mask = attention_mask
-    if q_len > 1:  # [B, 1, q, K] -> [B, 1, groups x q, K]: each packed query keeps its token's row
-        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, q_len, mask.shape[-1]).reshape(
-            mask.shape[0], 1, groups * q_len, mask.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask, dropout_p=dropout,
-        scale=scaling)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 
 
 def mark_arena_static(*arena: torch.Tensor) -> None:

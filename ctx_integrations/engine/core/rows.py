@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ctx_integrations.engine.core.attention_swap import attention_swapped
 from ctx_integrations.engine.core.flex import FLEX_ATTENTION, BlockMask, block_mask
+from ctx_integrations.engine.core.grouped_attention import step_attention
 from ctx_integrations.engine.core.row_attention import ROW_ATTENTION, RowRule
 from ctx_integrations.engine.core.windows import in_window, windows
 
@@ -238,10 +239,13 @@ class RowPool:
     # tensors' dispatch keys, and a normal tensor where an inference tensor was cost a recompile of the same bucket
     def build(cls, rows: list[list[Piece]], shape: tuple[int, int, int], device: torch.device,
               dtype: torch.dtype, attention: list[RowRule | None] | None = None,
-              slots: int | None = None, grow_columns: int | None = None, padded_slots: bool = True) -> RowPool:
+              slots: int | None = None, grow_columns: int | None = None, padded_slots: bool = True,
+              room: int = 0) -> RowPool:
         """Lay out ``rows`` (each a list of pieces) from column 0 of slots ``0 ..``, right-padded to whole
-        ``grow_columns`` (default :data:`GROW_COLUMNS`): one copy per piece. ``slots``: how many slots (default:
-        exactly the rows); ``padded_slots``: whether the slot count moves in buckets (see the class).
+        ``grow_columns`` (default :data:`GROW_COLUMNS`): one copy per piece, and zeros written only where no piece
+        is. ``slots``: how many slots (default: exactly the rows); ``padded_slots``: whether the slot count moves
+        in buckets (see the class); ``room``: columns to leave after the longest row (the tokens its first
+        forward appends), so that forward writes in place instead of copying the arena to a larger capacity.
 
         ``shape`` is ``(layers, kv_heads, head_dim)``, used for rows without any cached piece;
         ``attention``: per row, its own attention rule or ``None``.
@@ -250,8 +254,9 @@ class RowPool:
         count = len(rows) if slots is None else slots
         widths = [sum(p.kv.shape[3] for p in pieces) for pieces in rows]
         grow = GROW_COLUMNS if grow_columns is None else grow_columns
-        capacity = _room(max(widths, default=0), grow)
-        buffer = torch.zeros(layers, 2, count, heads, capacity, dim, device=device, dtype=dtype)
+        capacity = _room(max(widths, default=0) + room, grow)
+        buffer = torch.empty(layers, 2, count, heads, capacity, dim, device=device, dtype=dtype)
+        buffer[:, :, len(rows):] = 0  # free slots: padding keys and values must be finite (weight 0 x NaN is NaN)
         positions = torch.full((count, capacity), PAD_POSITION, dtype=torch.long)
         contexts = torch.full_like(positions, PAD_ID)
         questions = torch.full_like(positions, PAD_ID)
@@ -267,6 +272,7 @@ class RowPool:
                 questions[b, span] = 0
                 documents[b, span] = piece.document
                 column += length
+            buffer[:, :, b, :, column:] = 0
         return cls([(buffer[i, 0], buffer[i, 1]) for i in range(layers)], positions.to(device), contexts.to(device),
                    questions.to(device), lengths=widths, documents=documents.to(device),
                    attention=list(attention) if attention is not None else None, slots=list(range(len(rows))),
@@ -504,23 +510,26 @@ class RowPool:
                        contexts: torch.Tensor, questions: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
                        ends: list[list[int]], rules: list[tuple[int, RowRule, int]]
                        ) -> tuple[torch.Tensor, dict[int, int]]:
-        """The forward as transformers runs it (the reference): fp32 logits of the kept columns, and where each is."""
+        """The forward as transformers runs it (the reference; a grouped-query SDPA model's attention over the arena's
+        own key/value heads, :mod:`~ctx_integrations.engine.core.grouped_attention`): fp32 logits of the kept columns,
+        and where each is."""
         device = self.positions.device
         inputs = step_inputs(ids, positions, contexts, questions, rows, columns, self.positions, self.contexts,
                              self.questions, self.documents, self.layers)
         layout = (positions, contexts, questions, self.positions, self.contexts, self.questions)
         flex = kernel == "flex"
+        own = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        base = FLEX_ATTENTION if flex else step_attention(model, kernel) or own  # SDPA over the arena's own heads
         extra = {}
         if rules:
-            extra = {"row_base": FLEX_ATTENTION if flex else model.config._attn_implementation, "row_rules": rules,
-                     "row_documents": self.documents}
+            extra = {"row_base": base, "row_rules": rules, "row_documents": self.documents}
             if flex:  # no boolean mask for the batch: each rule row gets its own (one row, cheap)
                 extra["row_visible"] = {b: visibility(*(t[b:b + 1] for t in layout)) for b, _, _ in rules}
         keep = sorted({c for row in ends for c in row})
         keep_all = keep == list(range(ids.shape[1]))
         # a sliding-window model's sliding layers see their window only (windows.py), on either kernel
         mask = step_block_mask(model, *layout) if flex else step_mask(model, *layout)
-        swap = ROW_ATTENTION if rules else FLEX_ATTENTION if flex else None
+        swap = ROW_ATTENTION if rules else base if base != own else None
         with attention_swapped(model, swap) if swap else nullcontext():
             out = model(**inputs, attention_mask=mask,
                         logits_to_keep=0 if keep_all else torch.tensor(keep, device=device), **extra)

@@ -87,7 +87,9 @@ class ModelRunner:
                 joining = RowPool.build([list(pieces) for pieces in step.joining],
                                         (shape.layers, shape.kv_heads, shape.head_dim), loaded.device, loaded.dtype,
                                         attention=list(step.joining_attention) or None, grow_columns=grow,
-                                        padded_slots=self.step is not None)  # buckets only for a compiled step
+                                        padded_slots=self.step is not None,  # buckets only for a compiled step
+                                        room=max((sum(len(run.ids) for run in row) for row in step.joining_runs),
+                                                 default=0))
                 computed.joined = self._run(joining, step.joining_runs, computed)
             except Exception as error:  # noqa: BLE001 - the joining requests fail; their rows never join
                 computed.join_error = error
