@@ -88,6 +88,12 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     keys = api_keys_from(args)  # refuse a bad key or name before anything starts
     served_model_names(args.served_model_name, default="")
+    if not args.ray:
+        given = [flag for flag, value in (("--replicas", args.replicas), ("--gpus-per-replica", args.gpus_per_replica),
+                                          ("--ray-address", args.ray_address), ("--ray-cpus", args.ray_cpus))
+                 if value is not None]
+        if given:
+            raise InvalidOptionError(f"{', '.join(given)} configure Ray Serve replicas: add --ray, or drop them")
     if args.ray:
         _require("ray.serve", "ray")
         from ctx_integrations.serve.ray_app import run_ray_serve
