@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -63,8 +64,17 @@ from ctx_integrations.serve.model_names import model_id, served_model_names
 from ctx_integrations.serve.routing import HashRing, affinity_ranking, job_documents
 
 
+def _shuffled(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """``replicas`` in a random order: Ray Serve takes the first of equally loaded replicas in a rank, so an
+    unshuffled rank would send every request without documents (or every spill) to the same idle replica."""
+    return random.sample(replicas, len(replicas))
+
+
 class DocumentAffinityRouter(RequestRouter):
-    """Send a request to the replica most likely to hold its documents' caches; else to the least loaded."""
+    """Send a request to the replica most likely to hold its documents' caches; else to the least loaded.
+
+    It keys on Ray Serve's replica ids (unique in the cluster), never on a host, process or node, so replicas
+    on several nodes share one ring, and the router works wherever the handle calling it runs."""
 
     def initialize_state(self, imbalance: int = 4, vnodes: int = 64, **_: Any) -> None:
         self.imbalance, self.vnodes = imbalance, vnodes
@@ -85,11 +95,11 @@ class DocumentAffinityRouter(RequestRouter):
             return []
         texts = job_documents(pending_request.args[0]) if pending_request is not None and pending_request.args else []
         if not texts:
-            return [candidate_replicas]  # a chat without documents: Ray picks the least loaded
+            return [_shuffled(candidate_replicas)]  # a chat without documents: Ray picks the least loaded
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = affinity_ranking(self._ring_for(candidate_replicas), texts)
         owner = by_name[ranked[0]]
-        others = [r for r in candidate_replicas if r is not owner]
+        others = _shuffled([r for r in candidate_replicas if r is not owner])
         owner_len = self._queue_len(owner)
         lengths = [n for n in (self._queue_len(r) for r in others) if n is not None]
         if owner_len is not None and lengths and owner_len - min(lengths) >= self.imbalance:
