@@ -5,7 +5,9 @@ through Ray must equal ``engine.generate`` token for token; and the cache-affini
 every request for one set of documents to the same replica, while different sets use both. The
 corpus is ingested first, as ``ctx-experts ingest`` does (caches computed into the store's folder),
 and the app is built without naming a KV folder: the replicas must find ingestion's caches on disk.
-One Ray cluster serves every test (Ray's start costs about a minute here); the last test shuts it down.
+One Ray cluster serves every test (Ray's start costs about a minute here); the last test shuts it down. It
+has two logical GPUs (``ray.init(num_gpus=2)``), one per replica: Ray sets each replica's
+``CUDA_VISIBLE_DEVICES`` even without a GPU in the machine, while the tiny engines stay on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_support import chroma_server, free_port, sse_events, tiny_engine
+from tests.serve_support import chroma_server, free_port, replica_stats, sse_events, tiny_engine
 
 pytestmark = pytest.mark.slow
 serve = pytest.importorskip("ray.serve")
@@ -68,9 +70,9 @@ def ray_app(tmp_path_factory):
         port = free_port()
         app = build_app(replicas=2, store_url=chroma_url, engine_factory="tests.serve_support:tiny_engine",
                         limits=ServerLimits(max_documents=MAX_DOCUMENTS), served_model_name=[SERVED_NAME],
-                        api_key=API_KEY)
+                        api_key=API_KEY, gpus_per_replica=1, engine_options={"device": "cuda"})
         try:
-            start(app, port=port, num_cpus=2)
+            start(app, port=port, num_cpus=2, num_gpus=2)
             yield RayApp(f"http://127.0.0.1:{port}", store.kv_dir, chroma_pid)
         finally:
             if ray.is_initialized():  # the last test stops it (and times that)
@@ -153,6 +155,18 @@ def test_retrieval_from_the_chroma_server_streams_through_a_replica(ray_app):
     answer = json.loads(events[-1][1])
     assert events[-1][0] == "answer" and "".join(json.loads(d)["text"] for _, d in events[:-1]) == answer["text"]
     assert len(answer["documents"]) == 3 and all("fused" in d["scores"] for d in answer["documents"])
+
+
+def test_each_replica_reserves_its_own_gpu_and_gets_the_device_setting(ray_app):
+    """Bugs caught: replicas reserving no GPU (Ray leaves CUDA_VISIBLE_DEVICES alone: every engine on cuda:0),
+    two replicas on one GPU, or ``--device cuda`` not reaching a replica (or reaching it as the physical GPU
+    index, which a replica that sees one GPU does not have)."""
+    placed = replica_stats(2)
+    assert len(placed) == 2, f"not every replica answered: {placed}"
+    assert {stats["device"] for stats in placed.values()} == {"cuda:0"}
+    visible = sorted(stats["placement"]["cuda_visible_devices"] for stats in placed.values())
+    assert visible == ["0", "1"], placed
+    assert all(stats["placement"]["gpus"] == [stats["placement"]["cuda_visible_devices"]] for stats in placed.values())
 
 
 def test_a_replica_error_is_a_4xx_naming_the_field(ray_app):
