@@ -63,6 +63,9 @@ def ray_app(tmp_path_factory):
         # and Serve gives its HTTP proxy 60 s to be ready (a constant, not a setting): under the same load it took
         # longer once (an Intel 2-core machine, an evaluation beside the suite) and every test errored at setup
         patch.setattr("ray.serve._private.api.HTTP_PROXY_TIMEOUT", 180)
+        # and Serve's controller kills a proxy not ready within 5 s (its worker had not even started, with other
+        # test processes on both cores): the setup then failed with the proxy's ActorDiedError
+        patch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
         store = DocumentStore(chroma_url)
         store.engine = tiny_engine(cache_dir=store.kv_dir)  # what `ctx-experts ingest` does: caches computed now
         assert store.add(load_demo_corpus()[0]).cache_misses > 0

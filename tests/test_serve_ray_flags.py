@@ -5,9 +5,13 @@ tests/test_serve_ray.py and tests/test_serve_ray_nodes.py)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+from ctx_integrations.serve.cli import RAY_FLAGS
 from tests.helpers import run_cli
 
 ray_app = pytest.importorskip("ctx_integrations.serve.ray_app")
@@ -115,3 +119,14 @@ def test_a_joined_cluster_with_too_few_gpus_is_left_with_an_error(ray_calls, cap
     assert "room for 3" in capsys.readouterr().err
     assert ray_calls["connect"] == [{"address": "auto"}] and ray_calls["start"] == []
     assert ray_calls["stop"] == [{"joined": True}]
+
+
+def test_docs_serving_tables_the_ray_flags_and_cli_names_them():
+    """Bug caught: a Ray flag added (to RAY_FLAGS, refused without --ray) but not documented, or one documented
+    that is gone."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    section = (docs / "serving.md").read_text(encoding="utf-8").split("### GPUs and several machines")[1]
+    table = next(block for block in section.split("\n\n") if block.startswith("| flag"))
+    assert tuple(re.findall(r"^\| `(--[a-z-]+)", table, re.M)) == RAY_FLAGS
+    cli = (docs / "cli.md").read_text(encoding="utf-8").replace("\n", " ")
+    assert all(f"`{flag}`" in cli for flag in RAY_FLAGS)

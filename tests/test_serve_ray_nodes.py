@@ -41,6 +41,7 @@ def cluster_app(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_raylet_start_wait_time_s", "120")  # as tests/test_serve_ray.py: a busy 2-core machine
         patch.setattr("ray.serve._private.api.HTTP_PROXY_TIMEOUT", 180)
+        patch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")  # as tests/test_serve_ray.py, for the same load
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1,
                                                                 "include_dashboard": False})
         try:
