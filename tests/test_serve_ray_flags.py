@@ -61,6 +61,8 @@ def ray_calls(monkeypatch):
     (["--ray-address", "auto", "--ray-cpus", "2"], "drop --ray-cpus"),
     (["--ray-address", "auto", "--gpus-per-replica", "-1"], ">= 0"),
     (["--ray-address", "auto", "--drain-timeout", "-1"], "drain_timeout_s"),
+    (["--ray-address", "auto", "--replicas", "0"], "replicas must be >= 1"),
+    (["--ray-address", "auto", "--device", "cpu", "--gpus-per-replica", "1"], "never use"),
 ])
 def test_bad_flags_are_typed_errors_before_ray_starts(ray_calls, capsys, argv, says):
     """Bugs caught: a bad reservation reaching Ray (refused after it started, or never placed: Serve waits

@@ -458,7 +458,6 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options:
                                  "CPUs (`ray start --num-cpus N` on each node): drop --ray-cpus")
     gpus = gpus_per_replica_of(args)
     options = replica_options(args, engine_options)
-    check_replica_device(options.get("device"), gpus)
     cache_dir = kv_folder(args.cache_dir)
 
     def app_of(replicas: int) -> Any:
@@ -474,7 +473,8 @@ def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options:
         start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or replicas,
               num_gpus=node_gpus if gpus else None)
     else:
-        app_of(args.replicas or 1)  # every flag checked before joining; the count once the cluster's GPUs are known
+        # every flag checked (by build_app) before joining; the count once the cluster's GPUs are known
+        app_of(args.replicas if args.replicas is not None else 1)
         connect(address=args.ray_address)
         try:
             replicas = replica_count(args.replicas, gpus, cluster_node_gpus())
