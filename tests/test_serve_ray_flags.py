@@ -1,7 +1,7 @@
 """``ctx-experts serve --ray``'s GPU and cluster flags: refused before Ray starts, else handed to the app and Ray.
 
 Ray is never started here: ``connect`` / ``start`` / ``stop`` are stubbed (the cluster tests are
-tests/test_serve_ray.py and tests/test_serve_ray_nodes.py)."""
+tests/test_serve_ray.py)."""
 
 from __future__ import annotations
 
