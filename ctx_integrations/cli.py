@@ -997,7 +997,16 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_api_arguments(parser)
     add_limit_arguments(parser)
     parser.add_argument("--ray", action="store_true", help="serve with Ray Serve replicas (extra [ray])")
-    parser.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray (default 2)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="engine replicas with --ray (default: one per --gpus-per-replica GPUs of the cluster; "
+                             "2 when they reserve no GPU)")
+    parser.add_argument("--gpus-per-replica", type=float, default=None, metavar="N",
+                        help="GPUs each replica reserves with --ray: a fraction (e.g. 0.5) shares one GPU, 2, 3, ... "
+                             "give it several; 0 runs the replicas on the CPU (default 1 when this machine has CUDA, "
+                             "else 0); --device cuda is then each replica's own GPU")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="join the Ray cluster at ADDR with --ray (`auto` on a node that ran `ray start`, or "
+                             "HOST:6379); default: start a local one")
     parser.add_argument("--ray-cpus", type=int, default=None,
                         help="CPUs of the local Ray cluster with --ray (default: replicas; one per replica, the "
                              "gateway needs none)")

@@ -81,10 +81,10 @@ def layout(loaded) -> PromptLayout:
 # The slowest modules of `make test`'s main run, slowest first (its --durations on the 2-core CPU: each one minute or
 # more, the notebooks and benchmarks ~3-4 minutes in all): scheduled first, so that the two workers of --dist
 # loadfile do not end with one of them alone on a long module while the other idles.
-SLOWEST_FIRST = ("test_notebooks.py", "test_benchmarks.py", "test_serve_ray.py", "test_cli.py",
-                 "test_scheduler_exit.py", "test_scheduler.py", "test_compiled_step.py", "test_serve_http.py",
-                 "test_batch_invariance.py", "test_llama_index_patterns.py", "test_soft_nbce_scheduler_batched.py",
-                 "test_docs_snippets.py")
+SLOWEST_FIRST = ("test_notebooks.py", "test_benchmarks.py", "test_serve_ray.py",
+                 "test_cli.py", "test_scheduler_exit.py", "test_scheduler.py", "test_compiled_step.py",
+                 "test_serve_http.py", "test_batch_invariance.py", "test_llama_index_patterns.py",
+                 "test_soft_nbce_scheduler_batched.py", "test_docs_snippets.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -68,6 +68,21 @@ def tiny_engine(cache_dir=None):
     return Engine(tiny_loaded("llama", max_position_embeddings=TINY_POSITIONS), cache_dir=cache_dir)
 
 
+def replica_stats(count: int, app_name: str = "ctx") -> dict[str, dict]:
+    """Every ``EngineReplica``'s ``stats()`` (its device and placement) by replica name, asked through the
+    deployment's handle until ``count`` replicas answered (the router spreads calls without documents)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
+    seen: dict[str, dict] = {}
+    for _ in range(20 * count):
+        stats = handle.stats.remote().result(timeout_s=60)
+        seen[stats["replica"]] = stats
+        if len(seen) == count:
+            break
+    return seen
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

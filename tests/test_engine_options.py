@@ -181,6 +181,9 @@ def test_serve_ray_hands_the_engine_flags_to_every_replica(monkeypatch, capsys, 
 
     monkeypatch.setattr(ray_app, "build_app", build_app)
     monkeypatch.delenv("CTX_API_KEY", raising=False)
+    # replicas that reserve no GPU (a CPU driver's default), where --device is passed as given: on a CUDA machine
+    # cuda:1 would be refused (each replica sees its own GPU as cuda:0; tests/test_serve_ray_flags.py)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run_cli(*argv) == 2
     assert "stopped before Ray starts" in capsys.readouterr().err
     assert seen["engine_options"] == expected

@@ -32,6 +32,10 @@ _LIMIT_HELP = {
 }
 
 
+# the flags that configure Ray Serve replicas: refused without --ray; docs/serving.md's table of them is checked
+RAY_FLAGS = ("--replicas", "--gpus-per-replica", "--ray-address", "--ray-cpus")
+
+
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """``--max-body-bytes``, ``--max-query-chars``, ... : one flag per :class:`ServerLimits` field."""
     defaults = ServerLimits()
@@ -88,6 +92,10 @@ def serve(args: argparse.Namespace, open_store: Callable[[argparse.Namespace, bo
         raise InvalidOptionError(f"--port must be in 1..65535, got {args.port}")
     keys = api_keys_from(args)  # refuse a bad key or name before anything starts
     served_model_names(args.served_model_name, default="")
+    if not args.ray:
+        given = [flag for flag in RAY_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            raise InvalidOptionError(f"{', '.join(given)} configure Ray Serve replicas: add --ray, or drop them")
     if args.ray:
         _require("ray.serve", "ray")
         from ctx_integrations.serve.ray_app import run_ray_serve

@@ -2,9 +2,13 @@
 
 Three pieces, all Ray Serve's own facilities:
 
-- :class:`EngineReplica`, a deployment with ``num_replicas`` copies of the engine. Their KV caches
-  persist in one shared folder (``Engine(cache_dir=shared)``), so a cache computed by one replica is
-  a disk hit for the others; the memory tier stays per replica, and that is what routing protects.
+- :class:`EngineReplica`, a deployment with ``num_replicas`` copies of the engine, each reserving one CPU
+  and ``gpus_per_replica`` GPUs (``ray_actor_options``), so Ray places them on distinct GPUs of the
+  cluster's nodes (or shares one GPU by fraction); each engine takes the GPU Ray gave it
+  (:mod:`~ctx_integrations.serve.gpu_placement`). Their KV caches persist in one shared folder
+  (``Engine(cache_dir=shared)``), so a cache computed by one replica is a disk hit for the others (on
+  several machines: when that folder is shared storage); the memory tier stays per replica, and that is
+  what routing protects.
 - :class:`DocumentAffinityRouter`, a Ray Serve ``RequestRouter`` (``request_router_config``): it ranks
   the replica that owns most of the request's documents on a consistent-hash ring first and every
   other replica second. Ray Serve's router then takes the first rank's replica unless its queue is
@@ -32,6 +36,7 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -40,19 +45,36 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ctx_integrations.errors import CtxIntegrationsError, InvalidOptionError
 from ctx_integrations.paths import kv_root
 from ctx_integrations.serve.auth import api_keys
 from ctx_integrations.serve.backend import LocalBackend
+from ctx_integrations.serve.gpu_placement import (
+    check_gpus_per_replica,
+    check_replica_device,
+    default_gpus_per_replica,
+    replica_count,
+    replica_device,
+)
 from ctx_integrations.serve.limits import ServerLimits
 from ctx_integrations.serve.model_names import model_id, served_model_names
 from ctx_integrations.serve.routing import HashRing, affinity_ranking, job_documents
 
 
+def _shuffled(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """``replicas`` in a random order: Ray Serve takes the first of equally loaded replicas in a rank, so an
+    unshuffled rank would send every request without documents (or every spill) to the same idle replica."""
+    return random.sample(replicas, len(replicas))
+
+
 class DocumentAffinityRouter(RequestRouter):
-    """Send a request to the replica most likely to hold its documents' caches; else to the least loaded."""
+    """Send a request to the replica most likely to hold its documents' caches; else to the least loaded.
+
+    It keys on Ray Serve's replica ids (unique in the cluster), never on a host, process or node, so replicas
+    on several nodes share one ring, and the router works wherever the handle calling it runs."""
 
     def initialize_state(self, imbalance: int = 4, vnodes: int = 64, **_: Any) -> None:
         self.imbalance, self.vnodes = imbalance, vnodes
@@ -73,11 +95,11 @@ class DocumentAffinityRouter(RequestRouter):
             return []
         texts = job_documents(pending_request.args[0]) if pending_request is not None and pending_request.args else []
         if not texts:
-            return [candidate_replicas]  # a chat without documents: Ray picks the least loaded
+            return [_shuffled(candidate_replicas)]  # a chat without documents: Ray picks the least loaded
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = affinity_ranking(self._ring_for(candidate_replicas), texts)
         owner = by_name[ranked[0]]
-        others = [r for r in candidate_replicas if r is not owner]
+        others = _shuffled([r for r in candidate_replicas if r is not owner])
         owner_len = self._queue_len(owner)
         lengths = [n for n in (self._queue_len(r) for r in others) if n is not None]
         if owner_len is not None and lengths and owner_len - min(lengths) >= self.imbalance:
@@ -117,15 +139,33 @@ def replica_engine(model: str | None, cache_dir: str | None, engine_factory: str
     return Engine.from_pretrained(model, cache_dir=cache_dir, **options)
 
 
+def placement(gpus_per_replica: float) -> dict[str, Any]:
+    """Where this replica runs: its node, the GPU ids Ray assigned it and the ``CUDA_VISIBLE_DEVICES`` it sees."""
+    import ray
+
+    context = ray.get_runtime_context()
+    assigned = [str(i) for i in context.get_accelerator_ids().get("GPU", [])] if gpus_per_replica else []
+    return {"node": context.get_node_id(), "gpus": assigned,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 @serve.deployment(request_router_config=RequestRouterConfig(request_router_class=DocumentAffinityRouter),
                   max_ongoing_requests=8, ray_actor_options={"num_cpus": 1},
                   graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
 class EngineReplica:
-    """One engine (the scheduler batches the requests Ray sends it concurrently); answers carry ``replica``."""
+    """One engine (the scheduler batches the requests Ray sends it concurrently); answers carry ``replica``.
+
+    Its engine's device follows the GPUs Ray reserved for it (:func:`replica_device`); ``stats()`` says where
+    it runs (``placement``) and on which device."""
 
     def __init__(self, model: str | None, cache_dir: str | None, engine_factory: str | None = None,
-                 engine_options: dict[str, Any] | None = None):
-        self.backend = LocalBackend(replica_engine(model, cache_dir, engine_factory, engine_options))
+                 engine_options: dict[str, Any] | None = None, gpus_per_replica: float = 0.0):
+        self.placement = placement(gpus_per_replica)
+        options = dict(engine_options or {})
+        options["device"] = replica_device(options.get("device"), gpus_per_replica, self.placement["gpus"],
+                                           self.placement["cuda_visible_devices"])
+        self.device = options["device"]
+        self.backend = LocalBackend(replica_engine(model, cache_dir, engine_factory, options))
         self.name = serve.get_replica_context().replica_id.unique_id
 
     async def answer(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +179,7 @@ class EngineReplica:
         return [{**a, "replica": self.name} for a in await self.backend.batch(job)]
 
     def stats(self) -> dict[str, Any]:
-        return {"replica": self.name, **self.backend.stats()}
+        return {"replica": self.name, "device": self.device, "placement": self.placement, **self.backend.stats()}
 
 
 def _library_error(error: BaseException) -> BaseException:
@@ -219,7 +259,8 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
               model: str | None = None, engine_factory: str | None = None, max_in_flight: int | None = None,
               max_ongoing_requests: int = 8, drain_timeout_s: float = DRAIN_TIMEOUT_S,
               limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None,
-              served_model_name: str | Sequence[str] | None = None, api_key: str | Sequence[str] | None = None) -> Any:
+              served_model_name: str | Sequence[str] | None = None, api_key: str | Sequence[str] | None = None,
+              gpus_per_replica: float = 0.0) -> Any:
     """The bound Ray Serve application: ``Gateway`` over ``replicas`` copies of ``EngineReplica``.
 
     ``cache_dir``: the KV folder every replica shares (default :func:`kv_folder`: the one ingestion
@@ -232,7 +273,12 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     default 1 per replica; ``disk_format``; ``dtype``; the byte budgets), as ``ctx-experts serve --ray`` passes
     its flags. ``served_model_name`` / ``api_key``: as :func:`~ctx_integrations.serve.app.create_app`'s ``model_name``
     / ``api_key`` (default name: the model's, as an id; ``"ctx-integrations"`` with an ``engine_factory``).
+    ``gpus_per_replica``: the GPUs each replica reserves (0: none, the engines run on the CPU unless
+    ``engine_options["device"]`` says otherwise; a fraction shares one GPU); ``engine_options["device"]`` is then
+    each replica's own device (``cuda``: the GPU Ray gave it), checked here.
     """
+    check_gpus_per_replica(gpus_per_replica)
+    check_replica_device((engine_options or {}).get("device"), gpus_per_replica)
     if replicas < 1:
         raise InvalidOptionError(f"replicas must be >= 1, got {replicas}")
     if drain_timeout_s < 0:
@@ -243,7 +289,9 @@ def build_app(*, replicas: int, cache_dir: str | os.PathLike | None = None, stor
     folder = kv_folder(cache_dir)
     shutdown = {"graceful_shutdown_timeout_s": drain_timeout_s}
     engines = EngineReplica.options(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-                                    **shutdown).bind(model, str(folder), engine_factory, engine_options)
+                                    ray_actor_options={"num_cpus": 1, "num_gpus": gpus_per_replica},
+                                    **shutdown).bind(model, str(folder), engine_factory, engine_options,
+                                                     gpus_per_replica)
     return Gateway.options(**shutdown).bind(engines, store_url, max_in_flight,
                                             served_model_names(served_model_name, _default_id(model, engine_factory)),
                                             limits, api_keys(api_key))
@@ -298,35 +346,68 @@ def _single_machine_ray() -> Iterator[None]:
 _RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def start(app: Any, *, host: str = "127.0.0.1", port: int = 8000, num_cpus: int = 2, name: str = "ctx") -> None:
-    """Start a local Ray cluster (bounded resources, no dashboard UI) and run ``app`` on http://host:port.
+def connect(*, address: str | None = None, host: str = "127.0.0.1", num_cpus: int = 2,
+            num_gpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address`` (``ray.init(address=...)``, e.g. ``"auto"`` on a node that ran
+    ``ray start``), else start a local one (``num_cpus`` / ``num_gpus``, no dashboard UI); nothing if joined already.
+
+    A local cluster for a loopback ``host`` listens on loopback only; a joined cluster keeps its own addresses
+    and resources (Ray refuses ``num_cpus`` when joining). Either way the replicas' workers get this checkout on
+    their ``PYTHONPATH`` and one OpenMP thread.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
+    if address is not None:
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+        return
+    node_address = ray_node_address(host)
+    with _single_machine_ray() if node_address else nullcontext():
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address=node_address, runtime_env=runtime_env)
+
+
+def cluster_node_gpus() -> list[float]:
+    """The GPUs of each live node of the cluster this process joined (Ray's ``GPU`` resource, logical or real)."""
+    import ray
+
+    return [float(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")]
+
+
+def start(app: Any, *, host: str = "127.0.0.1", port: int = 8000, num_cpus: int = 2, num_gpus: int | None = None,
+          address: str | None = None, name: str = "ctx") -> None:
+    """:func:`connect` (the cluster at ``address``, else a local one), then run ``app`` on http://host:port.
 
     With a loopback ``host`` every Ray process started here listens on loopback only, except Serve's
     inter-deployment gRPC server in each replica (Ray hard-codes ``[::]``); a cluster this process had
     already joined keeps its own addresses.
     """
-    import ray
-
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    if not ray.is_initialized():
-        node_address = ray_node_address(host)
-        with _single_machine_ray() if node_address else nullcontext():
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address=node_address,
-                     runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    connect(address=address, host=host, num_cpus=num_cpus, num_gpus=num_gpus)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix="/")
 
 
-def stop() -> dict[str, float]:
+def stop(*, joined: bool = False, name: str = "ctx") -> dict[str, float]:
     """Shut Serve down (each replica drains its requests in flight: ``drain_timeout_s``), then Ray.
 
+    ``joined``: the cluster was joined (``connect(address=...)``), not started here: only the app ``name`` is
+    deleted and this process leaves, so the cluster and its other Serve apps keep running.
     Returns the seconds each took (``serve``, ``ray``) and in all (``total``).
     """
     import ray
 
     started = time.perf_counter()
-    serve.shutdown()
+    if not joined:
+        serve.shutdown()
+    elif ray.is_initialized():
+        try:
+            serve.delete(name)
+        except RayServeException:  # Serve never started there: there is no app to delete
+            pass
     served = time.perf_counter()
     ray.shutdown()
     ended = time.perf_counter()
@@ -342,26 +423,71 @@ def replica_options(args: Any, engine_options: dict[str, Any] | None) -> dict[st
     return options
 
 
+def gpus_per_replica_of(args: Any) -> float:
+    """``--gpus-per-replica``, checked; not given: 1 when this (the driver's) machine has CUDA, else 0."""
+    if args.gpus_per_replica is not None:
+        return check_gpus_per_replica(args.gpus_per_replica)
+    import torch
+
+    return default_gpus_per_replica(args.device, torch.cuda.is_available())
+
+
+def local_gpus() -> int:
+    """The GPUs a local Ray cluster started here gets: the ones torch sees (``CUDA_VISIBLE_DEVICES`` applies)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def run_ray_serve(args: Any, limits: ServerLimits | None = None, engine_options: dict[str, Any] | None = None,
                   keys: tuple[str, ...] = ()) -> int:
-    """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests)."""
+    """``ctx-experts serve --ray``: run until interrupted, then shut Serve and Ray down (draining requests).
+
+    Every flag is checked before Ray starts; the number of replicas (``--replicas``, else one per
+    ``--gpus-per-replica`` GPUs) is checked against the cluster's GPUs before any replica is placed: against a
+    local cluster before it starts, against ``--ray-address``'s once joined (leaving it if they do not fit).
+    """
     import signal
     import threading
 
     if args.store and not str(args.store).startswith(("http://", "https://")):
         raise InvalidOptionError("--ray needs --store to be a Chroma server URL (http://127.0.0.1:PORT, started "
                                  "with `chroma run`), since every replica and the gateway reach it over HTTP")
+    if args.ray_address is not None and args.ray_cpus is not None:
+        raise InvalidOptionError("--ray-cpus sizes a local Ray cluster; with --ray-address the cluster has its own "
+                                 "CPUs (`ray start --num-cpus N` on each node): drop --ray-cpus")
+    gpus = gpus_per_replica_of(args)
+    options = replica_options(args, engine_options)
     cache_dir = kv_folder(args.cache_dir)
-    app = build_app(replicas=args.replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
-                    max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits,
-                    engine_options=replica_options(args, engine_options), served_model_name=args.served_model_name,
-                    api_key=keys or None)
-    start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or args.replicas)
-    print(f"serving {args.replicas} replicas on http://{args.host}:{args.port} (Ray Serve; KV caches in "
-          f"{cache_dir}; store: {args.store or 'none'})", flush=True)
+
+    def app_of(replicas: int) -> Any:
+        return build_app(replicas=replicas, cache_dir=cache_dir, store_url=args.store, model=args.model,
+                         max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout, limits=limits,
+                         engine_options=options, served_model_name=args.served_model_name, api_key=keys or None,
+                         gpus_per_replica=gpus)
+
+    if args.ray_address is None:
+        node_gpus = local_gpus() if gpus else 0
+        replicas = replica_count(args.replicas, gpus, [node_gpus])
+        app = app_of(replicas)
+        start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus or replicas,
+              num_gpus=node_gpus if gpus else None)
+    else:
+        # every flag checked (by build_app) before joining; the count once the cluster's GPUs are known
+        app_of(args.replicas if args.replicas is not None else 1)
+        connect(address=args.ray_address)
+        try:
+            replicas = replica_count(args.replicas, gpus, cluster_node_gpus())
+            start(app_of(replicas), host=args.host, port=args.port, address=args.ray_address)
+        except BaseException:
+            stop(joined=True)
+            raise
+    print(f"serving {replicas} replicas ({gpus:g} GPU(s) each) on http://{args.host}:{args.port} (Ray Serve; "
+          f"cluster: {args.ray_address or 'local'}; KV caches in {cache_dir}; store: {args.store or 'none'})",
+          flush=True)
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
     stop_requested.wait()
-    print(f"stopped in {stop()['total']:.1f} s", flush=True)
+    print(f"stopped in {stop(joined=args.ray_address is not None)['total']:.1f} s", flush=True)
     return 0
