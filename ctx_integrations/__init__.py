@@ -8,8 +8,8 @@ adapters and the server to that).
 The names are imported on first use (module ``__getattr__``, PEP 562): ``import ctx_integrations`` and the
 command line's ``--help`` stay fast because torch and transformers load only when ``Engine`` (or another name
 whose module needs them) is first touched; ``DEFAULT_MAX_NEW_TOKENS``, ``DEFAULT_MODE``, ``EMBEDDED_MODEL_NAME``,
-``Document`` and the modes' declarations (``available_modes``, ``mode_spec``, ``mode_options``, ``check_mode``)
-never load them.
+``Document`` and the modes' declarations (``available_modes``, ``unavailable_modes``, ``mode_spec``,
+``mode_options``, ``check_mode``) never load them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     )
     from ctx_integrations.engine.core.engine import Engine
     from ctx_integrations.engine.core.handle import AnswerHandle, AnswerStream
-    from ctx_integrations.engine.core.mode_catalog import available_modes, check_mode, mode_options, mode_spec
+    from ctx_integrations.engine.core.mode_catalog import (
+        available_modes,
+        check_mode,
+        describe_modes,
+        mode_options,
+        mode_spec,
+        unavailable_modes,
+    )
     from ctx_integrations.engine.core.model import LoadedModel, load_model, local_model_name
     from ctx_integrations.engine.core.sampling import SamplingParams
     from ctx_integrations.engine.core.structured import StructuredOutput
@@ -37,8 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BATCH_MODE", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MODE", "EMBEDDED_MODEL_NAME", "Answer",
            "AnswerHandle", "AnswerStream", "Document", "Engine", "EngineConfig", "LoadedModel", "SamplingParams",
-           "StructuredOutput", "ToolCallFilter", "available_modes", "check_mode", "load_model", "local_model_name",
-           "mode_options", "mode_spec"]
+           "StructuredOutput", "ToolCallFilter", "available_modes", "check_mode", "describe_modes", "load_model",
+           "local_model_name", "mode_options", "mode_spec", "unavailable_modes"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -60,8 +67,10 @@ _LAZY = {
     # mode and its options as a typed error, early (before a model loads)
     "available_modes": "ctx_integrations.engine.core.mode_catalog",
     "check_mode": "ctx_integrations.engine.core.mode_catalog",
+    "describe_modes": "ctx_integrations.engine.core.mode_catalog",  # GET /v1/modes's listing, unavailable ones too
     "mode_options": "ctx_integrations.engine.core.mode_catalog",
     "mode_spec": "ctx_integrations.engine.core.mode_catalog",
+    "unavailable_modes": "ctx_integrations.engine.core.mode_catalog",  # {name: why} of modes that failed to load
     "load_model": "ctx_integrations.engine.core.model",
     "local_model_name": "ctx_integrations.engine.core.model",  # a model name checked against this machine
 }

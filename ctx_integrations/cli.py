@@ -1,7 +1,8 @@
 """``ctx-experts``: the command line, a user's first contact with the library.
 
 Built-in commands: ``demo`` (a small invented-city corpus answered with PCED and concatenation),
-``models`` (list or fetch the optional larger models, hash-verified), ``ingest`` (text and PDF files,
+``models`` (list or fetch the optional larger models, hash-verified), ``modes`` (the decoding modes, their
+options and the ones that failed to load), ``ingest`` (text and PDF files,
 recognised by content, into a store as token-bounded passages, KV caches computed at ingestion; every file
 not read is listed with its reason), ``ask`` (answer from a
 store, with sources, scores and timings), ``eval``, ``serve`` and ``distill`` (Consistency
@@ -33,6 +34,7 @@ from ctx_integrations import (
     __version__,
     available_modes,
     check_mode,
+    describe_modes,
 )
 from ctx_integrations.engine.core.config import argument_type
 from ctx_integrations.engine.core.machine import DTYPE_NAMES
@@ -1061,6 +1063,33 @@ def run_models(args: argparse.Namespace) -> int:
         raise InvalidOptionError(f"models fetch needs an alias: choose from {', '.join(CATALOG)}")
     fetch(args.alias)  # an unknown alias is its typed error, naming the known ones
     print(f"use it with: --model {args.alias}  (or Engine.from_pretrained({args.alias!r}))")
+    return 0
+
+
+def _configure_modes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print what the server's GET /v1/modes returns")
+
+
+def _option_line(option: dict[str, Any]) -> str:
+    return f"    {option['name']}: {option['expects']} (default {option['default']!r}; {option['origin']})\n" \
+           f"      {option['help']}"
+
+
+@register_command("modes", help="list the decoding modes and their options",
+                  description="list every decoding mode (built-in or a package's, through its entry point) with each "
+                              "option's type, default and help, and the modes whose entry point failed to load",
+                  configure=_configure_modes)
+def run_modes(args: argparse.Namespace) -> int:
+    listing = describe_modes()
+    if args.json:
+        print(json.dumps(listing, indent=2, default=repr))  # default: a default that JSON cannot write
+        return 0
+    for mode in listing["data"]:
+        default = "  (the default mode)" if mode["name"] == DEFAULT_MODE else ""
+        print(f"{mode['name']}{default}\n  {mode['summary']}\n  paper: {mode['paper']}")
+        print("\n".join(["  options:", *map(_option_line, mode["options"])]) if mode["options"] else "  no options")
+    for mode in listing["unavailable"]:
+        print(f"unavailable: {mode['name']}\n  {mode['reason']}")
     return 0
 
 

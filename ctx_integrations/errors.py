@@ -16,6 +16,16 @@ class UnknownModeError(CtxIntegrationsError, ValueError):
     """A decoding mode name that is not registered."""
 
 
+class ModeUnavailableError(UnknownModeError):
+    """A mode some installed package declares (an entry point of the ``ctx_integrations.modes`` group) that could
+    not be loaded: the message names the entry point, its package and the error its import raised."""
+
+
+class ModeUnavailableWarning(UserWarning):
+    """A declared mode's entry point failed to load; it is left out of the modes (once per process) and asking
+    for it raises :class:`ModeUnavailableError`. Fix or reinstall the package that declares it."""
+
+
 class InvalidOptionError(CtxIntegrationsError, ValueError):
     """An option a mode does not accept, or a value outside its range."""
 

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from ctx_integrations import Answer, Engine, SamplingParams
+from ctx_integrations import Answer, Engine, SamplingParams, mode_spec
+from ctx_integrations.engine.core.mode_spec import Option
 from ctx_integrations.errors import (
     CallbackError,
     CtxIntegrationsError,
@@ -33,6 +34,7 @@ from ctx_integrations.errors import (
     UnknownModeError,
 )
 from tests.helpers import tiny_loaded
+from tests.mode_cases import every_mode, small_options
 
 DOCS = ["Marrowgate is the capital of Veloria and lies on the river Ast.",
         "The mayor of Marrowgate is Ilsa Brenn, elected in 2019."]
@@ -111,29 +113,53 @@ def test_extreme_knob_values_are_refused_with_the_option_named(engine, mode, opt
     assert isinstance(outcome.value, InvalidOptionError) and next(iter(options)) in str(outcome.value)
 
 
+def _past_bounds(option: Option) -> list[float]:
+    """Values just outside ``option``'s declared range and far outside it (a float32 overflow), on each bounded side."""
+    values = []
+    if option.maximum is not None:
+        values += [option.maximum * 2 + 1, 1e300]
+    if option.minimum is not None:
+        values += [option.minimum - 1, -1e300] + ([option.minimum] if not option.min_inclusive else [])
+        values += [5e-324] if option.minimum > 0 else []
+    return values
+
+
+@every_mode()
+def test_every_declared_bound_and_an_unknown_option_are_refused_by_the_engine(engine, mode):
+    """Every mode's own declaration, through ``generate``: a value past any bound, and a misspelt option, are typed
+    errors naming the option before anything is planned (the hand-picked KNOBS above are the past bugs)."""
+    cases = [({option.name: value}, option.name) for option in mode_spec(mode).options
+             if option.kind in (int, float) for value in _past_bounds(option)]
+    cases.append(({"no_such_option": 1}, "no_such_option"))
+    for options, name in cases:
+        outcome = attempt(lambda options=options: engine.generate(QUESTION, DOCS, scores=SCORES, mode=mode,
+                                                                  max_new_tokens=2, **options), expect="typed")
+        check(outcome, "typed")
+        assert isinstance(outcome.value, InvalidOptionError) and name in str(outcome.value), outcome.message()
+
+
 # -- top_p tiny keeps the top token (as transformers' TopPLogitsWarper does with min_tokens_to_keep=1), so a
 #    sampled answer is the greedy one (the bug: "invalid multinomial distribution")
-TOP_P_MODES = ["concat", "single", "pced", "soft_nbce", "ape", "map_reduce", "ippd", "rapid"]
+@pytest.fixture(scope="module")
+def greedy_tokens(engine) -> Callable[[str], list[int]]:
+    """Each mode's greedy answer on ``engine``, decoded once for the module (the three top_p cases share it)."""
+    return functools.cache(lambda mode: engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=4,
+                                                        **small_options(mode)).token_ids)
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 1e-300, 5e-324])
-@pytest.mark.parametrize("mode", TOP_P_MODES)
-def test_a_tiny_top_p_samples_the_top_token(engine, mode, top_p):
-    options = dict(summary_tokens=4) if mode == "map_reduce" else {}
+@every_mode()
+def test_a_tiny_top_p_samples_the_top_token(engine, greedy_tokens, mode, top_p):
+    options = small_options(mode)
     outcome = attempt(lambda: engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=4, top_p=top_p, **SAMPLED,
                                               **options), expect="answer")
     check(outcome, "answer")
-    if mode != "rapid":  # RAPID's sampled acceptance rule differs from its greedy one
-        greedy = engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=4, **options)
-        assert outcome.value.token_ids == greedy.token_ids
+    if mode_spec(mode).picks_each_token:  # RAPID's sampled acceptance rule differs from its greedy one
+        assert outcome.value.token_ids == greedy_tokens(mode)
 
 
 # -- scores that turn NaN at runtime (a NaN model): the bug was token id 0 repeated with empty text (greedy) and
 #    a RuntimeError from torch.multinomial (sampled); now every mode fails the request with a typed error
-ALL_MODES = ["pced", "soft_nbce", "nbce", "pcw", "ape", "rapid", "concat", "single", "truncated", "map_reduce",
-             "ippd", "chat"]
-
-
 @pytest.fixture(scope="module")
 def nan_engine() -> Engine:
     loaded = tiny_loaded("llama", seed=5)
@@ -143,14 +169,13 @@ def nan_engine() -> Engine:
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
-@pytest.mark.parametrize("mode", ALL_MODES)
+@every_mode(extra=("chat",))
 def test_non_finite_scores_fail_the_request_instead_of_emitting_token_zero(nan_engine, mode, sampling):
     settings = dict(max_new_tokens=3, **(SAMPLED if sampling == "sampled" else {}))
     if mode == "chat":
         call = lambda: nan_engine.chat([{"role": "user", "content": QUESTION}], **settings)  # noqa: E731
     else:
-        options = dict(summary_tokens=3) if mode == "map_reduce" else {}
-        call = lambda: nan_engine.generate(QUESTION, DOCS, mode=mode, **settings, **options)  # noqa: E731
+        call = lambda: nan_engine.generate(QUESTION, DOCS, mode=mode, **settings, **small_options(mode))  # noqa: E731
     outcome = attempt(call, expect="typed")
     check(outcome, "typed")
     assert isinstance(outcome.value, NonFiniteScoresError), outcome.message()

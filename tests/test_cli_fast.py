@@ -38,7 +38,7 @@ def run_cli_process(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
     (("distill", "--help"), 0, "usage: ctx-experts distill"),  # its arguments come from a torch module: loaded
     (("ask",), 2, "the following arguments are required"),
     (("nonsense",), 2, "invalid choice"),
-    (("ask", "what?", "--mode", "nope"), 2, "unknown mode(s) 'nope': choose from ape, concat, ippd, map_reduce"),
+    (("ask", "what?", "--mode", "nope"), 2, f"unknown mode(s) 'nope': choose from {', '.join(available_modes())}"),
     (("demo", "--modes", "pced,nope"), 2, "unknown mode(s) 'nope'"),
     (("ingest", "/no/such/folder"), 2, "does not exist"),
 ])
@@ -114,7 +114,7 @@ HEAVY = ("torch", "transformers", "chromadb")
     (("eval", "--top-k", "4"), "--top-k and --store are options of --set nq and --set manuals"),
     (("eval", "--gold-retrieved-only"), "--gold-retrieved-only is an option of --set nq"),
     (("eval", "--set", "manuals", "--kinds", "single,bogus"), "unknown question kind 'bogus' for the manuals set"),
-    (("eval", "--modes", "pced,nope"), "unknown mode 'nope': choose one of ape, concat, ippd"),
+    (("eval", "--modes", "pced,nope"), f"unknown mode 'nope': choose one of {', '.join(available_modes())}"),
     # a mode's options, against its declaration, before the model loads (they were refused after a 12 s load)
     (("ask", "q?", "--store", "{tmp}", "--mode", "pced", "--option", "gamma=abc"),
      "error: mode 'pced': option gamma must be a number in [0, 100], got 'abc'"),

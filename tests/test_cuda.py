@@ -23,18 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctx_integrations import Engine
+from ctx_integrations import Engine, mode_spec
 from ctx_integrations.engine.core.cache import batch_sequences
 from ctx_integrations.engine.core.decoding import forward_sequences
 from ctx_integrations.engine.core.flex import run_flex
 from ctx_integrations.engine.core.model import LoadedModel, model_identity
-from ctx_integrations.engine.core.registry import available_modes
 from ctx_integrations.engine.core.rows import visibility_block_mask
 from ctx_integrations.engine.core.transfer import prefetch, to_device_async, to_host
 from ctx_integrations.engine.modes.ape import ApeLayout, ape_attention
 from ctx_integrations.engine.modes.ape_flex import ape_flex_attention
 from ctx_integrations.engine.modes.ippd import visibility
 from tests.helpers import tiny_loaded
+from tests.mode_cases import every_mode
 from tests.test_core_flex import pool_step_logits
 
 DEVICE = torch.device(os.environ.get("CTX_CUDA_TESTS_DEVICE", "cuda"))
@@ -108,20 +108,22 @@ def fp32_engine() -> Engine:
 
 
 # -- every mode runs on the device in bf16 ------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [m for m in available_modes() if m != "ippd"])
+@every_mode()
 def test_every_mode_runs_in_bf16(bf16_engine, mode):
     # A tensor left on the CPU (a mask, positions, a cache loaded from disk), a bf16 LSE / softmax overflow, or a
-    # dtype mismatch between cached KV and the model would raise or give NaN scores here.
-    answer = bf16_engine.generate(QUESTIONS[0], DOCS, mode=mode, max_new_tokens=6, **MODE_OPTIONS.get(mode, {}))
-    assert answer.token_ids and answer.finish_reason in ("length", "eos", "stop")
-    assert all(torch.isfinite(torch.tensor(step.score)) for step in answer.trace)
+    # dtype mismatch between cached KV and the model would raise or give NaN scores here. A mode that answers many
+    # questions together (IPPD) is asked all of them, through generate_many.
+    options = MODE_OPTIONS.get(mode, {})
+    if mode_spec(mode).many:
+        answers = bf16_engine.generate_many(QUESTIONS, DOCS, mode=mode, max_new_tokens=6, **options)
+        assert len(answers) == len(QUESTIONS)
+    else:
+        answers = [bf16_engine.generate(QUESTIONS[0], DOCS, mode=mode, max_new_tokens=6, **options)]
+    for answer in answers:
+        assert answer.token_ids and answer.finish_reason in ("length", "eos", "stop")
+        assert all(torch.isfinite(torch.tensor(step.score)) for step in answer.trace)
     entries = bf16_engine.store.documents(bf16_engine.layout, DOCS) + [bf16_engine.store.prefix(bf16_engine.layout)]
     assert all(e.kv.device.type == DEVICE.type and e.kv.dtype == torch.bfloat16 for e in entries)
-
-
-def test_ippd_runs_in_bf16(bf16_engine):
-    answers = bf16_engine.generate_many(QUESTIONS, DOCS, max_new_tokens=6)
-    assert len(answers) == 4 and all(a.token_ids for a in answers)
 
 
 # -- parity invariants in fp32 on the device (exact) ---------------------------------------------------------------

@@ -25,6 +25,7 @@ from ctx_integrations.errors import (
     RequestTooLargeError,
 )
 from tests.helpers import tiny_loaded
+from tests.mode_cases import every_mode
 
 DOCS = ["The river Ost runs through Velden.", "Velden was founded in 1204."]
 NAN, INF = float("nan"), float("inf")
@@ -162,10 +163,7 @@ def test_bad_queries_are_typed_errors(tiny_engine, query, mode):
     _typed(caught.value)
 
 
-ALL_MODES = ["pced", "soft_nbce", "nbce", "pcw", "ape", "rapid", "concat", "single", "map_reduce", "ippd"]
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
+@every_mode()
 def test_request_over_the_memory_budget_is_refused_before_any_cache_is_computed(tmp_path, mode):
     """Item 3: the bug was 2000 tiny documents allocating 6.4 GB; now the KV bytes are checked first."""
     engine = Engine(tiny_loaded("llama"), cache_dir=tmp_path / "kv")

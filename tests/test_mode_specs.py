@@ -126,8 +126,10 @@ def test_a_bad_option_is_refused_naming_mode_option_expectation_and_value(mode, 
 
 
 def test_an_unknown_mode_is_refused_listing_the_declared_ones():
-    with pytest.raises(UnknownModeError, match="^unknown mode 'pcde': choose one of ape, concat, ippd, "):
+    with pytest.raises(UnknownModeError) as caught:
         mode_spec("pcde")
+    assert str(caught.value) == f"unknown mode 'pcde': choose one of {', '.join(MODES)}"
+    assert str(caught.value).startswith("unknown mode 'pcde': choose one of ape, ")
 
 
 def test_the_declarations_and_check_mode_need_no_torch():

@@ -20,16 +20,18 @@ from ctx_integrations.engine.core import cache as cache_module
 from ctx_integrations.engine.core.decoding import IncrementalText, StopCriteria
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.prepared import PreparedTexts
-from ctx_integrations.engine.core.registry import available_modes
 from tests.helpers import embedded_tokenizer, tiny_loaded
+from tests.mode_cases import every_mode, small_options
 
 DOCS = ["Marrowgate is the capital of Veloria and lies on the river Ast.",
         "The mayor of Marrowgate is Ilsa Brenn, elected in 2019.",
         "The Lantern Fair is held every October; smoked eel with plums is served there.",
         "Quillby is a fishing town north of Marrowgate whose harbour master is Aled Venn."]
 QUESTION = "Who is the mayor of Marrowgate?"
-MODE_OPTIONS = {"ippd": {}, "map_reduce": {"summary_tokens": 4}, "rapid": {"draft_context_tokens": 16,
-                                                                           "chunk_tokens": 8}}
+# Cache keys a warm request hashes: IPPD and RAPID the one entry of their concatenated context (a cache of its own);
+# every other mode none (per-document modes look their documents up by the keys prepared before, concat and
+# truncated look nothing up), a new mode included unless it says otherwise here.
+WARM_KEYS = {"ippd": 1, "rapid": 1}
 
 
 class Counting:
@@ -63,18 +65,15 @@ def engine() -> Engine:
     return Engine(tiny_loaded("llama", seed=1))
 
 
-@pytest.mark.parametrize("mode", ["pced", "soft_nbce", "nbce", "pcw", "concat", "single", "ape", "truncated",
-                                  "ippd", "rapid"])
+@every_mode("reuses_prepared_texts")
 def test_a_warm_request_tokenises_no_document_and_hashes_no_key(engine, monkeypatch, mode):
-    options = MODE_OPTIONS.get(mode, {})
+    options = small_options(mode)
     engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=3, **options)  # cold: prepared and remembered
     counting = Counting(monkeypatch)
     answer = engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=3, **options)
     assert counting.documents_encoded() == []  # the question suffix is tokenised (once), no document
     assert len([text for text in counting.encoded if QUESTION in text]) == 1
-    # per-document modes look their documents up by the keys prepared before; IPPD and RAPID hash the one entry of
-    # their concatenated context (a cache of its own); concat and truncated look nothing up
-    assert counting.keys == (1 if mode in ("ippd", "rapid") else 0)
+    assert counting.keys == WARM_KEYS.get(mode, 0)
     layout = engine.layout
     expected = len(layout.prefix_ids) + sum(len(layout.context_ids(d)) for d in DOCS) + len(layout.suffix_ids(QUESTION))
     assert answer.prompt_tokens == expected == answer.timings["prompt_tokens"]
@@ -101,11 +100,6 @@ def test_the_memo_is_bounded_by_tokens_and_drops_the_least_recently_used(engine)
     assert texts._tokens <= 60 and DOCS[0] not in texts._memo  # the oldest went first
     assert texts.prepare(DOCS[0]) == first  # computed again, the same
     assert texts.prepare(DOCS[0]).key == engine.store.entry_key(engine.layout, first.ids)
-
-
-def test_every_mode_is_covered_by_the_warm_request_test():
-    tested = {"pced", "soft_nbce", "nbce", "pcw", "concat", "single", "ape", "truncated", "ippd", "rapid"}
-    assert set(available_modes()) - tested == {"map_reduce"}  # its summary prompts are new text every time
 
 
 def _full(tokenizer, ids: list[int]) -> str:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE, available_modes, check_mode, mode_spec
+from ctx_integrations import DEFAULT_BATCH_MODE, DEFAULT_MODE, check_mode, describe_modes
 from ctx_integrations.errors import CtxIntegrationsError, EngineOverloadedError, InvalidOptionError
 from ctx_integrations.serve.access_log import CLIENT_CLOSED, AccessLogMiddleware
 from ctx_integrations.serve.auth import ApiKeyMiddleware, api_keys
@@ -401,8 +401,9 @@ async def model(model_id: str, server: State) -> dict[str, Any]:
 @router.get("/v1/modes")
 async def modes() -> dict[str, Any]:
     """Every decoding mode this server answers with, from its declaration: its summary, the paper it implements and
-    each option's type, default, range or choices, help and origin (the paper's knob or our variant)."""
-    return {"object": "list", "data": [mode_spec(name).describe() for name in available_modes()]}
+    each option's type, default, range or choices, help and origin (the paper's knob or our variant); and under
+    "unavailable" each mode an installed package declares whose entry point failed to load, with the reason."""
+    return describe_modes()
 
 
 @router.post("/v1/answer", response_model=None, openapi_extra=_body_doc(AnswerRequest))

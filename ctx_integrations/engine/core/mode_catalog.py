@@ -2,24 +2,40 @@
 
 The command line, the server and the framework adapters call :func:`check_mode` where a request arrives, so a
 mistyped mode or option fails there, before any model loads or any document is retrieved. Nothing here imports
-a mode's code: the built-in declarations come from ``engine/modes/specs.py`` (which imports no torch), and a
-mode's function is found later by :func:`~ctx_integrations.engine.core.registry.resolve_mode`, which imports the
-module its declaration names.
+a mode's code: every mode, built-in or a third-party package's, is declared by an entry point of the
+``ctx_integrations.modes`` group that names its :class:`ModeSpec` (the built-in ones in this library's
+pyproject.toml, pointing into ``engine/modes/specs.py``, which imports no torch), so adding a mode edits no file
+of the library. A mode's function is found later by
+:func:`~ctx_integrations.engine.core.registry.resolve_mode`, which imports the module its declaration names.
+
+An entry point that fails to load is never silently missing: it gives one
+:class:`~ctx_integrations.errors.ModeUnavailableWarning`, :func:`unavailable_modes` says why, and asking for
+it raises :class:`~ctx_integrations.errors.ModeUnavailableError`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+import importlib.metadata
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from ctx_integrations.engine.core.mode_spec import ModeSpec
-from ctx_integrations.errors import InvalidOptionError, ModeDeclarationError, UnknownModeError
+from ctx_integrations.errors import (
+    InvalidOptionError,
+    ModeDeclarationError,
+    ModeUnavailableError,
+    ModeUnavailableWarning,
+    UnknownModeError,
+)
 
-# The module whose BUILTIN_SPECS are the built-in modes (named, not imported: the core imports no mode's code).
-_BUILTIN_SPECS = "ctx_integrations.engine.modes.specs"
+ENTRY_POINT_GROUP = "ctx_integrations.modes"
 _DECLARED: dict[str, ModeSpec] = {}
+_UNAVAILABLE: dict[str, str] = {}  # entry point name -> why it is not a mode
+_NONE_DECLARED = (f"no mode is declared: no installed package has entry points of the group {ENTRY_POINT_GROUP!r}, "
+                  "so ctx-integrations runs uninstalled or from stale metadata (an old ctx_integrations.egg-info ahead "
+                  "of the install on sys.path). Reinstall it: pip install -e . (or pip install ctx-integrations)")
 
 
 def declare_mode(spec: ModeSpec) -> ModeSpec:
@@ -33,25 +49,67 @@ def declare_mode(spec: ModeSpec) -> ModeSpec:
     return spec
 
 
+def _origin(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(entry_point, "dist", None)
+    package = f"package {dist.name} {dist.version}" if dist is not None else "an installed package"
+    return f"entry point {entry_point.name} = {entry_point.value} ({package})"
+
+
+def _load(entry_point: importlib.metadata.EntryPoint) -> ModeSpec:
+    """The ModeSpec ``entry_point`` names, refused unless it is one and is named like its entry point."""
+    spec = entry_point.load()
+    if not isinstance(spec, ModeSpec):
+        raise ModeDeclarationError(f"it names a {type(spec).__name__}, not a ModeSpec")
+    if spec.name != entry_point.name:
+        raise ModeDeclarationError(f"it names mode {spec.name!r}: name the entry point after its mode")
+    return spec
+
+
 @functools.cache
-def _declare_builtins() -> None:
-    for spec in importlib.import_module(_BUILTIN_SPECS).BUILTIN_SPECS:
-        declare_mode(spec)
+def _discover() -> None:
+    """Declare every entry point's mode, once per process; one that fails is recorded and warned about, once."""
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            declare_mode(_load(entry_point))
+        except Exception as error:  # a plugin's import may raise anything; it must not hide the other modes
+            reason = (f"{_origin(entry_point)} failed to load: {type(error).__name__}: {error}. Fix or reinstall "
+                      "that package (pip install --force-reinstall ...), or uninstall it")
+            _UNAVAILABLE[entry_point.name] = reason
+            warnings.warn(f"mode {entry_point.name!r} is unavailable: {reason}", ModeUnavailableWarning, stacklevel=3)
+    if not _DECLARED and not _UNAVAILABLE:
+        warnings.warn(_NONE_DECLARED, ModeUnavailableWarning, stacklevel=3)
 
 
 def available_modes() -> list[str]:
-    """The declared modes' names, sorted (the built-in ones are declared on first use)."""
-    _declare_builtins()
+    """The declared modes' names, sorted (the entry points are read on first use)."""
+    _discover()
     return sorted(_DECLARED)
+
+
+def unavailable_modes() -> dict[str, str]:
+    """``{name: reason}`` of every mode an installed package declares whose entry point failed to load."""
+    _discover()
+    return {name: _UNAVAILABLE[name] for name in sorted(_UNAVAILABLE) if name not in _DECLARED}
 
 
 def mode_spec(name: str) -> ModeSpec:
     """The declaration of mode ``name``; an unknown name is an :class:`~ctx_integrations.errors.UnknownModeError`
-    listing the modes."""
+    listing the modes, a declared one that failed to load a :class:`~ctx_integrations.errors.ModeUnavailableError`
+    saying why."""
     modes = available_modes()
     if not isinstance(name, str) or name not in _DECLARED:  # a list or dict would raise TypeError (unhashable)
-        raise UnknownModeError(f"unknown mode {name!r}: choose one of {', '.join(modes)}")
+        if isinstance(name, str) and name in _UNAVAILABLE:
+            raise ModeUnavailableError(f"mode {name!r} is declared but unavailable: {_UNAVAILABLE[name]}")
+        raise UnknownModeError(f"unknown mode {name!r}: choose one of {', '.join(modes)}" if modes else
+                               f"unknown mode {name!r}: {_NONE_DECLARED}")
     return _DECLARED[name]
+
+
+def describe_modes() -> dict[str, Any]:
+    """Every mode's declaration as JSON, and each unavailable mode with its reason: what the server's
+    ``GET /v1/modes`` returns and ``ctx-experts modes`` prints (one function, so the two agree)."""
+    return {"object": "list", "data": [mode_spec(name).describe() for name in available_modes()],
+            "unavailable": [{"name": name, "reason": reason} for name, reason in unavailable_modes().items()]}
 
 
 def mode_options(name: str) -> dict[str, Any]:

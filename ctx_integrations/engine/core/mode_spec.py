@@ -33,6 +33,12 @@ ORIGINS = {
     "implementation": "how the answer is computed or reported, not which answer",
 }
 
+# What the conformance suite (tests/mode_cases.py) holds every mode to, where a mode may say it does not apply: a mode
+# declares each such property it lacks, with why (``ModeSpec.exemptions``), so a test never keeps a list of modes.
+CONFORMANCE = {
+    "reuses_prepared_texts": "a warm request tokenises no document and hashes no cache key again",
+}
+
 
 def _number(value: float) -> str:
     return "inf" if value == math.inf else f"{value:g}"
@@ -144,7 +150,9 @@ class ModeSpec:
     ``module``: the module whose import registers the mode's function (the registry imports it the first time the
     mode is used; ``None``: whoever declares the mode registers it). ``many``: the function takes every question's
     context at once (IPPD); ``picks_each_token=False``: it does not choose each token from one score vector with
-    the request's sampler (RAPID), so settings that act on that vector are refused for it.
+    the request's sampler (RAPID), so settings that act on that vector are refused for it. ``exemptions``:
+    ``(property, why)`` for each property of :data:`CONFORMANCE` the mode does not have (MapReduce's summaries are
+    new text on every request).
     """
 
     name: str
@@ -154,11 +162,21 @@ class ModeSpec:
     module: str | None = None
     many: bool = False
     picks_each_token: bool = True
+    exemptions: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         names = [option.name for option in self.options]
         if len(set(names)) != len(names):
             raise ModeDeclarationError(f"mode {self.name!r} declares an option twice: {', '.join(names)}")
+        for exempt in self.exemptions:
+            if (not isinstance(exempt, tuple) or len(exempt) != 2 or exempt[0] not in CONFORMANCE
+                    or not isinstance(exempt[1], str) or not exempt[1].strip()):
+                raise ModeDeclarationError(f"mode {self.name!r}: an exemption is (property, why), the property one of "
+                                           f"{', '.join(CONFORMANCE)} and why a line of text; got {exempt!r}")
+
+    def exemption(self, property_name: str) -> str | None:
+        """Why this mode does not have conformance property ``property_name``, or ``None``: it has it."""
+        return dict(self.exemptions).get(property_name)
 
     def defaults(self) -> dict[str, Any]:
         """``{option: default}``, in the order declared."""
@@ -183,4 +201,5 @@ class ModeSpec:
     def describe(self) -> dict[str, Any]:
         """The mode as JSON (``GET /v1/modes``)."""
         return {"name": self.name, "summary": self.summary, "paper": self.paper, "answers_many": self.many,
-                "picks_each_token": self.picks_each_token, "options": [o.describe() for o in self.options]}
+                "picks_each_token": self.picks_each_token, "options": [o.describe() for o in self.options],
+                "exemptions": dict(self.exemptions)}

@@ -42,6 +42,7 @@ from ctx_integrations.engine.core.prepared import PreparedText, PreparedTexts
 from ctx_integrations.errors import (
     DocumentTooLongError,
     ModeDeclarationError,
+    ModeUnavailableError,
     RequestTooLargeError,
     UnsupportedSamplingError,
 )
@@ -140,7 +141,11 @@ def resolve_mode(name: str) -> ModeFunction:
     """Mode ``name``'s function, its module imported the first time (the one its declaration names)."""
     spec = mode_spec(name)
     if name not in _MODES and spec.module is not None:
-        importlib.import_module(spec.module)
+        try:
+            importlib.import_module(spec.module)
+        except ImportError as error:  # a plugin's dependency missing: say which mode needs it, and what to do
+            raise ModeUnavailableError(f"mode {name!r}: its module {spec.module} failed to import: {error}. Install "
+                                       "what it needs, or reinstall the package that declares the mode") from error
     if name not in _MODES:
         raise ModeDeclarationError(f"mode {name!r} is declared, but no function is registered for it: its module "
                                    f"({spec.module}) must decorate one with @register_mode(its ModeSpec)")

@@ -1,7 +1,9 @@
 """The built-in modes' declarations: every option's type, default, range or choices, help and origin, and the paper.
 
 This module imports no torch, so the command line, the server and the adapters check a mode and its options
-before a model loads (:func:`~ctx_integrations.engine.core.mode_catalog.check_mode`). Each mode's module
+before a model loads (:func:`~ctx_integrations.engine.core.mode_catalog.check_mode`). Each declaration is named by
+an entry point of the ``ctx_integrations.modes`` group in pyproject.toml, as a third-party package names its own;
+a test fails when a ModeSpec here has no entry point. Each mode's module
 registers its function under its declaration (``@register_mode(PCED)``), and the registry refuses a function
 whose keyword options or defaults differ from it. The numbers the modes' own checks share (ranges, defaults)
 are defined here once and imported by the modes. docs/modes.md is this module as a table
@@ -235,6 +237,6 @@ MAP_REDUCE = ModeSpec(
     _PCED_BASELINE + " ('MapReduce')",
     (Option("summary_tokens", int, 96, "the most tokens of each summary", minimum=1),),
     module=_MODES + "baselines",
+    exemptions=(("reuses_prepared_texts", "its summaries are new text on every request, tokenised for the reduce "
+                 "step"),),
 )
-
-BUILTIN_SPECS = (PCED, APE, RAPID, IPPD, SOFT_NBCE, NBCE, PCW, CONCAT, SINGLE, TRUNCATED, MAP_REDUCE)
