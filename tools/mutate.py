@@ -244,6 +244,8 @@ TARGETS = {
     "machine": Target("ctx_integrations/engine/core/machine.py", ("*",), ("tests/test_machine.py",)),
     # the server's limits: header and body sizes at their boundaries, the read deadline, the limits' validation
     "limits": Target("ctx_integrations/serve/limits.py", ("*",), ("tests/test_serve_limits.py",)),
+    # which GPUs a Ray replica reserves, how many replicas a cluster holds, which device a replica uses
+    "gpu_placement": Target("ctx_integrations/serve/gpu_placement.py", ("*",), ("tests/test_gpu_placement.py",)),
     # the CLI's engine options: which flags become keywords of Engine.from_pretrained
     "cli_options": Target("ctx_integrations/cli.py", ("x_engine_options*",),
                           ("tests/test_engine_options.py", "tests/test_cli_fast.py")),
