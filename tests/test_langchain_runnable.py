@@ -162,6 +162,21 @@ def test_ainvoke_matches_invoke(runnable, engine):
     assert message.content == expected(engine).text and message.response_metadata["trace"]
 
 
+def test_the_config_specs_describe_the_modes_and_the_modes_options_from_their_declarations(engine):
+    # Caught: a hand-kept list of modes (a plugin's mode or a new one missing), options described by hand
+    from ctx_integrations import available_modes
+    from ctx_integrations.engine.core.mode_catalog import mode_spec
+
+    runnable = ContextOfExpertsRunnable(engine=engine, mode="soft_nbce")
+    specs = {s.id: s for s in runnable.config_specs}
+    listed = specs["mode"].description.removeprefix("one of ").split(", ")
+    assert listed == available_modes()
+    described = specs["mode_options"].description
+    assert all(f"{o.name}: {o.expected()}, default {o.default!r}" in described for o in mode_spec("soft_nbce").options)
+    concat = {s.id: s for s in ContextOfExpertsRunnable(engine=engine, mode="concat").config_specs}
+    assert concat["mode_options"].description.endswith("concat's: none")
+
+
 def test_mode_is_configurable_per_call(engine):
     runnable = ContextOfExpertsRunnable(engine=engine, max_new_tokens=TOKENS, mode_options={"pced": {"gamma": 0.5}})
     assert {"mode", "mode_options", "max_new_tokens", "temperature"} <= {s.id for s in runnable.config_specs}

@@ -24,6 +24,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
 from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Answer, Document, Engine, SamplingParams, check_mode
 from ctx_integrations.adapters import aliased, check_engine, check_model, length_budget, resolve_engine
+from ctx_integrations.engine.core.mode_catalog import available_modes, options_text
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.chat_model import ChatContextOfExperts
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
@@ -143,9 +144,9 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
     def config_specs(self) -> list[ConfigurableFieldSpec]:
         own = [
             ConfigurableFieldSpec(id="mode", annotation=str, name="Decoding mode", default=self.mode,
-                                  description="pced, ape, rapid, ippd, soft_nbce or a baseline (concat, single, ...)"),
+                                  description=f"one of {', '.join(available_modes())}"),
             ConfigurableFieldSpec(id="mode_options", annotation=dict, name="Mode options", default={},
-                                  description="options of this call's mode, e.g. {'gamma': 2.0} for pced"),
+                                  description=f"options of this call's mode; {self.mode}'s: {options_text(self.mode)}"),
             ConfigurableFieldSpec(id="max_tokens", annotation=int, name="Max tokens", default=self.max_tokens,
                                   description="answer budget in tokens (alias: max_new_tokens)"),
             ConfigurableFieldSpec(id="max_new_tokens", annotation=int, name="Max new tokens", default=self.max_tokens,
