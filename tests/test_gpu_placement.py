@@ -111,3 +111,33 @@ def test_too_few_gpus_in_the_cluster_is_an_error_naming_them(replicas, gpus, nod
 def test_a_replica_count_below_one_is_refused():
     with pytest.raises(InvalidOptionError, match="--replicas must be >= 1"):
         replica_count(0, 0, [])
+
+
+@pytest.mark.parametrize(("device", "gpus", "expected"), [("cuda", 1, "cuda:0"), (None, 2, "cuda:0"),
+                                                          ("cuda:1", 2, "cuda:1"), (None, 0, "cpu")])
+def test_the_driver_accepts_what_a_replica_will_be_able_to_use(device, gpus, expected):
+    """Bug caught: the driver's check refusing (or crashing on) a valid device, as if Ray had assigned nothing."""
+    assert check_replica_device(device, gpus) == expected
+
+
+def test_one_replica_is_one_replica():
+    """Bugs caught: an explicit ``--replicas 1`` refused, or one GPU's cluster asked for two replicas."""
+    assert replica_count(1, 0, []) == 1
+    assert replica_count(1, 1, [1]) == 1
+    assert replica_count(None, 1, [1]) == 1
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda: check_gpus_per_replica(1.5), "use a fraction up to 1 to share one GPU, or 2, 3, ... GPUs"),
+    (lambda: check_replica_device("cuda", 0), "pass --gpus-per-replica (1 per GPU), or cuda:N to pin every replica "
+                                              "to GPU N yourself"),
+    (lambda: check_replica_device("cpu", 1), "pass --gpus-per-replica 0 to run them there"),
+    (lambda: replica_count(None, 1, []), "(GPUs per node: none; room for 0): add GPUs, lower --replicas or "
+                                         "--gpus-per-replica, or pass --gpus-per-replica 0 for the CPU"),
+    (lambda: replica_count(3, 1, [1, 1]), "(GPUs per node: [1, 1]; room for 2)"),
+])
+def test_each_refusal_says_what_to_do(call, says):
+    """Bug caught: a refusal whose advice was lost or garbled (the message is the user's only guide)."""
+    with pytest.raises(InvalidOptionError) as raised:
+        call()
+    assert says in str(raised.value)
