@@ -22,9 +22,18 @@ from langchain_core.runnables.config import get_config_list, patch_config, run_i
 from langchain_core.runnables.utils import ConfigurableFieldSpec, get_unique_config_specs
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ctx_integrations import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, Answer, Document, Engine, SamplingParams, check_mode
+from ctx_integrations import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
+    Answer,
+    Document,
+    Engine,
+    SamplingParams,
+    available_modes,
+    check_mode,
+    mode_spec,
+)
 from ctx_integrations.adapters import aliased, check_engine, check_model, length_budget, resolve_engine
-from ctx_integrations.engine.core.mode_catalog import available_modes, options_text
 from ctx_integrations.errors import EmptyDocumentsError, InvalidOptionError
 from ctx_integrations.langchain.chat_model import ChatContextOfExperts
 from ctx_integrations.langchain.convert import from_langchain_documents, response_metadata, usage_metadata
@@ -146,7 +155,8 @@ class ContextOfExpertsRunnable(RunnableSerializable[Any, Output]):
             ConfigurableFieldSpec(id="mode", annotation=str, name="Decoding mode", default=self.mode,
                                   description=f"one of {', '.join(available_modes())}"),
             ConfigurableFieldSpec(id="mode_options", annotation=dict, name="Mode options", default={},
-                                  description=f"options of this call's mode; {self.mode}'s: {options_text(self.mode)}"),
+                                  description=f"options of this call's mode; {self.mode}'s: "
+                                              f"{mode_spec(self.mode).options_text()}"),
             ConfigurableFieldSpec(id="max_tokens", annotation=int, name="Max tokens", default=self.max_tokens,
                                   description="answer budget in tokens (alias: max_new_tokens)"),
             ConfigurableFieldSpec(id="max_new_tokens", annotation=int, name="Max new tokens", default=self.max_tokens,

@@ -112,13 +112,6 @@ def describe_modes() -> dict[str, Any]:
             "unavailable": [{"name": name, "reason": reason} for name, reason in unavailable_modes().items()]}
 
 
-def options_text(name: str) -> str:
-    """Mode ``name``'s options in one line, from its declaration (what an adapter's option docs show):
-    ``"gamma: a number >= 0, default 1 (the prior's sharpness); ..."``, or ``"none"``."""
-    options = mode_spec(name).options
-    return "; ".join(f"{o.name}: {o.expected()}, default {o.default!r} ({o.help})" for o in options) or "none"
-
-
 def mode_options(name: str) -> dict[str, Any]:
     """The keyword options mode ``name`` accepts, with their defaults."""
     return mode_spec(name).defaults()

@@ -198,6 +198,11 @@ class ModeSpec:
                 raise InvalidOptionError(f"mode {self.name!r}: option {name} must be {option.expected()}, "
                                          f"got {options[name]!r}")
 
+    def options_text(self) -> str:
+        """The options in one line (what an adapter's option docs show): ``"gamma: a number >= 0, default 1.0 (the
+        prior's sharpness); ..."``, or ``"none"``."""
+        return "; ".join(f"{o.name}: {o.expected()}, default {o.default!r} ({o.help})" for o in self.options) or "none"
+
     def describe(self) -> dict[str, Any]:
         """The mode as JSON (``GET /v1/modes``)."""
         return {"name": self.name, "summary": self.summary, "paper": self.paper, "answers_many": self.many,
