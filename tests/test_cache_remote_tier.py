@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tests.helpers import tiny_loaded
 from safetensors.torch import load, save
 
 from ctx_integrations.engine.core import disk as disk_module
@@ -25,6 +24,7 @@ from ctx_integrations.engine.core.disk import checksum, signature
 from ctx_integrations.engine.core.engine import Engine
 from ctx_integrations.engine.core.remote import parse_entry
 from ctx_integrations.errors import CacheStoreWarning, CorruptCacheWarning, InvalidOptionError
+from tests.helpers import tiny_loaded
 
 DOCS = [f"Report {i}: the bridge at Marrowgate number {i} was built in {1600 + i} of grey stone." for i in range(3)]
 QUESTION = "When was the oldest bridge built?"
@@ -70,14 +70,19 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:
-    """One server for the module; every test starts from an empty database."""
+def redis_available() -> None:
+    """Skip (or, with CTX_REQUIRE_REDIS=1, fail) without the redis client or the redis-server binary."""
     try:
         import redis  # noqa: F401
     except ImportError:
         _unavailable("the redis client is not installed: pip install 'ctx-integrations[remote]'")
     if shutil.which("redis-server") is None:
         _unavailable("redis-server is not on PATH: apt-get install redis-server (or valkey-server)")
+
+
+@pytest.fixture(scope="module")
+def server(redis_available, tmp_path_factory) -> Iterator[str]:
+    """One server for the module; every test starts from an empty database."""
     process, url = start_server(tmp_path_factory.mktemp("redis"))
     try:
         yield url
@@ -153,7 +158,7 @@ def test_models_never_share_entries(url, replicas):
     assert len(prefixes) == 2 and all(prefix.startswith("ctx-kv:tiny-llama-") for prefix in prefixes)
 
 
-def test_a_server_down_at_start_costs_one_warning_and_one_try_per_interval(replicas, reference):
+def test_a_server_down_at_start_costs_one_warning_and_one_try_per_interval(redis_available, replicas, reference):
     url = f"redis://127.0.0.1:{_free_port()}/0"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -175,7 +180,7 @@ def test_a_server_down_at_start_costs_one_warning_and_one_try_per_interval(repli
     assert not [w for w in seen if issubclass(w.category, CorruptCacheWarning)]
 
 
-def test_a_server_killed_mid_run_costs_one_warning(replicas, reference, tmp_path):
+def test_a_server_killed_mid_run_costs_one_warning(redis_available, replicas, reference, tmp_path):
     process, url = start_server(tmp_path)
     try:
         first, second = (Engine(loaded, remote_cache_url=url, threads=1) for loaded in replicas)

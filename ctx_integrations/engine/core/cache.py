@@ -135,7 +135,8 @@ class KVCacheStore:
             root = Path(self.directory)
             self.disk = DiskTier(model_directory(root, self.loaded, self.disk_format), self.loaded, self.disk_format,
                                  self.stats, self.disk_bytes, legacy_directory=root)
-        self.remote = RemoteTier(self.remote_url, self.loaded, self.disk_format, self.stats) if self.remote_url else None
+        self.remote = (RemoteTier(self.remote_url, self.loaded, self.disk_format, self.stats)
+                       if self.remote_url else None)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
         self._host: OrderedDict[str, HostEntry] = OrderedDict()  # host tensors (page-locked when CUDA is usable)
@@ -278,7 +279,8 @@ class KVCacheStore:
                 self.remote.delete(key)
 
     def clear_memory(self) -> None:
-        """Empty the memory and host tiers; entries on disk and on the remote server stay (benchmarks use this to time cold calls)."""
+        """Empty the memory and host tiers; entries on disk and on the remote server stay (benchmarks use this to time
+        cold calls)."""
         with self._lock:
             for key in list(self._memory):
                 self._drop(key)

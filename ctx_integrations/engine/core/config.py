@@ -157,8 +157,8 @@ class EngineConfig:
     the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on CPU), stored as
     ``host_format`` (the same formats as ``disk_format``: an int8 entry crosses PCIe at about a quarter of its fp32
     bytes and is widened on the GPU). ``remote_cache_url``: a Redis/Valkey server shared by every replica as the
-    last tier (:mod:`~ctx_integrations.engine.core.remote`; ``None``: none). ``Engine(half_on_disk=True)`` is the older spelling of
-    ``disk_format="fp16"`` (a keyword of ``Engine(...)`` only, not a field).
+    last tier (:mod:`~ctx_integrations.engine.core.remote`; ``None``: none). ``Engine(half_on_disk=True)`` is the
+    older spelling of ``disk_format="fp16"`` (a keyword of ``Engine(...)`` only, not a field).
 
     **Scheduler** (:class:`~ctx_integrations.engine.core.scheduler.Scheduler`; engines built on one loaded model
     share it, so they must agree on the settings marked *shared*). ``max_request_bytes``: the most KV one request

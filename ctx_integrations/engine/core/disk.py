@@ -152,7 +152,8 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, int]:
         return {"hits": self.hits, "memory_hits": self.memory_hits, "host_hits": self.host_hits,
-                "disk_hits": self.disk_hits, "remote_hits": self.remote_hits, "misses": self.misses, "corrupt": self.corrupt}
+                "disk_hits": self.disk_hits, "remote_hits": self.remote_hits, "misses": self.misses,
+                "corrupt": self.corrupt}
 
 
 @dataclass
