@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import time
 import warnings
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
+from benchmarks.redis_server import INSTALL_HINT, free_port, start_server, stop_server
 from ctx_integrations.engine.core import disk as disk_module
 from ctx_integrations.engine.core.disk import checksum, signature
 from ctx_integrations.engine.core.engine import Engine
@@ -37,38 +36,6 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(folder, *extra: str) -> tuple[subprocess.Popen, str]:
-    """A throwaway ``redis-server`` (no persistence, idle clients dropped after 60 s) and its URL, once it answers."""
-    import redis
-
-    port = _free_port()
-    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", str(folder), "--timeout", "60", *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            return process, url
-        except redis.ConnectionError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"redis-server on port {port} did not start") from None
-            time.sleep(0.02)
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def redis_available() -> None:
     """Skip (or, with CTX_REQUIRE_REDIS=1, fail) without the redis client or the redis-server binary."""
@@ -77,7 +44,7 @@ def redis_available() -> None:
     except ImportError:
         _unavailable("the redis client is not installed: pip install 'ctx-integrations[remote]'")
     if shutil.which("redis-server") is None:
-        _unavailable("redis-server is not on PATH: apt-get install redis-server (or valkey-server)")
+        _unavailable(f"redis-server is not on PATH: {INSTALL_HINT}")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +126,7 @@ def test_models_never_share_entries(url, replicas):
 
 
 def test_a_server_down_at_start_costs_one_warning_and_one_try_per_interval(redis_available, replicas, reference):
-    url = f"redis://127.0.0.1:{_free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         engine = Engine(replicas[0], remote_cache_url=url, threads=1)
