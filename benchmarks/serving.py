@@ -343,7 +343,7 @@ def run_replicas(args: argparse.Namespace) -> None:
     print_table(rows, REPLICA_COLUMNS)
     print_table(transfer, TRANSFER_COLUMNS)
     settings = {k: v for k, v in vars(args).items() if k != "output"}
-    write_results("serving", rows, settings, args.output, extra={"remote_transfer": transfer})
+    write_results("serving_remote", rows, settings, args.output, extra={"remote_transfer": transfer})
 
 
 # -- main ----------------------------------------------------------------------------------------------
