@@ -298,7 +298,20 @@ async def replica_cases(args: argparse.Namespace, url: str) -> tuple[list[dict[s
 
 
 def remote_transfer(engine: Any, pairs: list[tuple[str, list[Any]]]) -> dict[str, Any]:
-    """Seconds to read each document's entry from the remote tier (GET, checks, decode) and to recompute it."""
+    """Seconds to read each document's entry from the remote tier (GET, checks, decode) and to recompute it, on one
+    torch thread as each replica runs (a second thread on a busy 2-core CPU makes the checks' kernels wait)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _transfer(engine, pairs)
+    finally:
+        torch.set_num_threads(threads)
+        engine.close()
+
+
+def _transfer(engine: Any, pairs: list[tuple[str, list[Any]]]) -> dict[str, Any]:
     import redis
 
     store, layout = engine.store, engine.layout
@@ -317,7 +330,6 @@ def remote_transfer(engine: Any, pairs: list[tuple[str, list[Any]]]) -> dict[str
     for ids in token_lists:
         store._compute_batch([ids], prefix)
     recompute_s = (time.perf_counter() - started) / len(keys)
-    engine.close()
     return {"documents": len(keys), "tokens_per_document": sum(map(len, token_lists)) / len(keys),
             "entry_bytes": sum(sizes) / len(keys), "remote_s": remote_s,
             "remote_mb_per_s": sum(sizes) / len(keys) / remote_s / 1e6, "recompute_s": recompute_s,
