@@ -261,3 +261,13 @@ def test_an_entry_round_trips_through_its_bytes(replicas):
     assert problem is None and parsed == metadata and torch.equal(back["kv"], kv)
     kv_out, why = disk_module.read_entry(loaded, "native", None, parsed, back, "k" * 64, (1, 2, 3, 4, 5), None)
     assert why is None and torch.equal(kv_out, kv)
+
+
+def test_forget_removes_the_entry_from_the_server_too(url, replicas):
+    """Bug caught: a changed or deleted document still served to every other replica from the server."""
+    engine = Engine(replicas[0], remote_cache_url=url, threads=1)
+    ask(engine)
+    store, layout = engine.store, engine.layout
+    assert store.remote.contains(store.entry_key(layout, layout.context_ids(DOCS[0])))
+    store.forget(layout, DOCS[0])
+    assert not store.contains(layout, DOCS[0]) and store.contains(layout, DOCS[1])
