@@ -15,9 +15,18 @@ turn). Document caches are warmed first, so the numbers are serving numbers, not
 TTFT and latency are the client's view: time from sending a request to its first streamed token /
 to its final Answer (queueing included).
 
+``--remote-cache auto`` (a ``redis-server`` started for the run) or ``--remote-cache redis://HOST:PORT/DB``
+measures the KV tier shared by replicas instead (issue 60): on one repeated-document workload (the demo corpus,
+each request ``--documents`` passages, consecutive requests sharing half of them), sent round-robin to the
+replicas as a balancer without document affinity would, in the same run: 1 replica with the remote tier, 2
+replicas with private tiers, 2 replicas sharing the remote tier (each replica its own copy of the model, one
+torch thread, starting cold), as answers/s and cache hit rate; then, per document, the bytes/s the remote tier
+delivers an entry at (GET, checks, decode) against recomputing it on this machine.
+
     python -m benchmarks.serving --quick
     python -m benchmarks.serving --modes pced --clients 1,2,4,8 --documents 8 --corpus demo
     python -m benchmarks.serving --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --clients 1,2,4
+    python -m benchmarks.serving --remote-cache auto --requests 24 --documents 8
 """
 
 from __future__ import annotations
@@ -42,6 +51,12 @@ COLUMNS = ("target", "corpus", "mode", "load", "requests", "answers_per_s", "ttf
            "latency_p50_s", "latency_p95_s", "tokens_per_s", "serial_answers_per_s", "speedup_vs_serial",
            "ttft_p95_vs_serial", "rows_per_step", "forward_share", "exclusive_share", "overhead_ms_per_step")
 STEP_COUNTERS = ("steps", "forward_s", "exclusive_s", "busy_s", "rows_stepped")
+REPLICA_CASES = (("1 replica, remote tier", 1, True), ("2 replicas, private tiers", 2, False),
+                 ("2 replicas, shared remote tier", 2, True))
+REPLICA_COLUMNS = ("case", "replicas", "requests", "answers_per_s", "hit_rate", "hits", "remote_hits", "misses",
+                   "latency_p50_s", "latency_p95_s")
+TRANSFER_COLUMNS = ("documents", "tokens_per_document", "entry_bytes", "remote_s", "remote_mb_per_s", "recompute_s",
+                    "recompute_vs_remote")
 
 
 @dataclass
@@ -83,6 +98,17 @@ def synthetic_jobs(layout: Any, n_documents: int, length: int, count: int) -> li
 
     examples = [secret_code_example(layout, n_documents, length, seed=s) for s in range(count)]
     return [(e.question, e.documents) for e in examples]
+
+
+def repeated_jobs(n_documents: int, count: int) -> list[tuple[str, list[Any]]]:
+    """``count`` requests over the demo corpus, each with ``n_documents`` passages, consecutive requests sharing
+    half of theirs (request i starts at passage i * n/2): every passage is asked several times."""
+    from ctx_integrations.cli import load_demo_corpus
+
+    docs, questions = load_demo_corpus()
+    n, step = min(n_documents, len(docs)), max(1, n_documents // 2)
+    return [(questions[i % len(questions)]["question"], [docs[(i * step + k) % len(docs)] for k in range(n)])
+            for i in range(count)]
 
 
 def with_modes(pairs: list[tuple[str, list[Any]]], mode: str, total: int) -> list[Job]:
@@ -224,6 +250,114 @@ def row(target: str, corpus: str, mode: str, load: tuple[str, float], concurrent
             "ttft_p95_vs_serial": concurrent["ttft_p95_s"] / serial["ttft_p95_s"]}
 
 
+# -- replicas and the shared remote tier ------------------------------------------------------------------
+def round_robin(sends: list[Send]) -> Send:
+    """One sender spreading jobs over ``sends`` in turn (a balancer without document affinity)."""
+    turn = iter(range(1 << 62))
+
+    async def send(job: Job) -> Sample:
+        return await sends[next(turn) % len(sends)](job)
+
+    return send
+
+
+def forget_remote(url: str, prefix: str) -> None:
+    """Delete the entries under ``prefix`` on the server, so a case starts cold (nothing else is touched)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(f"{prefix}*", count=1000):
+        client.delete(key)
+
+
+async def replica_cases(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of :data:`REPLICA_CASES` and the remote tier's transfer against recomputing, from one run."""
+    from ctx_integrations import Engine
+    from ctx_integrations.engine.core.model import load_model
+
+    models = [load_model(args.model), load_model(args.model)]  # one copy per replica, as two processes hold
+    pairs = repeated_jobs(args.documents, args.requests)
+    jobs = [Job(query, docs, "pced") for query, docs in pairs]
+    for loaded in models:  # first-call costs (tokenizer copies, kernels) outside the measurement
+        await engine_sender(Engine(loaded, threads=1), args.max_new_tokens)(Job("Warm-up?", ["Warm-up text."], "pced"))
+    rows = []
+    for case, replicas, shared in REPLICA_CASES:
+        engines = [Engine(loaded, threads=1, remote_cache_url=url if shared else None) for loaded in models[:replicas]]
+        if shared:
+            forget_remote(url, engines[0].store.remote.prefix)
+        send = round_robin([engine_sender(engine, args.max_new_tokens) for engine in engines])
+        summary = summarise(*await closed_loop(send, jobs, 2 * replicas, serial=False))
+        stats = [engine.store.stats for engine in engines]
+        hits, misses = sum(s.hits for s in stats), sum(s.misses for s in stats)
+        rows.append({"case": case, "replicas": replicas, **summary, "hits": hits, "misses": misses,
+                     "remote_hits": sum(s.remote_hits for s in stats), "hit_rate": hits / max(1, hits + misses)})
+        print(f"  {case}: {summary['answers_per_s']:.2f} answers/s, hit rate {rows[-1]['hit_rate']:.2f}", flush=True)
+        for engine in engines:
+            engine.close()
+    return rows, [remote_transfer(Engine(models[0], threads=1, remote_cache_url=url), pairs)]
+
+
+def remote_transfer(engine: Any, pairs: list[tuple[str, list[Any]]]) -> dict[str, Any]:
+    """Seconds to read each document's entry from the remote tier (GET, checks, decode) and to recompute it, on one
+    torch thread as each replica runs (a second thread on a busy 2-core CPU makes the checks' kernels wait)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _transfer(engine, pairs)
+    finally:
+        torch.set_num_threads(threads)
+        engine.close()
+
+
+def _transfer(engine: Any, pairs: list[tuple[str, list[Any]]]) -> dict[str, Any]:
+    import redis
+
+    store, layout = engine.store, engine.layout
+    prefix = store.prefix(layout)
+    documents = list(dict.fromkeys(getattr(doc, "text", doc) for _, docs in pairs for doc in docs))
+    token_lists = [tuple(layout.context_ids(doc)) for doc in documents]
+    store.documents_tokens(layout, [list(ids) for ids in token_lists])  # every entry on the server
+    client = redis.Redis.from_url(store.remote.url)
+    keys = [store.entry_key(layout, ids) for ids in token_lists]
+    sizes = [len(client.get(store.remote.name(key))) for key in keys]
+    started = time.perf_counter()
+    for key, ids in zip(keys, token_lists):
+        assert store.remote.load(key, ids) is not None
+    remote_s = (time.perf_counter() - started) / len(keys)
+    started = time.perf_counter()
+    for ids in token_lists:
+        store._compute_batch([ids], prefix)
+    recompute_s = (time.perf_counter() - started) / len(keys)
+    return {"documents": len(keys), "tokens_per_document": sum(map(len, token_lists)) / len(keys),
+            "entry_bytes": sum(sizes) / len(keys), "remote_s": remote_s,
+            "remote_mb_per_s": sum(sizes) / len(keys) / remote_s / 1e6, "recompute_s": recompute_s,
+            "recompute_vs_remote": recompute_s / remote_s}
+
+
+def run_replicas(args: argparse.Namespace) -> None:
+    """``--remote-cache``: the replica cases and the transfer table, printed and written as JSON."""
+    import tempfile
+
+    from benchmarks.redis_server import start_server, stop_server
+
+    process = None
+    with tempfile.TemporaryDirectory() as folder:
+        url = args.remote_cache
+        if url == "auto":
+            process, url = start_server(folder, "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru")
+        try:
+            rows, transfer = asyncio.run(replica_cases(args, url))
+        finally:
+            if process is not None:
+                stop_server(process)
+    print_table(rows, REPLICA_COLUMNS)
+    print_table(transfer, TRANSFER_COLUMNS)
+    settings = {k: v for k, v in vars(args).items() if k != "output"}
+    write_results("serving_remote", rows, settings, args.output, extra={"remote_transfer": transfer})
+
+
 # -- main ----------------------------------------------------------------------------------------------
 def _numbers(text: str, kind: type) -> list[Any]:
     return [kind(x) for x in text.split(",") if x.strip()]
@@ -244,6 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--doc-tokens", type=int, default=128, help="tokens per synthetic document (default 128)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (in-process)")
+    parser.add_argument("--remote-cache", default=None, metavar="URL",
+                        help="compare replicas with private tiers against replicas sharing this Redis/Valkey server "
+                             "(auto: start a redis-server for the run) instead of the serving cells")
     parser.add_argument("--quick", action="store_true", help="a tiny smoke size (tests)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -314,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.remote_cache:
+        return run_replicas(args)
     rows = asyncio.run(run(args))
     print_table(rows, COLUMNS)
     settings = {k: v for k, v in vars(args).items() if k != "output"}

@@ -175,3 +175,29 @@ def test_compiled_step(tmp_path):
     rows = run_benchmark("compiled_step", ["--quick", "--backend", "eager"], tmp_path)
     assert [row["step"] for row in rows] == ["eager", "compiled (eager)"]
     assert all(row["tokens_equal_eager"] and not row["fell_back"] and row["steps_per_s"] > 0 for row in rows)
+
+
+def test_serving_remote_cache(tmp_path, monkeypatch):
+    """The replica cases in one run: private tiers never hit across replicas, a shared remote tier does, and the
+    remote tier's transfer row is consistent (benchmarks/serving.py --remote-cache). On the tiny model (each
+    replica's copy loaded apart), so the smoke run takes seconds; the published table is the embedded model's."""
+    import shutil
+
+    from ctx_integrations.engine.core import model
+    from tests.helpers import tiny_loaded
+
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH: apt-get install redis-server")
+    monkeypatch.setattr(model, "load_model", lambda name: tiny_loaded("llama", seed=0))
+    module = importlib.import_module("benchmarks.serving")
+    output = tmp_path / "serving_remote.json"
+    module.main(["--quick", "--remote-cache", "auto", "--output", str(output)])
+    payload = json.loads(output.read_text())
+    rows = {r["case"]: r for r in payload["rows"]}
+    assert [r["replicas"] for r in payload["rows"]] == [1, 2, 2] and all(r["answers_per_s"] > 0 for r in rows.values())
+    assert rows["2 replicas, private tiers"]["remote_hits"] == 0
+    assert rows["2 replicas, shared remote tier"]["remote_hits"] > 0
+    (transfer,) = payload["remote_transfer"]
+    assert transfer["remote_s"] > 0 and transfer["recompute_vs_remote"] == pytest.approx(
+        transfer["recompute_s"] / transfer["remote_s"])

@@ -63,6 +63,7 @@ FLAGS = {  # field: (the flag and its text, the setting's value); a field with a
     "disk_bytes": (["--disk-bytes", "0"], 0),
     "host_bytes": (["--host-bytes", "2GiB"], 2 * 2**30),
     "host_format": (["--host-format", "fp16"], "fp16"),
+    "remote_cache_url": (["--remote-cache-url", "redis://10.0.0.7:6379/1"], "redis://10.0.0.7:6379/1"),
     "max_request_bytes": (["--max-request-bytes", "1MiB"], 2**20),
     "max_batch_bytes": (["--max-batch-bytes", "2MiB"], 2 * 2**20),
     "max_queued_requests": (["--max-queued-requests", "7"], 7),
@@ -254,7 +255,8 @@ def test_half_on_disk_is_still_disk_format_fp16_and_a_contradiction_is_refused()
 
 
 BAD_SETTINGS = [("disk_format", "int4"), ("memory_bytes", -1), ("disk_bytes", 1.5), ("host_bytes", "1"),
-                ("host_format", None), ("max_request_bytes", 0), ("max_batch_bytes", True),
+                ("host_format", None), ("remote_cache_url", "http://127.0.0.1:6379"), ("max_request_bytes", 0),
+                ("max_batch_bytes", True),
                 ("max_queued_requests", 0), ("request_timeout_s", 0), ("request_timeout_s", float("nan")),
                 ("max_format_bytes", 0), ("format_compile_timeout_s", float("inf")),
                 ("attention_kernel", "fast"), ("threads", 0), ("compile_mode", "none"), ("batch_invariant", 1),

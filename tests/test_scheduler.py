@@ -252,10 +252,11 @@ def test_stats_report_tiers_bytes_and_answers(engine, tmp_path):
     first = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
     assert (first.cache_hits, first.cache_misses) == (0, 2)
     again = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
-    assert again.cache_hits_by_tier == {"memory": 2, "host": 0, "disk": 0}
+    assert again.cache_hits_by_tier == {"memory": 2, "host": 0, "disk": 0, "remote": 0}
     disk_engine.store.clear_memory()
     from_disk = disk_engine.generate("Who?", DOCS[:2], max_new_tokens=3)
-    assert from_disk.cache_hits_by_tier == {"memory": 0, "host": 0, "disk": 2} and from_disk.cache_misses == 0
+    assert from_disk.cache_hits_by_tier == {"memory": 0, "host": 0, "disk": 2, "remote": 0}
+    assert from_disk.cache_misses == 0
     stats = disk_engine.stats()
     assert stats["bytes"]["disk"] > 0 and stats["bytes"]["memory"] > 0 and stats["answered"] >= 3
     assert stats["cache"]["hits_by_tier"]["disk"] >= 2

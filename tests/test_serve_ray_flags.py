@@ -80,6 +80,14 @@ def test_ray_flags_without_ray_are_refused(ray_calls, capsys, flag):
     assert "add --ray" in capsys.readouterr().err
 
 
+def test_every_replica_gets_the_remote_cache_url(ray_calls):
+    """Bug caught: ``--remote-cache-url`` kept by the gateway, so each replica kept private tiers only."""
+    with pytest.raises(Stopped):
+        run_cli("serve", "--ray", "--replicas", "2", "--remote-cache-url", "redis://10.0.0.7:6380/0")
+    (built,) = ray_calls["build_app"]
+    assert built["replicas"] == 2 and built["engine_options"]["remote_cache_url"] == "redis://10.0.0.7:6380/0"
+
+
 def test_a_local_cluster_gets_one_replica_per_gpu_and_the_device(ray_calls):
     """Bugs caught: replicas not reserving their GPU (``ray_actor_options`` without ``num_gpus``), a local cluster
     started without the GPUs it counted, or --device not reaching the replicas."""

@@ -32,6 +32,7 @@ from ctx_integrations.engine.core.kv_codec import decode, encode
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.prepared import PreparedText
+from ctx_integrations.engine.core.remote import RemoteTier
 from ctx_integrations.engine.core.transfer import Transfer, pinned, to_device_async, to_host
 
 
@@ -77,7 +78,7 @@ DEFAULT_HOST_BYTES = 16 << 30  # 16 GiB of pinned host memory behind a GPU's mem
 
 @dataclass
 class KVCacheStore:
-    """Content-addressed store of document KV caches: a memory tier, a pinned host tier, a disk tier.
+    """Content-addressed store of document KV caches: a memory tier, a pinned host tier, a disk tier, a remote tier.
 
     The memory tier lives on the model's device (GPU memory when there is one, host RAM otherwise) and
     keeps at most ``memory_bytes`` of entries, evicting the least recently used. On a GPU, entries it
@@ -92,7 +93,10 @@ class KVCacheStore:
     ``"int8"``; lossy formats round values, so logits are no longer bit-identical to a fresh prefill, and keep
     a folder of their own). ``half_on_disk=True`` is the older name of ``disk_format="fp16"``. ``host_format``:
     the same formats for the host tier: an encoded entry crosses PCIe in its stored size and is widened on
-    the device, so the host tier holds up to 4x the entries in its budget.
+    the device, so the host tier holds up to 4x the entries in its budget. ``remote_url``: a Redis/Valkey server
+    (:class:`~ctx_integrations.engine.core.remote.RemoteTier`) that every replica, on every machine, names: looked
+    up after the disk tier (a hit is also written to the disk tier), and every computed document entry is written
+    to it, so a document computed by one replica is a hit for all the others.
 
     Query-time entries (``persist=False``: a RAPID long context, an IPPD concatenation, MapReduce's
     summary layout) live in the memory tier only, so they never fill the disk.
@@ -115,12 +119,14 @@ class KVCacheStore:
     disk_bytes: int | None = None  # the disk tier's budget (least recently used entries evicted); None: unbounded
     host_bytes: int | None = None  # the host tier's budget; None: DEFAULT_HOST_BYTES on CUDA, 0 (none) elsewhere
     host_format: str = "native"
+    remote_url: str | None = None  # a Redis/Valkey server every replica shares (remote.py); None: no remote tier
 
     def __post_init__(self) -> None:
         # every setting is checked as EngineConfig checks it, whether or not its tier exists (a disk budget without
         # a folder is still a mistake worth naming): a store can be built without an engine
         for name in ("memory_bytes", "host_bytes", "disk_bytes", "disk_format", "host_format"):
             setattr(self, name, check_setting(name, getattr(self, name)))
+        self.remote_url = check_setting("remote_cache_url", self.remote_url)
         if self.host_bytes is None:
             self.host_bytes = DEFAULT_HOST_BYTES if self.loaded.device.type == "cuda" else 0
         self.disk_format = half_on_disk_format(self.disk_format, self.half_on_disk)
@@ -129,6 +135,8 @@ class KVCacheStore:
             root = Path(self.directory)
             self.disk = DiskTier(model_directory(root, self.loaded, self.disk_format), self.loaded, self.disk_format,
                                  self.stats, self.disk_bytes, legacy_directory=root)
+        self.remote = (RemoteTier(self.remote_url, self.loaded, self.disk_format, self.stats)
+                       if self.remote_url else None)
         self._memory: OrderedDict[str, CachedKV] = OrderedDict()
         self._memory_used = 0
         self._host: OrderedDict[str, HostEntry] = OrderedDict()  # host tensors (page-locked when CUDA is usable)
@@ -237,10 +245,8 @@ class KVCacheStore:
             if host is not None:
                 tier, kv = "host", self._from_host(host)
             else:
-                if self.disk is None:
-                    continue
                 # with a host tier: read into pinned memory (kept there), else straight onto the device
-                tier, kv = "disk", self.disk.load(key, ids, torch.device("cpu") if self.host_bytes else None)
+                tier, kv = self._load_persisted(key, ids, torch.device("cpu") if self.host_bytes else None)
                 if kv is None:
                     continue
                 if self.host_bytes:
@@ -258,7 +264,8 @@ class KVCacheStore:
     def contains(self, layout: PromptLayout, text: str) -> bool:
         key = self.entry_key(layout, layout.context_ids(text))
         with self._lock:
-            return key in self._memory or key in self._host or (self.disk is not None and self.disk.contains(key))
+            return (key in self._memory or key in self._host or (self.disk is not None and self.disk.contains(key))
+                    or (self.remote is not None and self.remote.contains(key)))
 
     def forget(self, layout: PromptLayout, text: str) -> None:
         """Drop a document's entry from every tier (used when a stored document is changed or deleted)."""
@@ -268,9 +275,12 @@ class KVCacheStore:
             self._drop_host(key)
             if self.disk is not None:
                 self.disk.delete(key)
+            if self.remote is not None:
+                self.remote.delete(key)
 
     def clear_memory(self) -> None:
-        """Empty the memory and host tiers; entries on disk stay (benchmarks use this to time cold calls)."""
+        """Empty the memory and host tiers; entries on disk and on the remote server stay (benchmarks use this to time
+        cold calls)."""
         with self._lock:
             for key in list(self._memory):
                 self._drop(key)
@@ -311,23 +321,35 @@ class KVCacheStore:
                 entry = CachedKV(key, token_ids, self._from_host(host))
                 self._remember(entry)
                 return entry
-            if self.disk is None:
-                return None
             corrupt = self.stats.corrupt
-            kv = self.disk.load(key, token_ids)
-            for counter in counters[1:]:  # the store's own count is kept by the disk tier
+            tier, kv = self._load_persisted(key, token_ids, None)
+            for counter in counters[1:]:  # the store's own count is kept by the disk and remote tiers
                 counter.corrupt += self.stats.corrupt - corrupt
             if kv is None:
                 return None
             entry = CachedKV(key, token_ids, kv)
-            _count(counters, "disk")
+            _count(counters, tier)
             self._remember(entry)
             return entry
+
+    def _load_persisted(self, key: str, token_ids: tuple[int, ...],
+                        device: torch.device | None) -> tuple[str, torch.Tensor | None]:
+        """The entry from the disk tier, else from the remote tier (then also written to the disk tier, so the next
+        lookup is local): ``(tier, kv)``, ``kv`` ``None`` on a miss in both."""
+        if self.disk is not None and (kv := self.disk.load(key, token_ids, device)) is not None:
+            return "disk", kv
+        if self.remote is None or (kv := self.remote.load(key, token_ids, device)) is None:
+            return "disk", None
+        if self.disk is not None:
+            self.disk.save(key, token_ids, kv)
+        return "remote", kv
 
     def _add(self, entry: CachedKV, persist: bool) -> CachedKV:
         """Persist (unless query-time) and remember a freshly computed entry."""
         if persist and self.disk is not None:
             self.disk.save(entry.key, entry.token_ids, entry.kv)
+        if persist and self.remote is not None:
+            self.remote.save(entry.key, entry.token_ids, entry.kv)
         self._remember(entry)
         return entry
 
@@ -436,7 +458,7 @@ def _size(entry: CachedKV) -> int:
 
 
 def _count(counters: tuple[CacheStats, ...], tier: str) -> None:
-    """One hit served by ``tier`` ("memory", "host" or "disk") in every counter."""
+    """One hit served by ``tier`` ("memory", "host", "disk" or "remote") in every counter."""
     for counter in counters:
         setattr(counter, f"{tier}_hits", getattr(counter, f"{tier}_hits") + 1)
 

@@ -55,6 +55,21 @@ def _compile_mode(name: str, value: Any) -> str | None:
     return value
 
 
+REMOTE_SCHEMES = ("redis", "rediss", "unix")  # the URLs of a remote KV tier (a Redis/Valkey server)
+
+
+def remote_url(name: str, value: Any) -> str | None:
+    """``None`` or a ``redis://``, ``rediss://`` or ``unix://`` URL (the remote tier's server), refused by name
+    before any connection is tried."""
+    if value is None:
+        return None
+    scheme = value.partition("://")[0].lower() if isinstance(value, str) and "://" in value else None
+    if scheme not in REMOTE_SCHEMES:
+        raise InvalidOptionError(f"{name} must be a Redis/Valkey URL (redis://HOST:PORT/DB, rediss://... with TLS, "
+                                 f"or unix:///path/to/redis.sock) or None, got {value!r}")
+    return value
+
+
 def _optional(check: Check) -> Check:
     """``check``, with ``None`` (the setting's "choose for me") let through."""
     return lambda name, value: None if value is None else check(name, value)
@@ -141,8 +156,9 @@ class EngineConfig:
     entries are evicted). ``host_bytes``: the pinned host tier behind a GPU's memory tier, which takes the entries
     the memory tier evicts and returns them by DMA (``None``: 16 GiB on CUDA, none on CPU), stored as
     ``host_format`` (the same formats as ``disk_format``: an int8 entry crosses PCIe at about a quarter of its fp32
-    bytes and is widened on the GPU). ``Engine(half_on_disk=True)`` is the older spelling of
-    ``disk_format="fp16"`` (a keyword of ``Engine(...)`` only, not a field).
+    bytes and is widened on the GPU). ``remote_cache_url``: a Redis/Valkey server shared by every replica as the
+    last tier (:mod:`~ctx_integrations.engine.core.remote`; ``None``: none). ``Engine(half_on_disk=True)`` is the
+    older spelling of ``disk_format="fp16"`` (a keyword of ``Engine(...)`` only, not a field).
 
     **Scheduler** (:class:`~ctx_integrations.engine.core.scheduler.Scheduler`; engines built on one loaded model
     share it, so they must agree on the settings marked *shared*). ``max_request_bytes``: the most KV one request
@@ -204,6 +220,10 @@ class EngineConfig:
     host_format: str = setting("native", "cache", partial(choice, choices=KV_FORMATS),
                                "how the host tier stores entries (the formats of --disk-format; default native)",
                                Flag(choices=KV_FORMATS))
+    remote_cache_url: str | None = setting(None, "cache", remote_url,
+                                           "a Redis/Valkey server every replica shares as a KV tier "
+                                           "(redis://HOST:PORT/DB, rediss:// or unix://; size it with the server's "
+                                           "maxmemory and allkeys-lru; default: none)", Flag(metavar="URL"))
     # scheduler
     max_request_bytes: int | None = setting(None, "scheduler", partial(optional_whole_number, minimum=1),
                                             "the KV bytes one request may need (e.g. 512MiB, 2GiB; default 2 GiB on "

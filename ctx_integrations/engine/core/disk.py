@@ -48,6 +48,7 @@ import re
 import tempfile
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,20 +136,24 @@ class CacheStats:
     memory_hits: int = 0
     host_hits: int = 0
     disk_hits: int = 0
+    remote_hits: int = 0
     misses: int = 0
     corrupt: int = 0
 
     @property
     def hits(self) -> int:
-        return self.memory_hits + self.host_hits + self.disk_hits
+        return self.memory_hits + self.host_hits + self.disk_hits + self.remote_hits
 
     def by_tier(self) -> dict[str, int]:
-        """Hits per tier: ``memory`` (the model's device), ``host`` (pinned host memory, on a GPU), ``disk``."""
-        return {"memory": self.memory_hits, "host": self.host_hits, "disk": self.disk_hits}
+        """Hits per tier: ``memory`` (the model's device), ``host`` (pinned host memory, on a GPU), ``disk``,
+        ``remote`` (the Redis/Valkey server every replica shares)."""
+        return {"memory": self.memory_hits, "host": self.host_hits, "disk": self.disk_hits,
+                "remote": self.remote_hits}
 
     def as_dict(self) -> dict[str, int]:
         return {"hits": self.hits, "memory_hits": self.memory_hits, "host_hits": self.host_hits,
-                "disk_hits": self.disk_hits, "misses": self.misses, "corrupt": self.corrupt}
+                "disk_hits": self.disk_hits, "remote_hits": self.remote_hits, "misses": self.misses,
+                "corrupt": self.corrupt}
 
 
 @dataclass
@@ -247,9 +252,8 @@ class DiskTier:
         return path
 
     def max_entry_bytes(self, tokens: int) -> int:
-        """The largest file an entry of ``tokens`` tokens can be: header + KV at the widest dtype + token ids."""
-        per_token = kv_shape(self.loaded.model.config).bytes_per_token(_WIDEST_DTYPE)
-        return 8 + _HEADER_BYTES + tokens * (per_token + 8)
+        """The largest file an entry of ``tokens`` tokens can be (:func:`max_entry_bytes`)."""
+        return max_entry_bytes(self.loaded, tokens)
 
     def delete(self, key: str) -> None:
         """Remove the entry, and its copy in the legacy layout if there is one."""
@@ -267,12 +271,7 @@ class DiskTier:
 
         if not self.writable:
             return
-        kv = kv.to("cpu")
-        kv_format = storable_format(kv, self.kv_format)  # each entry names its own format in its metadata
-        tensors = {**encode(kv, kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-        metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": kv_format, "checksum": checksum(tensors)}
-        if self.signing_key is not None:
-            metadata["signature"] = signature(self.signing_key, key, tensors, kv_format)
+        tensors, metadata = entry_tensors(key, token_ids, kv, self.kv_format, self.signing_key)
         path, tmp = self.path(key), None
         try:
             if self.disk_bytes is not None and not self._make_room(sum(t.nbytes for t in tensors.values())):
@@ -345,15 +344,12 @@ class DiskTier:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
-                kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
-                names = set(stored_names(kv_format)) if kv_format in KV_FORMATS else set()
-                if not names or set(handle.keys()) != names | {"token_ids"}:
-                    return self._discard(path, f"its tensors {sorted(handle.keys())} are not a {kv_format!r} entry")
-                tensors = {name: handle.get_tensor(name) for name in (*names, "token_ids")}
-            problem = self._check(metadata, tensors, key, token_ids)
-            if not problem:
-                kv = decode(tensors, kv_format, self.loaded.dtype, self.loaded.device if device is None else device)
-                problem = self._check_kv(kv, token_ids)
+                problem = names_problem(metadata, handle.keys())
+                if problem:
+                    return self._discard(path, problem)
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            kv, problem = read_entry(self.loaded, self.kv_format, self.signing_key, metadata, tensors, key, token_ids,
+                                     device)
         except OSError as error:  # EIO, EACCES, ...: the file may be fine, the read was not
             self._cannot_read(error, path)
             return None
@@ -386,39 +382,86 @@ class DiskTier:
                           f"({error.strerror or error}); it is recomputed and kept in memory. Check the disk and "
                           "the folder's permissions.", CacheStoreWarning, stacklevel=5)
 
-    def _check(self, metadata: dict, tensors: dict, key: str, token_ids: tuple[int, ...]) -> str | None:
-        """Why the stored tensors are not this entry's (``None`` when they are); the decoded KV is checked apart."""
-        if metadata.get("format") != FORMAT_VERSION or metadata.get("key") != key:
-            return "wrong format or key"
-        if metadata.get("checksum") != checksum(tensors):
-            return "checksum mismatch"
-        kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
-        if self.signing_key is not None:
-            if "signature" not in metadata:
-                return "unsigned (a signing key is set)"
-            expected = signature(self.signing_key, key, tensors, kv_format)
-            if not hmac.compare_digest(str(metadata["signature"]), expected):
-                return "signature mismatch"
-        ids = tensors["token_ids"]
-        if ids.dtype != torch.int64 or ids.dim() != 1 or tuple(ids.tolist()) != token_ids:
-            return "token ids differ from the document's"
-        if kv_format not in readable_formats(self.kv_format):
-            return (f"stored as {kv_format!r}, but this folder's entries are {self.kv_format!r} (an entry copied from "
-                    "another format's folder is not served)")
-        return check_stored(tensors, kv_format, self.loaded.dtype)
 
-    def _check_kv(self, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
-        """Why the decoded entry does not fit this model and document (``None`` when it does)."""
-        shape = kv_shape(self.loaded.model.config)
-        expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
-        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
-            return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "
-                    f"{[expected[0], 2, expected[2], expected[4], expected[3]]})")
-        if not bool(torch.isfinite(kv).all()):
-            return "non-finite values (NaN or inf)"
-        if not bool(kv.any()):
-            return "all values are zero"
-        return None
+# -- the entry format, shared by the disk and remote tiers ------------------------------------------------------------
+def entry_tensors(key: str, token_ids: tuple[int, ...], kv: torch.Tensor, tier_format: str,
+                  signing_key: bytes | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One entry as stored by every persistent tier: its tensors (``kv`` encoded in ``tier_format``, or the format it
+    can take, and the token ids) and its metadata (format, key, kv_format, checksum, and an HMAC when signing)."""
+    kv = kv.to("cpu")
+    kv_format = storable_format(kv, tier_format)  # each entry names its own format in its metadata
+    tensors = {**encode(kv, kv_format), "token_ids": torch.tensor(token_ids, dtype=torch.int64)}
+    metadata = {"format": FORMAT_VERSION, "key": key, "kv_format": kv_format, "checksum": checksum(tensors)}
+    if signing_key is not None:
+        metadata["signature"] = signature(signing_key, key, tensors, kv_format)
+    return tensors, metadata
+
+
+def names_problem(metadata: dict, names: Iterable[str]) -> str | None:
+    """Why tensors named ``names`` are not an entry of the format its metadata names (``None`` when they are);
+    checked before any tensor is read."""
+    kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
+    expected = set(stored_names(kv_format)) if kv_format in KV_FORMATS else set()
+    found = set(names)
+    if not expected or found != expected | {"token_ids"}:
+        return f"its tensors {sorted(found)} are not a {kv_format!r} entry"
+    return None
+
+
+def read_entry(loaded: LoadedModel, tier_format: str, signing_key: bytes | None, metadata: dict,
+               tensors: dict[str, torch.Tensor], key: str, token_ids: tuple[int, ...],
+               device: torch.device | None) -> tuple[torch.Tensor | None, str | None]:
+    """``(kv, None)``: the stored entry decoded on ``device`` (default: the model's), every check passed; or
+    ``(None, why)`` naming the first check it fails (:func:`entry_problem`, then :func:`kv_problem`)."""
+    problem = entry_problem(loaded, tier_format, signing_key, metadata, tensors, key, token_ids)
+    if problem:
+        return None, problem
+    kv = decode(tensors, metadata.get("kv_format", "native"), loaded.dtype, loaded.device if device is None else device)
+    problem = kv_problem(loaded, kv, token_ids)
+    return (None, problem) if problem else (kv, None)
+
+
+def entry_problem(loaded: LoadedModel, tier_format: str, signing_key: bytes | None, metadata: dict, tensors: dict,
+                  key: str, token_ids: tuple[int, ...]) -> str | None:
+    """Why the stored tensors are not this entry's (``None`` when they are); the decoded KV is checked apart."""
+    if metadata.get("format") != FORMAT_VERSION or metadata.get("key") != key:
+        return "wrong format or key"
+    if metadata.get("checksum") != checksum(tensors):
+        return "checksum mismatch"
+    kv_format = metadata.get("kv_format", "native")  # entries written before formats are native
+    if signing_key is not None:
+        if "signature" not in metadata:
+            return "unsigned (a signing key is set)"
+        expected = signature(signing_key, key, tensors, kv_format)
+        if not hmac.compare_digest(str(metadata["signature"]), expected):
+            return "signature mismatch"
+    ids = tensors["token_ids"]
+    if ids.dtype != torch.int64 or ids.dim() != 1 or tuple(ids.tolist()) != token_ids:
+        return "token ids differ from the document's"
+    if kv_format not in readable_formats(tier_format):
+        return (f"stored as {kv_format!r}, but this tier's entries are {tier_format!r} (an entry copied from "
+                "another format's folder is not served)")
+    return check_stored(tensors, kv_format, loaded.dtype)
+
+
+def kv_problem(loaded: LoadedModel, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
+    """Why the decoded entry does not fit this model and document (``None`` when it does)."""
+    shape = kv_shape(loaded.model.config)
+    expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
+    if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
+        return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "
+                f"{[expected[0], 2, expected[2], expected[4], expected[3]]})")
+    if not bool(torch.isfinite(kv).all()):
+        return "non-finite values (NaN or inf)"
+    if not bool(kv.any()):
+        return "all values are zero"
+    return None
+
+
+def max_entry_bytes(loaded: LoadedModel, tokens: int) -> int:
+    """The largest stored entry of ``tokens`` tokens: header + KV at the widest dtype + token ids."""
+    per_token = kv_shape(loaded.model.config).bytes_per_token(_WIDEST_DTYPE)
+    return 8 + _HEADER_BYTES + tokens * (per_token + 8)
 
 
 def signature(key: bytes, entry_key: str, tensors: dict[str, torch.Tensor], kv_format: str) -> str:

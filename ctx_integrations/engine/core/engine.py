@@ -147,7 +147,8 @@ class Engine:
     ``Engine(loaded, config=None, *, cache_dir=None, **settings)``: ``cache_dir`` is where document caches persist
     (the disk tier; ``None``: memory only). Every other setting is a field of
     :class:`~ctx_integrations.engine.core.config.EngineConfig`, which documents them: the cache tiers'
-    budgets and formats (``memory_bytes``, ``disk_bytes``, ``disk_format``, ``host_bytes``, ``host_format``), the
+    budgets and formats (``memory_bytes``, ``disk_bytes``, ``disk_format``, ``host_bytes``, ``host_format``) and the
+    shared remote tier (``remote_cache_url``), the
     scheduler (``max_request_bytes``, ``max_batch_bytes``, ``max_queued_requests``, ``request_timeout_s``,
     ``attention_kernel``, ``threads``, ``compile_mode``, ``batch_invariant``) and the prompt (``system_prompt``,
     ``question_template``, ``context_template``). Give them as a ``config``, as keywords (``Engine(loaded,
@@ -174,7 +175,7 @@ class Engine:
         self.store = KVCacheStore(loaded, folder,
                                   disk_format=config.disk_format, memory_bytes=config.memory_bytes,
                                   disk_bytes=config.disk_bytes, host_bytes=config.host_bytes,
-                                  host_format=config.host_format)
+                                  host_format=config.host_format, remote_url=config.remote_cache_url)
         self.texts = PreparedTexts(self.layout, self.store)  # documents tokenised and keyed once per text
         self.max_request_bytes = config.max_request_bytes
         self.max_queued_requests = config.max_queued_requests
