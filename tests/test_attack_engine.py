@@ -124,16 +124,25 @@ def _past_bounds(option: Option) -> list[float]:
     return values
 
 
+# A value of the wrong type for each kind of option: what a form or a JSON body sends by mistake.
+WRONG_TYPE = {bool: "yes", int: "abc", float: "abc", str: 3, object: "text"}
+
+
 @every_mode()
-def test_every_declared_bound_and_an_unknown_option_are_refused_by_the_engine(engine, mode):
-    """Every mode's own declaration, through ``generate``: a value past any bound, and a misspelt option, are typed
-    errors naming the option before anything is planned (the hand-picked KNOBS above are the past bugs)."""
-    cases = [({option.name: value}, option.name) for option in mode_spec(mode).options
+def test_every_declared_bound_wrong_type_and_unknown_option_are_refused_by_the_engine(engine, mode):
+    """Every mode's own declaration, through ``generate``: a value past any bound, a value of the wrong type, and an
+    unknown option are typed errors naming the option before anything is planned; a misspelt option's error names
+    the option meant (the hand-picked KNOBS above are the past bugs)."""
+    options = mode_spec(mode).options
+    cases = [({option.name: value}, option.name) for option in options
              if option.kind in (int, float) for value in _past_bounds(option)]
+    cases += [({option.name: WRONG_TYPE[option.kind]}, option.name) for option in options]
     cases.append(({"no_such_option": 1}, "no_such_option"))
-    for options, name in cases:
-        outcome = attempt(lambda options=options: engine.generate(QUESTION, DOCS, scores=SCORES, mode=mode,
-                                                                  max_new_tokens=2, **options), expect="typed")
+    cases += [({option.name[:-1]: option.default}, f"did you mean {option.name}?") for option in options
+              if option.name[:-1] not in {o.name for o in options}]
+    for given, name in cases:
+        outcome = attempt(lambda given=given: engine.generate(QUESTION, DOCS, scores=SCORES, mode=mode,
+                                                              max_new_tokens=2, **given), expect="typed")
         check(outcome, "typed")
         assert isinstance(outcome.value, InvalidOptionError) and name in str(outcome.value), outcome.message()
 

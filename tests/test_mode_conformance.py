@@ -19,12 +19,13 @@ from tests.mode_cases import every_mode
 # The suite: per test module, its tests that every mode must pass (test_cuda's run where a GPU is).
 SUITE = {
     "tests.test_prepared_requests": {"test_a_warm_request_tokenises_no_document_and_hashes_no_key"},
-    "tests.test_attack_engine": {"test_every_declared_bound_and_an_unknown_option_are_refused_by_the_engine",
+    "tests.test_attack_engine": {"test_every_declared_bound_wrong_type_and_unknown_option_are_refused_by_the_engine",
                                  "test_a_tiny_top_p_samples_the_top_token",
                                  "test_non_finite_scores_fail_the_request_instead_of_emitting_token_zero"},
     "tests.test_hardening_inputs": {"test_request_over_the_memory_budget_is_refused_before_any_cache_is_computed"},
     "tests.test_hardening_injection": {"test_no_control_id_in_any_user_text_span_of_any_mode"},
     "tests.test_cuda": {"test_every_mode_runs_in_bf16"},
+    "tests.test_mode_streams": {"test_a_streamed_and_a_concurrent_answer_equal_the_answer_alone"},
 }
 
 
