@@ -114,3 +114,38 @@ def replay_pced(engine: Any, question: str, documents: Sequence[Any], answer_ids
     beta = state.carry.tolist() if isinstance(state.carry, torch.Tensor) else []
     pieces = [loaded.tokenizer.decode([t]) for t in answer_ids]
     return Replay(steps, loglik[1:], loglik[0], beta, (rule.gamma * rule.log_prior).tolist(), pieces)
+
+
+@dataclass(frozen=True)
+class Grounding:
+    """An answer's tokens scored on every stream, teacher-forced: how much more likely each token is given a
+    document than given the question alone (issue 61's grounding signal, measured before any rule is built on it).
+
+    ``context_free[t]``: log p(token t | question) on the context-free stream (Soft-NBCE's prior, PCED's amateur);
+    ``per_document[t][k]``: log p(token t | document k, question); both the full softmax (no nucleus, no contrast),
+    in nats. ``pieces``: each token's text.
+    """
+
+    context_free: list[float]
+    per_document: list[list[float]]
+    pieces: list[str]
+
+    def gains(self) -> list[float]:
+        """Per token: the best document's log-probability minus the context-free one."""
+        return [max(row) - free for row, free in zip(self.per_document, self.context_free)]
+
+
+def grounding(engine: Any, question: str, documents: Sequence[Any], answer_ids: Sequence[int]) -> Grounding:
+    """Score ``answer_ids`` on the context-free stream and on each document's stream, laid out as the engine lays
+    them (:func:`stream_ids`, one stream per document: documents must fit one Soft-NBCE chunk each)."""
+    if not documents or not answer_ids:
+        raise InvalidOptionError("grounding needs at least one document and an answer of at least one token")
+    documents = prepare_documents(documents)
+    loaded = engine.loaded
+    rows = []
+    targets = torch.tensor(list(answer_ids), device=loaded.device).unsqueeze(1)
+    for prompt in stream_ids(engine.layout, question, [d.text for d in documents]):
+        full = _teacher_forced(loaded.model, prompt, answer_ids, loaded.device)[len(prompt) - 1:]
+        rows.append(torch.log_softmax(full, -1).gather(1, targets).squeeze(1))
+    stacked = torch.stack(rows)  # [1 + K, T]
+    return Grounding(stacked[0].tolist(), stacked[1:].T.tolist(), [loaded.tokenizer.decode([t]) for t in answer_ids])
