@@ -446,7 +446,7 @@ def entry_problem(loaded: LoadedModel, tier_format: str, signing_key: bytes | No
 
 def kv_problem(loaded: LoadedModel, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
     """Why the decoded entry does not fit this model and document (``None`` when it does)."""
-    shape = kv_shape(loaded.model.config)
+    shape = kv_shape(loaded.model.config, loaded.tensor_parallel)
     expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
     if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
         return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "
@@ -460,7 +460,7 @@ def kv_problem(loaded: LoadedModel, kv: torch.Tensor, token_ids: tuple[int, ...]
 
 def max_entry_bytes(loaded: LoadedModel, tokens: int) -> int:
     """The largest stored entry of ``tokens`` tokens: header + KV at the widest dtype + token ids."""
-    per_token = kv_shape(loaded.model.config).bytes_per_token(_WIDEST_DTYPE)
+    per_token = kv_shape(loaded.model.config, loaded.tensor_parallel).bytes_per_token(_WIDEST_DTYPE)
     return 8 + _HEADER_BYTES + tokens * (per_token + 8)
 
 

@@ -188,17 +188,21 @@ class Engine:
     def from_pretrained(cls, name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
                         trust_remote_code: bool = False, config: EngineConfig | None = None,
-                        cache_dir: str | os.PathLike | None = None, **settings: Any) -> Engine:
+                        cache_dir: str | os.PathLike | None = None, tensor_parallel: int | None = None,
+                        **settings: Any) -> Engine:
         """Load the embedded default (no argument) or an HF id, a local directory or a ``.gguf`` file.
 
         ``adapter``: a LoRA folder from ``ctx-experts distill``, merged into the weights.
         ``trust_remote_code``: run the model folder's own Python code (opt-in, only for folders you trust).
         ``config``, ``cache_dir`` and ``settings``: as for :class:`Engine`, checked before the model loads.
+        ``tensor_parallel``: split the model over this many ranks of a ``torchrun`` job (SPMD: every rank makes
+        the same calls; :func:`~ctx_integrations.engine.core.model.load_model`).
         """
         config = EngineConfig.resolve(config, settings)
         _cache_folder(cache_dir)
         return cls(load_model(name_or_path, device=device, dtype=dtype, adapter=adapter,
-                              trust_remote_code=trust_remote_code), config, cache_dir=cache_dir)
+                              trust_remote_code=trust_remote_code, tensor_parallel=tensor_parallel), config,
+                   cache_dir=cache_dir)
 
     @property
     def modes(self) -> list[str]:

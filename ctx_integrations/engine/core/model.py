@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,6 +65,7 @@ class LoadedModel:
     identity: str
     device: torch.device
     dtype: torch.dtype
+    tensor_parallel: int = 1  # ranks its weights are split over (load_model(tensor_parallel=N)); 1: not split
 
     @property
     def max_positions(self) -> int:
@@ -127,6 +128,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a tensor-parallel rank's own shard
         flat = tensor.detach().reshape(-1)
         stride = max(1, flat.numel() // 4096)
         sample = flat[::stride][:4096].to(device="cpu", dtype=torch.float32).contiguous()
@@ -358,7 +360,8 @@ def _opt_in(trust_remote_code: object) -> bool:
 
 def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, adapter: str | os.PathLike | None = None,
-               trust_remote_code: bool = False, local_files_only: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, local_files_only: bool = False,
+               tensor_parallel: int | None = None) -> LoadedModel:
     """Load ``name_or_path`` (hub id, local dir, ``.gguf`` file or fetched catalog alias), or the embedded default
     when ``None`` (or its name, :data:`EMBEDDED_MODEL_NAME`).
 
@@ -367,6 +370,10 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
     ``trust_remote_code``: run the model folder's own Python code (only for folders you trust).
     ``local_files_only``: never ask the hub (a hub id must be in the Hugging Face cache), as the framework
     adapters load after :func:`local_model_name` checked the name.
+    ``tensor_parallel``: split the weights over this many ranks of the running ``torch.distributed`` job
+    (``torchrun --nproc-per-node N``) with the model's own transformers tensor-parallel plan; every rank then runs
+    the same calls in the same order (SPMD) and samples the same tokens (docs/gpu.md#models-larger-than-one-gpu).
+    The rank joins the model's name, so each rank's caches hold its own heads and never mix with another's.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -376,18 +383,60 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device: str | t
         raise InvalidOptionError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), "
                                  f"got {dtype!r}")
     dtype = dtype or default_dtype(device)
+    parallel = _tensor_parallel(tensor_parallel)
+    if parallel and adapter is not None:
+        raise InvalidOptionError("adapter and tensor_parallel together are not supported: load the adapter merged "
+                                 "into a saved model folder instead")
     source, name = _source(name_or_path, local_files_only)
     try:
         with terminal_only_bars():
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust,
                                                       local_files_only=local_files_only)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust,
-                                                         local_files_only=local_files_only)
+                                                         local_files_only=local_files_only, **parallel)
     except (OSError, ValueError) as error:
         raise _load_error(name, error) from error
+    shards = 1
+    if parallel:
+        import torch.distributed as dist
+
+        shards = dist.get_world_size()
+        _check_heads_split(model, name, shards)
+        name = f"{name} [tensor-parallel rank {dist.get_rank()} of {shards}]"
     if adapter is not None:
         model, digest = merge_adapter(model, adapter)
         name = f"{name} + adapter {digest[:16]}"
-    model.to(device).eval()
+    model = model.eval() if parallel else model.to(device).eval()  # the plan placed each rank's shard already
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, identity=model_identity(model, name),
-                       device=device, dtype=dtype)
+                       device=device, dtype=dtype, tensor_parallel=shards)
+
+
+def _tensor_parallel(size: int | None) -> dict[str, Any]:
+    """``from_pretrained``'s arguments for a ``size``-rank tensor-parallel load ({} for none), checked first."""
+    if size is None:
+        return {}
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidOptionError(f"tensor_parallel must be a whole number of ranks >= 1, got {size!r}")
+    if size == 1:
+        return {}
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidOptionError(f"tensor_parallel={size} needs a running torch.distributed job: launch with "
+                                 f"torchrun --nproc-per-node {size} and call "
+                                 "torch.distributed.init_process_group() first (gloo on CPUs, nccl on GPUs)")
+    if dist.get_world_size() != size:
+        raise InvalidOptionError(f"tensor_parallel={size} but this torch.distributed job has "
+                                 f"{dist.get_world_size()} ranks: launch with torchrun --nproc-per-node {size}")
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=size)}
+
+
+def _check_heads_split(model: torch.nn.Module, name: str, shards: int) -> None:
+    text = model.config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % shards or kv_heads % shards:
+        raise InvalidOptionError(f"{name}: {heads} attention heads and {kv_heads} key/value heads do not split "
+                                 f"over {shards} ranks: use a tensor_parallel that divides both")

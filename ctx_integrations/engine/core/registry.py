@@ -54,7 +54,7 @@ DEFAULT_CPU_REQUEST_BYTES = 2 * 1024**3
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """Bytes one token's keys and values take in every layer (layers x 2 x kv_heads x head_dim x dtype bytes)."""
-    return kv_shape(loaded.model.config).bytes_per_token(loaded.dtype)
+    return kv_shape(loaded.model.config, loaded.tensor_parallel).bytes_per_token(loaded.dtype)
 
 
 def default_request_bytes(loaded: LoadedModel) -> int:

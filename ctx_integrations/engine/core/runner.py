@@ -79,7 +79,7 @@ class ModelRunner:
                 computed.decode_error = error
         if step.joining:
             loaded = self.loaded
-            shape = kv_shape(loaded.model.config)
+            shape = kv_shape(loaded.model.config, loaded.tensor_parallel)
             try:
                 # whole flash key blocks where rows must round alike or a compiled step wants few shapes; tight
                 # otherwise (attention costs per column of capacity)
