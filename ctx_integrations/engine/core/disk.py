@@ -65,7 +65,6 @@ from ctx_integrations.engine.core.kv_codec import (
     storable_format,
     stored_names,
 )
-from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.validation import optional_whole_number
 from ctx_integrations.errors import CacheStoreError, CacheStoreWarning, CorruptCacheWarning
@@ -446,7 +445,7 @@ def entry_problem(loaded: LoadedModel, tier_format: str, signing_key: bytes | No
 
 def kv_problem(loaded: LoadedModel, kv: torch.Tensor, token_ids: tuple[int, ...]) -> str | None:
     """Why the decoded entry does not fit this model and document (``None`` when it does)."""
-    shape = kv_shape(loaded.model.config, loaded.tensor_parallel)
+    shape = loaded.kv_shape
     expected = (shape.layers, 2, shape.kv_heads, shape.head_dim, len(token_ids))
     if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[3]) != expected:
         return (f"shape {tuple(kv.shape)} does not fit this model ([layers, 2, kv_heads, tokens, head_dim] = "
@@ -460,7 +459,7 @@ def kv_problem(loaded: LoadedModel, kv: torch.Tensor, token_ids: tuple[int, ...]
 
 def max_entry_bytes(loaded: LoadedModel, tokens: int) -> int:
     """The largest stored entry of ``tokens`` tokens: header + KV at the widest dtype + token ids."""
-    per_token = kv_shape(loaded.model.config, loaded.tensor_parallel).bytes_per_token(_WIDEST_DTYPE)
+    per_token = loaded.kv_shape.bytes_per_token(_WIDEST_DTYPE)
     return 8 + _HEADER_BYTES + tokens * (per_token + 8)
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ctx_integrations.engine.core.defaults import EMBEDDED_MODEL_NAME
+from ctx_integrations.engine.core.kv_shape import KVShape, kv_shape
 from ctx_integrations.engine.core.lora import merge_adapter
 from ctx_integrations.engine.core.machine import cpu_dtype_name, forced_dtype
 from ctx_integrations.engine.core.validation import torch_device
@@ -66,6 +67,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tensor_parallel: int = 1  # ranks its weights are split over (load_model(tensor_parallel=N)); 1: not split
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """One token's keys and values as this process holds them (its rank's share under tensor parallelism)."""
+        return kv_shape(self.model.config, self.tensor_parallel)
 
     @property
     def max_positions(self) -> int:

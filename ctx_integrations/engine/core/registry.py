@@ -30,7 +30,6 @@ from ctx_integrations.documents import Document
 from ctx_integrations.engine.core.cache import KVCacheStore
 from ctx_integrations.engine.core.decoding import StopCriteria, TokenSampler
 from ctx_integrations.engine.core.disk import CacheStats
-from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.layout import PromptLayout
 from ctx_integrations.engine.core.mode_catalog import available_modes as available_modes
 from ctx_integrations.engine.core.mode_catalog import check_mode as check_mode
@@ -54,7 +53,7 @@ DEFAULT_CPU_REQUEST_BYTES = 2 * 1024**3
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """Bytes one token's keys and values take in every layer (layers x 2 x kv_heads x head_dim x dtype bytes)."""
-    return kv_shape(loaded.model.config, loaded.tensor_parallel).bytes_per_token(loaded.dtype)
+    return loaded.kv_shape.bytes_per_token(loaded.dtype)
 
 
 def default_request_bytes(loaded: LoadedModel) -> int:

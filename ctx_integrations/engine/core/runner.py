@@ -20,7 +20,6 @@ import torch
 from ctx_integrations.engine.core.batch_invariant import batch_invariant_kernels
 from ctx_integrations.engine.core.choice import choose, per_request
 from ctx_integrations.engine.core.compiled_step import GuardedStep, compiled_decode_step
-from ctx_integrations.engine.core.kv_shape import kv_shape
 from ctx_integrations.engine.core.model import LoadedModel
 from ctx_integrations.engine.core.rows import GROW_COLUMNS, TIGHT_COLUMNS, RowPool, Run
 from ctx_integrations.engine.core.step import ScheduledStep, StepForwards, StepLogits, StepOutput
@@ -79,7 +78,7 @@ class ModelRunner:
                 computed.decode_error = error
         if step.joining:
             loaded = self.loaded
-            shape = kv_shape(loaded.model.config, loaded.tensor_parallel)
+            shape = loaded.kv_shape
             try:
                 # whole flash key blocks where rows must round alike or a compiled step wants few shapes; tight
                 # otherwise (attention costs per column of capacity)
